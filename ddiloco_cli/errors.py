@@ -1,0 +1,36 @@
+"""Errors a user can cause or must act on. The CLI maps these to one clean line."""
+
+
+class DdilocoError(Exception):
+    """Base of every error ddiloco reports to the user without a traceback."""
+
+    exit_code = 1
+
+
+class UsageError(DdilocoError):
+    """Bad flags or invalid hyperparameter combination; the message names the flag."""
+
+    exit_code = 2
+
+
+class StoreAccessError(DdilocoError):
+    """The bucket cannot be used: missing bucket, no permission, wrong URL, unreachable."""
+
+    exit_code = 3
+
+
+class ProtocolError(DdilocoError):
+    """Bucket content violates the protocol (bad schema, newer major version, ...)."""
+
+    exit_code = 4
+
+
+class FencedError(DdilocoError):
+    """A syncer found a higher epoch that covers its fragments: it must stop."""
+
+    exit_code = 5
+
+
+class InvalidPayloadError(DdilocoError):
+    """A payload read from the bucket failed validation (size, sha256, shape, dtype,
+    non-finite values). The message says what and where; the caller quarantines it."""

@@ -1,0 +1,207 @@
+"""Protocol operations on a store: the run config, version manifests (the quorum
+ledger), syncer epochs (fencing) and heartbeats (leases).
+
+Invariants (PROTOCOL.md sections in brackets):
+
+* A version of a fragment exists iff its manifest exists [Commit]. Manifests
+  are created with ``put_if_absent`` only after every payload they name, so a
+  reader that sees a manifest can always fetch its payloads.
+* Versions are contiguous: version v+1 is only ever written by a syncer that
+  has read version v [Commit]. Two syncers racing for v+1: exactly one wins
+  (create-only); the loser re-reads.
+* Epochs are claimed with ``put_if_absent`` of the next epoch number; a syncer
+  halts as soon as it sees a higher epoch whose fragments overlap its own
+  [Fencing]. Leases are judged by the store's clock, never by local clocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ddiloco_cli import layout, records
+from ddiloco_cli.errors import DdilocoError, ProtocolError, UsageError
+from ddiloco_cli.store.base import NotFound, Store
+
+log = logging.getLogger(__name__)
+
+
+class RunNotFoundError(DdilocoError):
+    exit_code = 3
+
+
+# ---------------------------------------------------------------- run config
+def create_run(store: Store, *, config: dict[str, Any], plan: dict[str, Any]) -> None:
+    """Create a run: the plan first, then run.json (the commit point), both create-only.
+
+    Raises UsageError when a run already exists there; nothing is changed then.
+    """
+    records.validate(config, "run", where="run config")
+    records.validate(plan, "plan", where="fragment plan")
+    if _exists(store, layout.RUN_CONFIG):
+        raise UsageError(f"a run already exists at {store.url}; nothing was changed (use another URL)")
+    if not store.put_if_absent(layout.PLAN, records.dumps(plan)):
+        existing = store.get(layout.PLAN)
+        if records.loads(existing, "plan", where=layout.PLAN).get("run_id") != plan["run_id"]:
+            raise UsageError(f"another run is being created at {store.url}; nothing was changed")
+    if not store.put_if_absent(layout.RUN_CONFIG, records.dumps(config)):
+        raise UsageError(f"a run already exists at {store.url}; nothing was changed (use another URL)")
+
+
+def read_run(store: Store) -> dict[str, Any]:
+    try:
+        data = store.get(layout.RUN_CONFIG)
+    except NotFound:
+        raise RunNotFoundError(f"no ddiloco run at {store.url} (create one with `ddiloco init {store.url}`)") from None
+    return records.loads(data, "run", where=f"{store.url}/{layout.RUN_CONFIG}")
+
+
+def read_plan_record(store: Store, *, run_id: str) -> dict[str, Any]:
+    where = f"{store.url}/{layout.PLAN}"
+    plan = records.loads(store.get(layout.PLAN), "plan", where=where)
+    if plan["run_id"] != run_id:
+        raise ProtocolError(f"{where} belongs to run {plan['run_id']}, not {run_id}")
+    return plan
+
+
+def _exists(store: Store, key: str) -> bool:
+    return any(info.key == key for info in store.list(key))
+
+
+# ------------------------------------------------------------------ manifests
+def list_versions(store: Store, fragment: int) -> list[int]:
+    """Committed versions of a fragment, ascending (from LIST; the hint is not trusted)."""
+    versions = []
+    for info in store.list(layout.manifest_prefix(fragment)):
+        v = layout.parse_num(info.key)
+        if v is not None and info.key == layout.manifest_key(fragment, v):
+            versions.append(v)
+    return versions
+
+
+def latest_version(store: Store, fragment: int) -> int | None:
+    versions = list_versions(store, fragment)
+    return versions[-1] if versions else None
+
+
+def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | None = None) -> dict[str, Any]:
+    """A committed manifest, validated. Raises NotFound or ProtocolError."""
+    key = layout.manifest_key(fragment, version)
+    where = f"{store.url}/{key}"
+    manifest = records.loads(store.get(key), "manifest", where=where)
+    if manifest["fragment"] != fragment or manifest["version"] != version:
+        raise ProtocolError(f"{where} claims fragment {manifest['fragment']} version {manifest['version']}")
+    if run_id is not None and manifest["run_id"] != run_id:
+        raise ProtocolError(f"{where} belongs to run {manifest['run_id']}, not {run_id}")
+    return manifest
+
+
+def commit_manifest(store: Store, manifest: dict[str, Any]) -> bool:
+    """Create-only write of a version manifest. True if this call committed it.
+
+    The caller has already uploaded every payload the manifest names. On False
+    another writer committed that version: re-read and re-decide.
+    """
+    records.validate(manifest, "manifest", where="new manifest")
+    p, v = manifest["fragment"], manifest["version"]
+    if not store.put_if_absent(layout.manifest_key(p, v), records.dumps(manifest)):
+        return False
+    try:  # a hint only: losing it costs readers one LIST
+        store.put(layout.latest_hint_key(p), records.dumps(records.make("latest", fragment=p, version=v)))
+    except Exception as exc:  # noqa: BLE001 - the commit already happened
+        log.warning("could not update latest hint of fragment %d: %s", p, exc)
+    return True
+
+
+# --------------------------------------------------------------------- epochs
+@dataclass(frozen=True)
+class Epoch:
+    epoch: int
+    syncer_id: str
+    fragments: frozenset[int]
+    record: dict[str, Any]
+
+
+def list_epochs(store: Store, *, run_id: str) -> list[Epoch]:
+    """Every valid epoch claim, ascending. Invalid objects are skipped with a warning."""
+    epochs = []
+    for info in store.list(layout.EPOCH_PREFIX):
+        n = layout.parse_num(info.key)
+        if n is None:
+            continue
+        try:
+            rec = records.loads(store.get(info.key), "epoch", where=f"{store.url}/{info.key}")
+        except (NotFound, ProtocolError) as exc:
+            log.warning("ignoring epoch object: %s", exc)
+            continue
+        if rec["epoch"] != n or rec["run_id"] != run_id:
+            log.warning("ignoring epoch object %s: wrong epoch number or run", info.key)
+            continue
+        epochs.append(Epoch(n, rec["syncer_id"], frozenset(rec["fragments"]), rec))
+    return epochs
+
+
+def claim_epoch(store: Store, *, run_id: str, syncer_id: str, fragments: Iterable[int], created_s: float) -> Epoch:
+    """Claim the next epoch number for ``fragments`` (create-only; retried on conflict)."""
+    frags = sorted(set(fragments))
+    while True:
+        existing = list_epochs(store, run_id=run_id)
+        n = existing[-1].epoch + 1 if existing else 1
+        rec = records.make(
+            "epoch", run_id=run_id, epoch=n, syncer_id=syncer_id, fragments=frags,
+            nonce=records.new_nonce(), created_s=created_s,
+        )
+        if store.put_if_absent(layout.epoch_key(n), records.dumps(rec)):
+            return Epoch(n, syncer_id, frozenset(frags), rec)
+        log.info("epoch %d was claimed by someone else; retrying", n)
+
+
+def fencing_epoch(store: Store, *, run_id: str, mine: Epoch) -> Epoch | None:
+    """The highest epoch above ``mine`` that overlaps its fragments, if any (then halt)."""
+    above = [e for e in list_epochs(store, run_id=run_id) if e.epoch > mine.epoch and e.fragments & mine.fragments]
+    return above[-1] if above else None
+
+
+def current_owner(store: Store, *, run_id: str, fragments: Iterable[int]) -> Epoch | None:
+    """The highest epoch overlapping ``fragments``: whoever holds (or last held) their lease."""
+    frags = set(fragments)
+    owners = [e for e in list_epochs(store, run_id=run_id) if e.fragments & frags]
+    return owners[-1] if owners else None
+
+
+# ----------------------------------------------------------------- heartbeats
+@dataclass(frozen=True)
+class Heartbeat:
+    key: str
+    record: dict[str, Any]
+    age_s: float  # store clock: now - mtime of the heartbeat object
+
+
+def read_heartbeats(store: Store, prefix: str, record_type: str, *, now_s: float | None = None) -> list[Heartbeat]:
+    """Heartbeats under ``prefix`` with their age by the store's clock; bad ones skipped."""
+    infos = store.list(prefix)
+    if not infos:
+        return []
+    now_s = store.now() if now_s is None else now_s
+    beats = []
+    for info in infos:
+        if not info.key.endswith("heartbeat.json") and record_type == "learner_heartbeat":
+            continue
+        try:
+            rec = records.loads(store.get(info.key), record_type, where=f"{store.url}/{info.key}")
+        except (NotFound, ProtocolError) as exc:
+            log.debug("skipping heartbeat %s: %s", info.key, exc)
+            continue
+        beats.append(Heartbeat(info.key, rec, max(0.0, now_s - info.mtime_s)))
+    return beats
+
+
+def syncer_heartbeat_age(store: Store, epoch: int, *, now_s: float | None = None) -> float | None:
+    """Seconds since the syncer of ``epoch`` last beat (store clock), or None if it never did."""
+    key = layout.syncer_heartbeat_key(epoch)
+    infos = [i for i in store.list(key) if i.key == key]
+    if not infos:
+        return None
+    now_s = store.now() if now_s is None else now_s
+    return max(0.0, now_s - infos[0].mtime_s)
