@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ddiloco_cli import layout, records
 from ddiloco_cli.errors import DdilocoError, ProtocolError, UsageError
@@ -32,8 +32,15 @@ class RunNotFoundError(DdilocoError):
 
 
 # ---------------------------------------------------------------- run config
-def create_run(store: Store, *, config: dict[str, Any], plan: dict[str, Any]) -> None:
-    """Create a run: the plan first, then run.json (the commit point), both create-only.
+def run_exists(store: Store) -> bool:
+    return _exists(store, layout.RUN_CONFIG)
+
+
+def create_run(
+    store: Store, *, config: dict[str, Any], plan: dict[str, Any], before_commit: Callable[[], None] = lambda: None
+) -> None:
+    """Create a run: the plan first (create-only: at most one init proceeds), then
+    ``before_commit`` (version 0 of every fragment), then run.json, the commit point.
 
     Raises UsageError when a run already exists there; nothing is changed then.
     """
@@ -45,6 +52,7 @@ def create_run(store: Store, *, config: dict[str, Any], plan: dict[str, Any]) ->
         existing = store.get(layout.PLAN)
         if records.loads(existing, "plan", where=layout.PLAN).get("run_id") != plan["run_id"]:
             raise UsageError(f"another run is being created at {store.url}; nothing was changed")
+    before_commit()
     if not store.put_if_absent(layout.RUN_CONFIG, records.dumps(config)):
         raise UsageError(f"a run already exists at {store.url}; nothing was changed (use another URL)")
 

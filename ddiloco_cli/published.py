@@ -82,6 +82,14 @@ def upload_payloads(store: Store, encoded: EncodedVersion) -> int:
     return sent
 
 
+def expected_shapes(plan: FragmentPlan, fragment: int) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor (or row slice) of a fragment, keyed like gather_fragment."""
+    return {
+        s.key: ((s.row_end - s.row_start, *s.shape[1:]) if s.shape else ())
+        for s in plan.fragments[fragment]
+    }
+
+
 class FragmentReader:
     """Reads published values of one fragment. Not thread-safe; one per thread."""
 
@@ -89,7 +97,7 @@ class FragmentReader:
         self.store = store
         self.run_id = run_id
         self.fragment = fragment
-        self.expected = {s.key: (s.row_end - s.row_start, *s.shape[1:]) if s.shape else () for s in plan.fragments[fragment]}
+        self.expected = expected_shapes(plan, fragment)
         self.numel = plan.fragment_numel(fragment)
         self.bytes_down = 0
 
