@@ -1,0 +1,429 @@
+"""Tensor payload codec: quantize + zstd, inside a safetensors file.
+
+Wire format: a safetensors file whose tensors are uint8 (one per input tensor,
+same key) holding one zstd frame each, and whose header metadata has a single
+entry "ddiloco" = JSON:
+
+    {"format": 1, "codec": "int4", "block_size": 64,
+     "tensors": {key: {"shape": [...], "dtype": "float32",
+                       "raw_nbytes": ..., "comp_nbytes": ...}},
+     "metadata": {...caller's...}}
+
+The decompressed frame of a tensor with n elements is:
+
+    none : n fp32 (little endian)
+    bf16 : n bf16 (round to nearest even)
+    int8 : ceil(n/B) bf16 scales, then n bytes q + 128 with q in [-127, 127]
+    int4 : ceil(n/B) bf16 scales, then ceil(n/2) bytes, two values per byte
+           (low nibble first), each q + 8 with q in [-7, 7]
+
+value = q * scale per block of B elements. The scale is absmax/qmax rounded *up*
+to bf16, so |q| <= qmax without clipping. The decoder derives every size from the
+shape and codec, checks them against the header, `expected` and `max_numel`
+before decompressing anything, and caps decompression at the derived size. It
+never unpickles.
+
+`encode_published_delta`/`apply_published_delta` implement syncer-side error
+feedback: the published value is always prev + decode(payload), computed the same
+way on both sides, so learners hold it bit-exactly and the quantization error of
+one version is corrected by the next delta instead of accumulating.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import warnings
+from typing import Any, Mapping
+
+import torch
+import zstandard
+
+from ddiloco_cli.errors import InvalidPayloadError, UsageError
+from ddiloco_cli.merge import all_finite
+
+FORMAT_VERSION = 1
+METADATA_KEY = "ddiloco"
+CODECS = ("none", "bf16", "int8", "int4")
+DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64}
+_QMAX = {"int8": 127, "int4": 7}
+_MAX_HEADER_BYTES = 64 << 20
+_MAX_NDIM = 8
+
+
+# --- quantization (vectorised, pure torch) ---------------------------------------
+
+
+def _bf16_scales_up(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """absmax / qmax rounded up to the next bf16 value (as an fp32 tensor)."""
+    s = (absmax / qmax).contiguous()
+    bits = s.view(torch.int32)
+    # bf16 is the top 16 bits of fp32; adding 0xFFFF before truncating rounds
+    # positive values up. Clamp keeps huge scales at the largest finite bf16.
+    up = ((bits.to(torch.int64) + 0xFFFF) & ~0xFFFF).clamp(max=0x7F7F0000).to(torch.int32)
+    return up.view(torch.float32)
+
+
+def _num_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _raw_nbytes(codec: str, n: int, block: int) -> int:
+    if codec == "none":
+        return 4 * n
+    if codec == "bf16":
+        return 2 * n
+    scales = 2 * _num_blocks(n, block)
+    return scales + (n if codec == "int8" else -(-n // 2))
+
+
+def _full_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """x (flat, n) as (num_blocks, block), zero-padding only the last block."""
+    n = x.numel()
+    nb = _num_blocks(n, block)
+    if nb * block == n:
+        return x.view(nb, block), nb
+    return torch.nn.functional.pad(x, (0, nb * block - n)).view(nb, block), nb
+
+
+def _quantize(x: torch.Tensor, codec: str, block: int) -> list:
+    """fp32 flat contiguous tensor -> raw (uncompressed) frame, as a list of
+    buffers to be concatenated."""
+    n = x.numel()
+    if codec == "none":
+        return [x.numpy()]
+    if codec == "bf16":
+        return [x.to(torch.bfloat16).view(torch.int16).numpy()]
+    qmax = _QMAX[codec]
+    xb, _ = _full_blocks(x, block)
+    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())
+    scale = _bf16_scales_up(absmax, qmax)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    # |x * inv| <= qmax because the scale was rounded up, so no clamp is needed;
+    # floor(y + qmax + 1.5) is round-half-up of y, offset to be non-negative.
+    offset = 8 if codec == "int4" else 128
+    y = xb * inv[:, None]
+    y.add_(offset + 0.5)
+    u = y.to(torch.uint8).view(-1)[:n]
+    scale_buf = scale.to(torch.bfloat16).view(torch.int16).numpy()
+    if codec == "int8":
+        return [scale_buf, u.numpy()]  # stored as q + 128 (uint8)
+    if n % 2:
+        u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8)])
+    pairs = u.view(-1, 2)
+    packed = torch.addcmul(pairs[:, 0], pairs[:, 1], torch.tensor(16, dtype=torch.uint8))
+    return [scale_buf, packed.numpy()]
+
+
+def _dequantize(raw: bytes, codec: str, n: int, block: int) -> torch.Tensor:
+    """raw frame bytes (length already checked) -> flat fp32 tensor of n values."""
+    if n == 0:
+        return torch.empty(0, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffer: we never write into it
+        buf = torch.frombuffer(raw, dtype=torch.uint8)
+    if codec == "none":
+        return buf.view(torch.float32).clone()
+    if codec == "bf16":
+        return buf.view(torch.bfloat16).to(torch.float32)
+    nb = _num_blocks(n, block)
+    scale = buf[: 2 * nb].view(torch.bfloat16).to(torch.float32)
+    body = buf[2 * nb :]
+    q = torch.empty(nb * block, dtype=torch.float32)
+    if codec == "int8":
+        q[:n] = body
+        q[:n].sub_(128)
+    else:
+        pairs = q[: 2 * body.numel()].view(-1, 2) if 2 * body.numel() <= nb * block else None
+        if pairs is None:  # n odd and block == 1: one padding nibble past the end
+            full = torch.empty(2 * body.numel(), dtype=torch.float32)
+            full.view(-1, 2)[:, 0] = body & 0x0F
+            full.view(-1, 2)[:, 1] = body >> 4
+            q[:n] = full[:n]
+        else:
+            pairs[:, 0] = body & 0x0F
+            pairs[:, 1] = body >> 4
+        q[:n].sub_(8)
+    q[n:] = 0
+    qb = q.view(nb, block)
+    qb.mul_(scale[:, None])
+    return q[:n]
+
+
+# --- encode / decode ----------------------------------------------------------------
+
+
+def _check_codec(codec: str, block_size: int | None) -> int:
+    if codec not in CODECS:
+        raise UsageError(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
+    if codec in _QMAX:
+        block = DEFAULT_BLOCK_SIZE[codec] if block_size is None else int(block_size)
+        if block < 1:
+            raise UsageError(f"--block-size must be >= 1, got {block}")
+        return block
+    return 0
+
+
+def encode_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    codec: str,
+    block_size: int | None = None,
+    zstd_level: int = 1,
+    metadata: dict | None = None,
+) -> bytes:
+    """Encode float tensors (any device/dtype; values are taken as fp32) into one
+    payload. `metadata` must be JSON-serialisable; it comes back from decode."""
+    block = _check_codec(codec, block_size)
+    cctx = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True)
+    frames: list[tuple[str, bytes]] = []
+    info: dict[str, Any] = {}
+    for key, t in tensors.items():
+        x = t.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+        parts = _quantize(x, codec, block)
+        raw_n = sum(p.nbytes for p in parts)
+        assert raw_n == _raw_nbytes(codec, x.numel(), block)
+        cobj = cctx.compressobj(size=raw_n)
+        comp = b"".join([*(cobj.compress(memoryview(p).cast("B")) for p in parts), cobj.flush()])
+        frames.append((key, comp))
+        info[key] = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "raw_nbytes": raw_n,
+            "comp_nbytes": len(comp),
+        }
+    header = {
+        "format": FORMAT_VERSION,
+        "codec": codec,
+        "block_size": block,
+        "tensors": info,
+        "metadata": metadata or {},
+    }
+    return _write_safetensors(frames, {METADATA_KEY: json.dumps(header, separators=(",", ":"))})
+
+
+def _write_safetensors(frames: list[tuple[str, bytes]], metadata: dict[str, str]) -> bytes:
+    """A safetensors file of uint8 tensors (the format is 8-byte LE header length,
+    JSON header, data). Written directly to avoid two extra copies of the data;
+    `safetensors.torch.load` reads it (tested)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, comp in frames:
+        header[key] = {"dtype": "U8", "shape": [len(comp)], "data_offsets": [offset, offset + len(comp)]}
+        offset += len(comp)
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-len(hbytes) % 8)  # align the data section, as safetensors does
+    return b"".join([struct.pack("<Q", len(hbytes)), hbytes, *(c for _, c in frames)])
+
+
+def _parse_safetensors(data: bytes, where: str) -> tuple[dict, int]:
+    """(header dict, offset of the data section), validated against len(data)."""
+
+    def bad(msg: str) -> InvalidPayloadError:
+        return InvalidPayloadError(f"{where}: {msg}")
+
+    if len(data) < 8:
+        raise bad("payload too short to be a safetensors file")
+    (hlen,) = struct.unpack("<Q", data[:8])
+    if hlen > min(len(data) - 8, _MAX_HEADER_BYTES):
+        raise bad(f"safetensors header length {hlen} exceeds the payload ({len(data)} bytes)")
+    try:
+        header = json.loads(data[8 : 8 + hlen])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("safetensors header is not a JSON object")
+    return header, 8 + hlen
+
+
+def decode_tensors(
+    data: bytes,
+    *,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+    max_numel: int | None = None,
+    where: str = "",
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Decode a payload into ({key: fp32 CPU tensor}, caller metadata).
+
+    `expected` ({key: shape}): the payload must hold exactly these keys and shapes.
+    `max_numel`: cap on the total element count. Both are checked, and every frame
+    size is derived and checked, before any decompression, so memory use is bounded
+    by the payload size plus the declared (and accepted) tensor sizes. Pass at least
+    one of them for bytes from a bucket. Decoded values must be finite.
+
+    Raises InvalidPayloadError("<where>: what is wrong") on any problem.
+    """
+    where = where or "payload"
+
+    def bad(msg: str) -> InvalidPayloadError:
+        return InvalidPayloadError(f"{where}: {msg}")
+
+    data = bytes(data) if not isinstance(data, bytes) else data
+    header, data_start = _parse_safetensors(data, where)
+    view = memoryview(data)
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
+        raise bad(f"missing {METADATA_KEY!r} metadata: not a ddiloco payload")
+    try:
+        desc = json.loads(meta[METADATA_KEY])
+    except json.JSONDecodeError as e:
+        raise bad(f"{METADATA_KEY!r} metadata is not JSON: {e}") from None
+    if not isinstance(desc, dict):
+        raise bad(f"{METADATA_KEY!r} metadata is not a JSON object")
+    fmt = desc.get("format")
+    if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
+        raise bad(f"payload format {fmt!r} is newer than this ddiloco understands; upgrade ddiloco")
+    codec = desc.get("codec")
+    if codec not in CODECS:
+        raise bad(f"unknown codec {codec!r}")
+    block = desc.get("block_size")
+    if codec in _QMAX:
+        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= (1 << 24):
+            raise bad(f"bad block_size {block!r}")
+    tinfo = desc.get("tensors")
+    caller_meta = desc.get("metadata", {})
+    if not isinstance(tinfo, dict) or not isinstance(caller_meta, dict):
+        raise bad("'tensors' and 'metadata' must be JSON objects")
+
+    # -- validate every declared size before touching the frames
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    if set(entries) != set(tinfo):
+        raise bad("safetensors tensors and ddiloco metadata list different keys")
+    if expected is not None and set(tinfo) != set(expected):
+        missing = sorted(set(expected) - set(tinfo))
+        extra = sorted(set(tinfo) - set(expected))
+        raise bad(f"tensor keys differ from the expected ones (missing {missing}, extra {extra})")
+    plan = []
+    total_numel = 0
+    data_len = len(data) - data_start
+    for key, ti in tinfo.items():
+        shape = ti.get("shape") if isinstance(ti, dict) else None
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_NDIM
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
+        ):
+            raise bad(f"tensor {key!r}: bad shape {shape!r}")
+        if expected is not None and tuple(shape) != tuple(expected[key]):
+            raise bad(f"tensor {key!r}: shape {shape} but expected {list(expected[key])}")
+        n = math.prod(shape)
+        total_numel += n
+        if max_numel is not None and total_numel > max_numel:
+            raise bad(f"declares more than the allowed {max_numel} elements")
+        raw_n = _raw_nbytes(codec, n, block)
+        if ti.get("raw_nbytes") != raw_n:
+            raise bad(f"tensor {key!r}: raw_nbytes {ti.get('raw_nbytes')!r} != {raw_n} for shape {shape}")
+        e = entries[key]
+        offs = e.get("data_offsets") if isinstance(e, dict) else None
+        if (
+            not isinstance(e, dict)
+            or e.get("dtype") != "U8"
+            or not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(x, int) for x in offs)
+            or not 0 <= offs[0] <= offs[1] <= data_len
+            or e.get("shape") != [offs[1] - offs[0]]
+        ):
+            raise bad(f"tensor {key!r}: bad safetensors entry {e!r:.200}")
+        comp = view[data_start + offs[0] : data_start + offs[1]]
+        try:
+            declared = zstandard.frame_content_size(comp)
+        except zstandard.ZstdError as err:
+            raise bad(f"tensor {key!r}: not a zstd frame ({err})") from None
+        if declared not in (-1, raw_n):
+            raise bad(f"tensor {key!r}: zstd frame declares {declared} bytes, expected {raw_n}")
+        plan.append((key, shape, n, raw_n, comp))
+
+    # -- decompress (capped at the derived size) and dequantize
+    dctx = zstandard.ZstdDecompressor()
+    out: dict[str, torch.Tensor] = {}
+    for key, shape, n, raw_n, comp in plan:
+        try:
+            raw = dctx.decompress(comp, max_output_size=raw_n, allow_extra_data=False)
+        except zstandard.ZstdError as err:
+            raise bad(f"tensor {key!r}: zstd decompression failed ({err})") from None
+        if len(raw) != raw_n:
+            raise bad(f"tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
+        t = _dequantize(raw, codec, n, block).view(shape)
+        if not all_finite(t):
+            raise bad(f"tensor {key!r} has non-finite values")
+        out[key] = t
+    return out, caller_meta
+
+
+def payload_codec(data: bytes, *, where: str = "") -> dict:
+    """The 'ddiloco' header of a payload (codec, block size, tensors, metadata)
+    without decoding any tensor; for `ddiloco inspect`."""
+    header, _ = _parse_safetensors(data, where or "payload")
+    try:
+        return json.loads(header["__metadata__"][METADATA_KEY])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise InvalidPayloadError(f"{where or 'payload'}: not a ddiloco payload") from None
+
+
+# --- syncer-side error feedback for published fragments --------------------------------
+
+
+def _add(prev: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, d in delta.items():
+        p = prev.get(k)
+        out[k] = d.clone() if p is None else p.to(torch.float32) + d
+    return out
+
+
+def encode_published_delta(
+    prev_published: Mapping[str, torch.Tensor],
+    new_value: Mapping[str, torch.Tensor],
+    *,
+    codec: str,
+    block_size: int | None = None,
+    zstd_level: int = 1,
+    metadata: dict | None = None,
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Encode new_value - prev_published; return (payload, new published value).
+
+    The new published value is prev_published + decode(payload), exactly what
+    `apply_published_delta` computes on a learner. The syncer must keep it (not
+    new_value) as the base of the next delta: that carries the quantization error
+    forward. An empty prev_published means zeros; with codec "none" the published
+    value then equals new_value exactly (use that for a full snapshot).
+    Tensors are fp32 CPU.
+    """
+    delta = {}
+    for k, v in new_value.items():
+        v32 = v.detach().to("cpu", torch.float32)
+        p = prev_published.get(k)
+        delta[k] = v32.clone() if p is None else v32 - p.to(torch.float32)
+    payload = encode_tensors(delta, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata)
+    expected = {k: tuple(v.shape) for k, v in new_value.items()}
+    decoded, _ = decode_tensors(payload, expected=expected, where="own published delta")
+    return payload, _add(prev_published, decoded)
+
+
+def apply_published_delta(
+    prev_published: Mapping[str, torch.Tensor],
+    payload: bytes,
+    *,
+    where: str,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """prev_published + decode(payload): bit-identical to the syncer's published
+    value when prev_published is (fp32 CPU). `expected` defaults to prev's shapes
+    when prev is non-empty. Raises InvalidPayloadError."""
+    if expected is None and prev_published:
+        expected = {k: tuple(v.shape) for k, v in prev_published.items()}
+    decoded, _ = decode_tensors(payload, expected=expected, where=where)
+    return _add(prev_published, decoded)
+
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_BLOCK_SIZE",
+    "encode_tensors",
+    "decode_tensors",
+    "payload_codec",
+    "encode_published_delta",
+    "apply_published_delta",
+]

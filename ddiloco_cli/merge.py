@@ -1,0 +1,187 @@
+"""Merging learner contributions into one outer gradient (DESIGN.md section 3).
+
+- token weight  w = c_tokens^2 / c_steps
+- RDA           (sum w|v| / sum w) * phi(sum w phi(v) / sum w),  phi(x) = x/|x|, phi(0) = 0
+- weighted mean for embedding tensors (or everywhere with method="mean")
+
+Numerics: inputs are fp32; sums are accumulated in fp64 and the result is rounded
+to fp32 once. Contributions are put into a canonical order first (by weight, then
+fp64 norm, then sha256 of the bytes), so the result is bit-identical whatever
+order the caller lists them in. All weights zero gives zeros.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from ddiloco_cli.errors import InvalidPayloadError, UsageError
+
+EMBEDDING_MARKERS = ("wte", "wpe", "embed", "tok_emb", "pos_emb", "lm_head", "word_embeddings")
+
+
+def token_weight(c_tokens: int, c_steps: int) -> float:
+    """tokens^2 / steps: more tokens, and more tokens per step (bigger batch), weigh
+    more. 0 when no step was taken."""
+    if c_tokens < 0 or c_steps < 0:
+        raise InvalidPayloadError(f"negative counters: c_tokens={c_tokens}, c_steps={c_steps}")
+    if c_steps == 0:
+        return 0.0
+    return float(c_tokens) * float(c_tokens) / float(c_steps)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in t. (amax/amin propagate NaN; two reductions are ~5x faster
+    than isfinite().all() on CPU.)"""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    return bool(torch.isfinite(t.amax())) and bool(torch.isfinite(t.amin()))
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], *, where: str) -> None:
+    """Raise InvalidPayloadError naming the first tensor with a NaN or Inf."""
+    for key, t in tensors.items():
+        if not all_finite(t):
+            num_nan = int(torch.isnan(t).sum())
+            num_inf = int(torch.isinf(t).sum())
+            raise InvalidPayloadError(
+                f"{where}: tensor {key!r} has non-finite values ({num_nan} NaN, {num_inf} Inf)"
+            )
+
+
+def is_embedding_key(key: str) -> bool:
+    """Heuristic: does this parameter (or slice key) hold token/position embeddings
+    or the output projection over the vocabulary? Those are merged by plain mean."""
+    k = key.lower()
+    return any(m in k for m in EMBEDDING_MARKERS)
+
+
+def _check_weights(weights: Sequence[float], n: int) -> list[float]:
+    if len(weights) != n:
+        raise UsageError(f"{n} vectors but {len(weights)} weights")
+    out = [float(w) for w in weights]
+    for w in out:
+        if not math.isfinite(w) or w < 0:
+            raise InvalidPayloadError(f"merge weight must be finite and >= 0, got {w}")
+    return out
+
+
+def _canonical(vectors: Sequence[torch.Tensor], weights: list[float]) -> list[tuple[float, torch.Tensor, float]]:
+    """(weight, fp64 vector, fp64 norm) sorted into an order that depends only on
+    the multiset of inputs."""
+    items = []
+    for v, w in zip(vectors, weights):
+        v64 = v.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        items.append((w, v64, float(torch.linalg.vector_norm(v64)), v))
+
+    def digest(v: torch.Tensor) -> bytes:
+        return hashlib.sha256(v.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).digest()
+
+    # sha256 only breaks exact (weight, norm) ties; equal digests mean equal inputs.
+    ties = {}
+    for w, _, n, _v in items:
+        ties[(w, n)] = ties.get((w, n), 0) + 1
+    items.sort(key=lambda it: (it[0], it[2], digest(it[3]) if ties[(it[0], it[2])] > 1 else b""))
+    return [(w, v64, n) for w, v64, n, _ in items]
+
+
+def _finish(out64: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return out64.to(torch.float32).reshape(like.shape)
+
+
+def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum w v / sum w, fp32 result (zeros if all weights are 0)."""
+    assert vectors, "need at least one vector"
+    ws = _check_weights(weights, len(vectors))
+    items = _canonical(vectors, ws)
+    total = math.fsum(ws)
+    acc = torch.zeros_like(items[0][1])
+    if total == 0:
+        return _finish(acc, vectors[0])
+    for w, v64, _ in items:
+        if w:
+            acc.add_(v64, alpha=w)
+    return _finish(acc / total, vectors[0])
+
+
+def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Radial-Directional Averaging: the weighted mean norm times the direction of
+    the weighted mean of unit vectors. fp32 result; zeros if all weights are 0 or
+    the directions cancel exactly. A single contribution comes back bit-exact."""
+    assert vectors, "need at least one vector"
+    ws = _check_weights(weights, len(vectors))
+    items = _canonical(vectors, ws)
+    total = math.fsum(ws)
+    direction = torch.zeros_like(items[0][1])
+    if total == 0:
+        return _finish(direction, vectors[0])
+    radial = math.fsum(w * n for w, _, n in items) / total
+    for w, v64, n in items:
+        if w and n > 0:
+            direction.add_(v64, alpha=w / n)
+    dnorm = float(torch.linalg.vector_norm(direction))
+    if dnorm == 0 or radial == 0:
+        return _finish(torch.zeros_like(direction), vectors[0])
+    return _finish(direction * (radial / dnorm), vectors[0])
+
+
+def merge_outer_gradients(
+    grads: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float],
+    *,
+    method: str = "rda",
+    mean_keys: set[str] | frozenset[str] = frozenset(),
+    sources: Sequence[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Merge per-learner outer gradients v_m (already against the current global
+    value) tensor by tensor.
+
+    method="rda": RDA for every key except those in `mean_keys` (embeddings, see
+    `is_embedding_key`), which use the weighted mean; method="mean": weighted mean
+    everywhere. All grads must have the same keys and shapes. `sources` (one label
+    per contribution, e.g. "learner-3 seq 17") only names the culprit in errors.
+
+    Raises InvalidPayloadError on non-finite values or mismatched keys/shapes
+    (naming the contribution and tensor), UsageError on an unknown method.
+    """
+    if method not in ("rda", "mean"):
+        raise UsageError(f"unknown merge method {method!r}; use 'rda' or 'mean'")
+    if not grads:
+        raise UsageError("merge_outer_gradients needs at least one contribution")
+    labels = list(sources) if sources is not None else [f"contribution {i}" for i in range(len(grads))]
+    keys = list(grads[0])
+    for label, g in zip(labels, grads):
+        if set(g) != set(keys):
+            missing = sorted(set(keys) - set(g))
+            extra = sorted(set(g) - set(keys))
+            raise InvalidPayloadError(f"{label}: tensor keys differ (missing {missing}, extra {extra})")
+        for k in keys:
+            if tuple(g[k].shape) != tuple(grads[0][k].shape):
+                raise InvalidPayloadError(
+                    f"{label}: tensor {k!r} has shape {list(g[k].shape)}, expected {list(grads[0][k].shape)}"
+                )
+        check_finite(g, where=label)
+    out = {}
+    for k in keys:
+        vs = [g[k] for g in grads]
+        if method == "mean" or k in mean_keys:
+            out[k] = weighted_mean(vs, weights)
+        else:
+            out[k] = rda(vs, weights)
+    return out
+
+
+def alpha_merge(local: torch.Tensor, global_value: torch.Tensor, alpha: float) -> None:
+    """local <- alpha * local + (1 - alpha) * global_value, in place (any device and
+    dtype; global_value is cast). alpha = 0 copies global_value exactly."""
+    if not 0.0 <= alpha <= 1.0:
+        raise UsageError(f"--alpha must be in [0, 1], got {alpha}")
+    with torch.no_grad():
+        if alpha == 0.0:
+            local.copy_(global_value)
+        elif alpha != 1.0:
+            g = global_value.to(device=local.device, dtype=local.dtype)
+            local.mul_(alpha).add_(g, alpha=1.0 - alpha)

@@ -1,0 +1,89 @@
+"""Outer optimizer: SGD with (Nesterov) momentum on the merged outer gradient,
+one instance per fragment (DESIGN.md section 3, "Outer optimizer").
+
+Same arithmetic, op for op, as torch.optim.SGD(lr, momentum, nesterov,
+dampening=0, weight_decay=0) with .grad = outer_grad, so results match it
+bit-for-bit; the state is plain tensors so it round-trips through safetensors.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ddiloco_cli.errors import InvalidPayloadError, UsageError
+
+NUM_STEPS_KEY = "__num_steps__"
+
+
+class OuterOptimizer:
+    def __init__(self, *, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
+        if lr <= 0:
+            raise UsageError(f"--outer-lr must be > 0, got {lr}")
+        if not 0 <= momentum < 1:
+            raise UsageError(f"--outer-momentum must be in [0, 1), got {momentum}")
+        if nesterov and momentum == 0:
+            raise UsageError("Nesterov needs --outer-momentum > 0")
+        self.lr = lr
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.momentum_buffers: dict[str, torch.Tensor] = {}
+        self.num_steps = 0
+
+    @torch.no_grad()
+    def step(self, params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor]) -> None:
+        """params[k] -= lr * (g + momentum * buf) (Nesterov) for each key k of
+        outer_grad, in place. The first step for a key sets buf = g, as torch does.
+        Keys of params without a gradient are left alone."""
+        for key, grad in outer_grad.items():
+            if key not in params:
+                raise UsageError(f"outer gradient for {key!r} but no such parameter")
+            param = params[key]
+            assert param.shape == grad.shape, (key, param.shape, grad.shape)
+            if self.momentum != 0:
+                buf = self.momentum_buffers.get(key)
+                if buf is None:
+                    buf = grad.detach().clone()
+                    self.momentum_buffers[key] = buf
+                else:
+                    buf.mul_(self.momentum).add_(grad, alpha=1)
+                grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
+            param.add_(grad, alpha=-self.lr)
+        self.num_steps += 1
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Momentum buffers by parameter key, plus the step count as an int64 scalar
+        under NUM_STEPS_KEY; ready for safetensors.torch.save."""
+        out = {k: v.contiguous() for k, v in self.momentum_buffers.items()}
+        out[NUM_STEPS_KEY] = torch.tensor(self.num_steps, dtype=torch.int64)
+        return out
+
+    def load_state_tensors(
+        self,
+        d: Mapping[str, torch.Tensor],
+        *,
+        expected: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        """Restore from `state_tensors()` output (e.g. read back with
+        safetensors.torch.load). With `expected` ({key: shape}), every buffer key must
+        be expected and have that shape. Raises InvalidPayloadError otherwise."""
+        bufs = {}
+        num_steps = 0
+        for k, v in d.items():
+            if k == NUM_STEPS_KEY:
+                if v.dtype != torch.int64 or v.numel() != 1 or int(v) < 0:
+                    raise InvalidPayloadError(f"outer optimizer state: bad {NUM_STEPS_KEY}")
+                num_steps = int(v)
+                continue
+            if v.dtype != torch.float32:
+                raise InvalidPayloadError(f"outer optimizer state: {k!r} has dtype {v.dtype}, expected float32")
+            if expected is not None and (k not in expected or tuple(v.shape) != tuple(expected[k])):
+                raise InvalidPayloadError(
+                    f"outer optimizer state: unexpected tensor {k!r} of shape {list(v.shape)}"
+                )
+            if not bool(torch.isfinite(v).all()):
+                raise InvalidPayloadError(f"outer optimizer state: {k!r} has non-finite values")
+            bufs[k] = v.detach().to("cpu").clone()
+        self.momentum_buffers = bufs
+        self.num_steps = num_steps
