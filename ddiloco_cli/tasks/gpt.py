@@ -270,7 +270,7 @@ class GPTTask:
         self.config = config  # vocab_size is replaced by the data's when the model is built
         self.default_batch_size = default_batch_size
         self._data_dir = data_dir
-        self._meta: dict | None = None
+        self._meta: dict[str, dict] = {}  # data dir -> its meta.json, read once
 
     @property
     def data_dir(self) -> str:
@@ -278,9 +278,11 @@ class GPTTask:
 
     @property
     def meta(self) -> dict:
-        if self._meta is None:
-            self._meta = ensure_token_files(self.data_dir)
-        return self._meta
+        """meta.json of data_dir, building the token files from the excerpt if needed."""
+        data_dir = self.data_dir
+        if data_dir not in self._meta:
+            self._meta[data_dir] = ensure_token_files(data_dir)
+        return self._meta[data_dir]
 
     def _tokens(self, split: str) -> np.ndarray:
         self.meta  # build the files first if needed
