@@ -232,7 +232,7 @@ class Learner:
         self.store, self.opts, self.on_progress = store, options, on_progress
         self.run = ledger.read_run(store)
         self.run_id = self.run["run_id"]
-        self.plan = FragmentPlan.from_json(ledger.read_plan_record(store, run_id=self.run_id))
+        self.plan = ledger.read_plan(store, run_id=self.run_id)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.io = self.rank == 0  # only rank 0 touches the bucket

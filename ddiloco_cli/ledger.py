@@ -73,6 +73,19 @@ def read_plan_record(store: Store, *, run_id: str) -> dict[str, Any]:
     return plan
 
 
+def read_plan(store: Store, *, run_id: str) -> "FragmentPlan":
+    """The run's fragment plan (validated against the schema and the plan's own rules)."""
+    from ddiloco_cli.fragments import FragmentPlan
+
+    record = read_plan_record(store, run_id=run_id)
+    return FragmentPlan.from_json({k: v for k, v in record.items() if k not in ("format", "protocol_version", "run_id")})
+
+
+def plan_record(plan: "FragmentPlan", *, run_id: str) -> dict[str, Any]:
+    body = {k: v for k, v in plan.to_json().items() if k != "format"}
+    return records.make("plan", run_id=run_id, **body)
+
+
 def _exists(store: Store, key: str) -> bool:
     return any(info.key == key for info in store.list(key))
 

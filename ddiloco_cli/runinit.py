@@ -137,7 +137,7 @@ def init_run(store: Store, spec: RunSpec) -> dict[str, Any]:
     plan = plan_fragments(named_shapes_of(model), spec.num_fragments)
     run_id = uuid.uuid4().hex
     config = spec.to_config(run_id=run_id)
-    plan_record = records.make("plan", run_id=run_id, **plan.to_json())
+    plan_record = ledger.plan_record(plan, run_id=run_id)
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def write_version_zero() -> None:

@@ -116,7 +116,7 @@ class Syncer:
         self.opts = options
         self.run = ledger.read_run(store)
         self.run_id = self.run["run_id"]
-        self.plan = FragmentPlan.from_json(ledger.read_plan_record(store, run_id=self.run_id))
+        self.plan = ledger.read_plan(store, run_id=self.run_id)
         all_frags = list(range(self.plan.num_fragments))
         self.fragments = sorted(options.fragments) if options.fragments is not None else all_frags
         bad = [p for p in self.fragments if p not in all_frags]

@@ -1,0 +1,3 @@
+from ddiloco_cli.cli import main
+
+main()

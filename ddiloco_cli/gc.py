@@ -1,0 +1,126 @@
+"""Garbage collection (PROTOCOL.md, "Garbage collection").
+
+For each fragment, with ``latest`` its newest version and ``ckpt`` the newest
+outer-optimizer checkpoint at or below it, everything from
+
+    keep_from = keyframe_floor(min(latest - retain_versions + 1, ckpt))
+
+on is kept: the manifests and payloads a reader needs for any recent version
+(a keyframe plus the deltas after it), and the ledger plus contributions a
+restarting syncer needs to replay from its checkpoint. Older manifests and
+payloads go; contributions go once merged (or superseded) at or before
+``ckpt``; orphans (payloads no manifest names, quarantined inputs, older
+checkpoints, clock probes) go only after ``gc_grace_s`` so that a writer still
+in flight never loses its object. Manifests are deleted before their payloads,
+oldest first, so every remaining manifest stays readable.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ddiloco_cli import layout, ledger
+from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GCReport:
+    deleted: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    keep_from: dict[int, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_deleted": len(self.deleted), "bytes_freed": self.bytes_freed,
+                "keep_from": {str(p): v for p, v in self.keep_from.items()}}
+
+
+def keep_from_version(*, latest: int, newest_checkpoint: int, retain_versions: int,
+                      publish_codec: str, keyframe_every: int) -> int:
+    """The oldest version GC keeps for a fragment (see the module docstring)."""
+    keep = max(0, min(latest - retain_versions + 1, newest_checkpoint))
+    if publish_codec != "none":
+        keep -= keep % keyframe_every  # the keyframe the retained delta chain starts from
+    return keep
+
+
+def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[int] | None = None,
+                    dry_run: bool = False) -> GCReport:
+    report = GCReport()
+    now_s = store.now()
+    grace_s = float(run["gc_grace_s"])
+    frags = list(fragments) if fragments is not None else list(range(int(run["num_fragments"])))
+
+    def drop(info: ObjectInfo) -> None:
+        report.deleted.append(info.key)
+        report.bytes_freed += info.size
+        if not dry_run:
+            store.delete(info.key)
+
+    def old(info: ObjectInfo) -> bool:
+        return now_s - info.mtime_s > grace_s
+
+    for p in frags:
+        versions = ledger.list_versions(store, p)
+        if not versions:
+            continue
+        latest = versions[-1]
+        checkpoints = [(layout.parse_num(i.key), i) for i in store.list(layout.checkpoint_prefix(p))]
+        checkpoints = [(v, i) for v, i in checkpoints if v is not None and v <= latest]
+        newest_ckpt = max((v for v, _ in checkpoints), default=0)
+        keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
+                                 retain_versions=int(run["retain_versions"]),
+                                 publish_codec=run["publish_codec"], keyframe_every=int(run["keyframe_every"]))
+        report.keep_from[p] = keep
+        referenced: set[str] = set()
+        high_water: dict[str, int] = {}
+        for v in versions:
+            if v < keep:
+                continue
+            try:
+                m = ledger.read_manifest(store, p, v, run_id=run["run_id"])
+            except (NotFound, ProtocolError) as exc:
+                log.warning("gc: fragment %d version %d unreadable (%s); keeping everything from it", p, v, exc)
+                referenced = None  # type: ignore[assignment]
+                break
+            referenced.update(e["key"] for e in m["payloads"])
+            if v == newest_ckpt:
+                high_water = m["high_water"]
+        for info in store.list(layout.manifest_prefix(p)):
+            v = layout.parse_num(info.key)
+            if v is not None and v < keep:
+                drop(info)
+        for info in store.list(layout.payload_prefix(p)):
+            v = layout.parse_num(info.key)
+            if v is None:
+                continue
+            if v < keep or (referenced is not None and info.key not in referenced and old(info)):
+                drop(info)
+        newest_key = max((i.key for v, i in checkpoints if v == newest_ckpt), default=None)
+        for v, info in checkpoints:
+            if info.key != newest_key and old(info):
+                drop(info)
+        for info in store.list(layout.contribution_prefix(p)):
+            parsed = layout.parse_contribution_key(info.key)
+            if parsed is None:
+                continue
+            _, learner_id, seq = parsed
+            if seq <= high_water.get(learner_id, -1) and old(info):
+                drop(info)
+    for info in store.list("quarantine/"):
+        original = info.key[len("quarantine/"):-len(".json")]
+        if original.startswith(tuple(layout.contribution_prefix(p) for p in frags)) and old(info):
+            try:
+                for o in store.list(original):
+                    if o.key == original:
+                        drop(o)
+            except NotFound:
+                pass
+    for info in store.list(layout.CLOCK_PREFIX):
+        if old(info):
+            drop(info)
+    return report
