@@ -1,7 +1,7 @@
 """Tensor payload codec: quantize + zstd, inside a safetensors file.
 
 Wire format: a safetensors file whose tensors are uint8 (one per input tensor,
-same key) holding one zstd frame each, and whose header metadata has a single
+same key) holding one zstd frame each (with content size and checksum), and whose header metadata has a single
 entry "ddiloco" = JSON:
 
     {"format": 1, "codec": "int4", "block_size": 64,
@@ -176,7 +176,7 @@ def encode_tensors(
     """Encode float tensors (any device/dtype; values are taken as fp32) into one
     payload. `metadata` must be JSON-serialisable; it comes back from decode."""
     block = _check_codec(codec, block_size)
-    cctx = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True)
+    cctx = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True, write_checksum=True)
     frames: list[tuple[str, bytes]] = []
     info: dict[str, Any] = {}
     for key, t in tensors.items():

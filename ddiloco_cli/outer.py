@@ -14,9 +14,6 @@ import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 
-NUM_STEPS_KEY = "__num_steps__"
-
-
 class OuterOptimizer:
     def __init__(self, *, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
         if lr <= 0:
@@ -53,11 +50,11 @@ class OuterOptimizer:
         self.num_steps += 1
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Momentum buffers by parameter key, plus the step count as an int64 scalar
-        under NUM_STEPS_KEY; ready for safetensors.torch.save."""
-        out = {k: v.contiguous() for k, v in self.momentum_buffers.items()}
-        out[NUM_STEPS_KEY] = torch.tensor(self.num_steps, dtype=torch.int64)
-        return out
+        """Copies of the momentum buffers by parameter key (fp32, contiguous): ready
+        for safetensors or `codec.encode_tensors(codec="none")`, and safe to keep as
+        a rollback point (later steps do not change them). `num_steps` is not
+        included: store it beside them (e.g. in the payload metadata)."""
+        return {k: v.detach().clone().contiguous() for k, v in self.momentum_buffers.items()}
 
     def load_state_tensors(
         self,
@@ -65,17 +62,11 @@ class OuterOptimizer:
         *,
         expected: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
-        """Restore from `state_tensors()` output (e.g. read back with
-        safetensors.torch.load). With `expected` ({key: shape}), every buffer key must
-        be expected and have that shape. Raises InvalidPayloadError otherwise."""
+        """Restore momentum buffers from `state_tensors()` output (copied in). With
+        `expected` ({key: shape}), every key must be expected and have that shape.
+        Leaves `num_steps` alone. Raises InvalidPayloadError on a bad tensor."""
         bufs = {}
-        num_steps = 0
         for k, v in d.items():
-            if k == NUM_STEPS_KEY:
-                if v.dtype != torch.int64 or v.numel() != 1 or int(v) < 0:
-                    raise InvalidPayloadError(f"outer optimizer state: bad {NUM_STEPS_KEY}")
-                num_steps = int(v)
-                continue
             if v.dtype != torch.float32:
                 raise InvalidPayloadError(f"outer optimizer state: {k!r} has dtype {v.dtype}, expected float32")
             if expected is not None and (k not in expected or tuple(v.shape) != tuple(expected[k])):
@@ -86,4 +77,3 @@ class OuterOptimizer:
                 raise InvalidPayloadError(f"outer optimizer state: {k!r} has non-finite values")
             bufs[k] = v.detach().to("cpu").clone()
         self.momentum_buffers = bufs
-        self.num_steps = num_steps
