@@ -22,7 +22,8 @@ from ddiloco_cli.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 PROTOCOL_MINOR = 0
-FEATURES: tuple[str, ...] = ()  # optional features this writer uses; readers refuse unknown *required* features
+FEATURES: tuple[str, ...] = ()  # features this writer uses; a run.json listing a feature not here is refused
+KNOWN_FEATURES = frozenset(FEATURES)
 
 RECORD_TYPES = (
     "run",
@@ -82,6 +83,10 @@ def validate(record: Any, record_type: str, *, where: str) -> dict[str, Any]:
     if error is not None:
         path = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         raise ProtocolError(f"{where}: not a valid {record_type} record at {path}: {error.message}")
+    unknown = sorted(set(record.get("features") or ()) - KNOWN_FEATURES) if record_type == "run" else []
+    if unknown:
+        raise ProtocolError(f"{where} needs protocol features {unknown} that this ddiloco does not know: "
+                            "upgrade ddiloco (pip install -U ddiloco)")
     return record
 
 

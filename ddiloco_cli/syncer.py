@@ -259,7 +259,7 @@ class Syncer:
             if v is None or v > latest:
                 continue
             try:
-                tensors, meta = codec.decode_tensors(self.store.get(info.key), where=f"{self.store.url}/{info.key}")
+                tensors, meta = codec.decode_tensors(self.store.get(info.key), expected=expected_shapes(self.plan, p), where=f"{self.store.url}/{info.key}")
                 records.validate(meta, "checkpoint", where=info.key)
                 if meta["run_id"] != self.run_id or meta["fragment"] != p or meta["version"] != v:
                     raise ProtocolError(f"{info.key}: checkpoint header does not match its name or run")
