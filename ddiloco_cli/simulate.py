@@ -112,18 +112,20 @@ class _Draws:
 def _best_spare_slices(*, num_slices: int, mean_in_repair: float) -> int:
     """Hot spares an operator would hold for a DP job: the count s that
     maximises (slices training) x P(slices under repair <= s), with the number
-    under repair ~ Poisson(mean_in_repair)."""
-    best_s, best_value = 0, -1.0
-    term = cdf = math.exp(-mean_in_repair)  # P(D = 0); fine below ~700 slices in repair
-    for s in range(num_slices):
-        value = (num_slices - s) / num_slices * cdf
-        if value > best_value:
-            best_s, best_value = s, value
-        elif cdf > 1 - 1e-12:
-            break  # more spares only cost capacity
-        term *= mean_in_repair / (s + 1)
-        cdf += term
-    return best_s
+    under repair ~ Poisson(mean_in_repair) (normal approximation above 100)."""
+
+    def cdf(s: int) -> float:
+        if mean_in_repair > 100:
+            return 0.5 * (1 + math.erf((s + 0.5 - mean_in_repair) / math.sqrt(2 * mean_in_repair)))
+        term = total = math.exp(-mean_in_repair)
+        for k in range(1, s + 1):
+            term *= mean_in_repair / k
+            total += term
+        return total
+
+    # the optimum lies within a few standard deviations above the mean
+    hi = min(num_slices - 1, math.ceil(mean_in_repair + 10 * math.sqrt(mean_in_repair) + 10))
+    return max(range(hi + 1), key=lambda s: (num_slices - s) / num_slices * cdf(s))
 
 
 def _check(name: str, ok: bool, what: str) -> None:
@@ -155,15 +157,16 @@ def simulate(
     between interruptions of ONE chip; `quorum` K, learners that must compute
     for the run to progress (decoupled only); `restart_s` full restart of a job
     (DP after any failure, a learner that lost all its slices); `recovery_s`
-    time a failed slice stays out (elastic modes); `reconfigure_s` elastic
+    time a failed slice is under repair (all modes); `reconfigure_s` elastic
     re-shard pause per slice leaving or joining; `step_s` optimizer step (a
     failure loses the step in flight); `checkpoint_interval_s` DP checkpoint
     period (default: every step, i.e. in-memory checkpoints; work since the last
     one is lost); `slice_chips` chips per data-parallel replica (the failure
     domain); `spare_fraction` DP hot spares as a fraction of the slices
     (default: the count that maximises training slices x P(the pool covers the
-    slices under repair)); `horizon_days` simulated time (default: long enough for ~40k
-    failures, at least 7 days); `seed` makes the result deterministic.
+    slices under repair)); `horizon_days` simulated time (default: long
+    enough for ~40k failures, at least 7 days); `seed` makes the result
+    deterministic.
 
     Returns a JSON-ready dict with at least "goodput" and "uptime" (both in
     [0, 1]) plus "mode", "chips", "learners", "quorum", "mtbi_years",
