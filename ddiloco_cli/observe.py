@@ -1,0 +1,552 @@
+"""Read-only observers: ``ddiloco inspect`` (``inspect_run``, ``verify_run``) and
+``ddiloco status`` (``run_status``).
+
+Observers never write to the bucket and never trust it: every object is read
+through the same validation as the learners and syncers use, and bad content is
+*reported* (``errors`` in the inspect report, one line per problem from
+``verify_run``), never raised. Only a bucket that cannot be reached at all
+(``StoreAccessError``) or, for ``run_status``, a missing/invalid run.json raises.
+Ages are judged by the store's clock (``store.now()`` minus object mtimes), never
+by the local clock.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
+
+CATEGORIES = ("manifests", "payloads", "contributions", "checkpoints", "heartbeats", "other")
+TOP_LEVEL = ("run.json", "plan.json", "fragments", "contributions", "checkpoints", "syncers", "learners",
+             "quarantine", "tmp")
+
+_P, _N = r"p(\d{5})", r"\d{20}"
+# (pattern, category); group 1, when present, is the fragment index
+_KEY_PATTERNS = [
+    (re.compile(rf"^fragments/{_P}/manifests/{_N}\.json$"), "manifests"),
+    (re.compile(rf"^fragments/{_P}/payloads/{_N}-(?:full|delta)-[A-Za-z0-9]+\.safetensors$"), "payloads"),
+    (re.compile(rf"^fragments/{_P}/latest\.json$"), "other"),
+    (re.compile(rf"^contributions/{_P}/[A-Za-z0-9][A-Za-z0-9_.-]{{0,63}}/{_N}\.safetensors$"), "contributions"),
+    (re.compile(rf"^checkpoints/{_P}/{_N}-[A-Za-z0-9]+\.safetensors$"), "checkpoints"),
+    (re.compile(rf"^syncers/heartbeats/{_N}\.json$"), "heartbeats"),
+    (re.compile(r"^learners/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/heartbeat\.json$"), "heartbeats"),
+    (re.compile(rf"^syncers/epochs/{_N}\.json$"), "other"),
+    (re.compile(r"^learners/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/state\.json$"), "other"),
+    (re.compile(r"^quarantine/.+\.json$"), "other"),
+    (re.compile(r"^tmp/.+"), "other"),
+    (re.compile(r"^(?:run|plan)\.json$"), "other"),
+]
+
+
+def classify(key: str, *, num_fragments: int | None = None) -> str | None:
+    """The category of a key (one of CATEGORIES), or None for a foreign object:
+    a name the protocol does not define, or a fragment index outside the run."""
+    for pattern, category in _KEY_PATTERNS:
+        m = pattern.match(key)
+        if m is None:
+            continue
+        if m.groups() and num_fragments is not None and int(m.group(1)) >= num_fragments:
+            return None
+        return category
+    return None
+
+
+# ---------------------------------------------------------------- bucket scan
+@dataclass
+class _Scan:
+    """One LIST of the run root plus the run config and plan, read tolerantly."""
+
+    store: Store
+    now_s: float
+    infos: list[ObjectInfo]
+    run: dict[str, Any] | None = None
+    plan: FragmentPlan | None = None
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run["run_id"] if self.run else None
+
+    def fragment_ids(self) -> list[int]:
+        if self.run is not None:
+            return list(range(int(self.run["num_fragments"])))
+        seen = {int(m.group(1)) for i in self.infos if (m := re.match(rf"^(?:fragments|contributions)/{_P}/", i.key))}
+        return sorted(seen)
+
+    def under(self, prefix: str) -> list[ObjectInfo]:
+        return [i for i in self.infos if i.key.startswith(prefix)]
+
+    def record(self, key: str, record_type: str) -> dict[str, Any] | None:
+        """A validated JSON record, or None with the problem added to ``errors``."""
+        try:
+            return records.loads(self.store.get(key), record_type, where=key)
+        except NotFound:
+            self.errors.append(f"{key}: listed but gone when read")
+        except ProtocolError as exc:
+            self.errors.append(str(exc))
+        return None
+
+
+def _scan(store: Store) -> _Scan:
+    scan = _Scan(store, store.now(), store.list(""))
+    keys = {i.key for i in scan.infos}
+    if layout.RUN_CONFIG not in keys:
+        scan.errors.append(f"{layout.RUN_CONFIG}: missing: no ddiloco run at {store.url}")
+        return scan
+    scan.run = scan.record(layout.RUN_CONFIG, "run")
+    if scan.run is None:
+        return scan
+    if layout.PLAN not in keys:
+        scan.errors.append(f"{layout.PLAN}: missing")
+        return scan
+    try:
+        scan.plan = ledger.read_plan(store, run_id=scan.run_id)
+    except (NotFound, ProtocolError) as exc:
+        msg = str(exc)
+        scan.errors.append(msg if layout.PLAN in msg else f"{layout.PLAN}: {msg}")
+    return scan
+
+
+def _manifests(scan: _Scan, p: int) -> tuple[list[int], dict[int, dict[str, Any]]]:
+    """(versions named by manifest keys, ascending; {version: manifest} of the valid ones).
+
+    A manifest is valid when it passes its schema and names its own run, fragment
+    and version; every other one is reported in ``scan.errors``."""
+    versions, valid = [], {}
+    for info in scan.under(layout.manifest_prefix(p)):
+        v = layout.parse_num(info.key)
+        if v is None or info.key != layout.manifest_key(p, v):
+            continue
+        versions.append(v)
+        m = scan.record(info.key, "manifest")
+        if m is None:
+            continue
+        if m["fragment"] != p or m["version"] != v:
+            scan.errors.append(f"{info.key}: claims fragment {m['fragment']} version {m['version']}")
+        elif scan.run_id is not None and m["run_id"] != scan.run_id:
+            scan.errors.append(f"{info.key}: belongs to run {m['run_id']}, not {scan.run_id}")
+        else:
+            valid[v] = m
+    return sorted(versions), valid
+
+
+def _quarantined(scan: _Scan) -> list[dict[str, Any]]:
+    out = []
+    for info in scan.under("quarantine/"):
+        rec = scan.record(info.key, "quarantine")
+        original = info.key[len("quarantine/"):-len(".json")]
+        out.append({"key": original, "reason": rec["reason"] if rec else "(unreadable quarantine record)",
+                    "syncer_id": rec.get("syncer_id") if rec else None, "age_s": scan.now_s - info.mtime_s})
+    return out
+
+
+def _contributions(scan: _Scan, p: int, high_water: dict[str, int], quarantined: set[str]) -> dict[str, Any]:
+    """Pending (seq above the latest manifest's high-water mark, not quarantined) and
+    merged-but-not-collected contributions of fragment p."""
+    pending: dict[str, int] = defaultdict(int)
+    num_merged = 0
+    for info in scan.under(layout.contribution_prefix(p)):
+        parsed = layout.parse_contribution_key(info.key)
+        if parsed is None or info.key in quarantined:
+            continue
+        _, learner_id, seq = parsed
+        if seq <= high_water.get(learner_id, -1):
+            num_merged += 1
+        else:
+            pending[learner_id] += 1
+    return {"num_pending": sum(pending.values()), "pending": dict(pending), "num_merged_uncollected": num_merged}
+
+
+def _epochs(scan: _Scan) -> list[dict[str, Any]]:
+    out = []
+    for info in scan.under(layout.EPOCH_PREFIX):
+        n = layout.parse_num(info.key)
+        if n is None or info.key != layout.epoch_key(n):
+            continue
+        rec = scan.record(info.key, "epoch")
+        if rec is None:
+            continue
+        if rec["epoch"] != n or (scan.run_id is not None and rec["run_id"] != scan.run_id):
+            scan.errors.append(f"{info.key}: claims epoch {rec['epoch']} of run {rec['run_id']}")
+            continue
+        out.append({"epoch": n, "syncer_id": rec["syncer_id"], "fragments": sorted(rec["fragments"]),
+                    "created_s": rec.get("created_s"), "age_s": scan.now_s - info.mtime_s})
+    return out
+
+
+def _heartbeats(scan: _Scan, prefix: str, record_type: str) -> list[tuple[dict[str, Any], float]]:
+    """(record, age_s) of every valid heartbeat under prefix; a heartbeat stored under
+    another learner's or epoch's name is reported and skipped."""
+    out = []
+    for info in scan.under(prefix):
+        if classify(info.key) != "heartbeats":
+            continue
+        rec = scan.record(info.key, record_type)
+        if rec is None:
+            continue
+        own_key = (layout.learner_heartbeat_key(rec["learner_id"]) if record_type == "learner_heartbeat"
+                   else layout.syncer_heartbeat_key(rec["epoch"]))
+        if own_key != info.key:
+            scan.errors.append(f"{info.key}: holds the heartbeat of {own_key}")
+            continue
+        out.append((rec, max(0.0, scan.now_s - info.mtime_s)))
+    return out
+
+
+# -------------------------------------------------------------------- inspect
+def inspect_run(store: Store) -> dict[str, Any]:
+    """Everything in the bucket, by meaning. JSON-serialisable; never raises on bad
+    content (it goes to ``errors``), only on an unreachable store.
+
+    Sections: url, now_s, run (config summary or None), fragments, epochs, syncers,
+    learners, quarantined, objects ({category: {count, bytes}} + total), orphans
+    (payloads no manifest names; foreign keys), errors.
+    """
+    scan = _scan(store)
+    quarantined = _quarantined(scan)
+    qkeys = {q["key"] for q in quarantined}
+    referenced: set[str] = set()
+    fragments = []
+    for p in scan.fragment_ids():
+        versions, manifests = _manifests(scan, p)
+        for m in manifests.values():
+            referenced.update(e["key"] for e in m["payloads"])
+        latest = manifests.get(versions[-1]) if versions else None
+        payloads = scan.under(layout.payload_prefix(p))
+        entry: dict[str, Any] = {
+            "fragment": p,
+            "num_params": scan.plan.fragment_numel(p) if scan.plan and p < scan.plan.num_fragments else None,
+            "oldest_version": versions[0] if versions else None,
+            "newest_version": versions[-1] if versions else None,
+            "num_versions": len(versions),
+            "payload_bytes": sum(i.size for i in payloads),
+            "num_payloads": len(payloads),
+            "latest": None,
+        }
+        if latest is not None:
+            mtime = next(i.mtime_s for i in scan.infos if i.key == layout.manifest_key(p, latest["version"]))
+            entry["latest"] = {"version": latest["version"], "epoch": latest["epoch"], "syncer_id": latest["syncer_id"],
+                               "quorum_size": latest.get("quorum_size", len(latest["contributions"])),
+                               "created_s": latest.get("created_s"), "age_s": scan.now_s - mtime}
+        entry.update(_contributions(scan, p, latest["high_water"] if latest else {}, qkeys))
+        fragments.append(entry)
+
+    syncers = [{"epoch": r["epoch"], "syncer_id": r["syncer_id"], "state": r["state"], "fragments": r["fragments"],
+                "age_s": age, "versions": r.get("versions", {})}
+               for r, age in _heartbeats(scan, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")]
+    learners = [{"learner_id": r["learner_id"], "state": r["state"], "step": r["step"], "tokens": r["tokens"],
+                 "age_s": age} for r, age in _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")]
+
+    num_frags = int(scan.run["num_fragments"]) if scan.run else None
+    objects = {c: {"count": 0, "bytes": 0} for c in CATEGORIES}
+    orphans = []
+    for info in scan.infos:
+        category = classify(info.key, num_fragments=num_frags)
+        age_s = scan.now_s - info.mtime_s
+        if category is None:
+            top = info.key.split("/", 1)[0]
+            why = "unknown top-level name" if top not in TOP_LEVEL else "not a name the protocol defines"
+            orphans.append({"key": info.key, "size": info.size, "age_s": age_s, "reason": why})
+            category = "other"
+        elif category == "payloads" and info.key not in referenced:
+            orphans.append({"key": info.key, "size": info.size, "age_s": age_s,
+                            "reason": "payload no valid manifest names (in flight, a lost race, or left by GC)"})
+        objects[category]["count"] += 1
+        objects[category]["bytes"] += info.size
+    objects["total"] = {"count": len(scan.infos), "bytes": sum(i.size for i in scan.infos)}
+
+    run_summary = None
+    if scan.run is not None:
+        keys = ("run_id", "task", "mode", "num_fragments", "sync_every", "overlap_steps", "quorum", "alpha", "merge",
+                "outer_lr", "outer_momentum", "codec", "codec_block", "publish_codec", "keyframe_every",
+                "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
+        run_summary = {k: scan.run.get(k) for k in keys}
+        run_summary["num_params"] = scan.plan.total_numel() if scan.plan else None
+    return {
+        "url": store.url, "now_s": scan.now_s, "run": run_summary, "fragments": fragments, "epochs": _epochs(scan),
+        "syncers": syncers, "learners": learners, "quarantined": quarantined, "objects": objects,
+        "orphans": orphans, "errors": scan.errors,
+    }
+
+
+# --------------------------------------------------------------------- verify
+def verify_run(store: Store) -> list[str]:
+    """Every inconsistency in the bucket, one line each naming the key; [] when consistent.
+
+    Checks: run.json and plan.json schemas; every manifest (schema, run, fragment and
+    version matching its name); versions contiguous from the oldest retained to the
+    newest; every payload a manifest names exists with the recorded size and sha256
+    and decodes to the plan's shapes; every retained version is readable (a keyframe
+    at or below it plus the deltas after it) and a delta that sits beside a keyframe
+    reproduces it bit for bit; epochs, heartbeats, quarantine records and checkpoint
+    headers are valid. Quarantined contributions and orphans are not problems.
+    """
+    scan = _scan(store)
+    problems = scan.errors  # the scan's record errors are problems too
+    if scan.run is None:
+        return problems
+    for p in scan.fragment_ids():
+        _verify_fragment(scan, p, problems)
+    _epochs(scan)
+    _heartbeats(scan, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")
+    _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
+    _quarantined(scan)
+    _verify_checkpoints(scan, problems)
+    return problems
+
+
+def _verify_fragment(scan: _Scan, p: int, problems: list[str]) -> None:
+    versions, manifests = _manifests(scan, p)
+    if not versions:
+        problems.append(f"{layout.manifest_prefix(p)}: fragment {p} has no committed version")
+        return
+    present = set(versions)
+    for v in range(versions[0], versions[-1] + 1):
+        if v not in present:
+            problems.append(f"{layout.manifest_key(p, v)}: missing: gap in the versions of fragment {p} "
+                            f"(retained {versions[0]}..{versions[-1]})")
+    shapes = expected_shapes(scan.plan, p) if scan.plan is not None else None
+    numel = scan.plan.fragment_numel(p) if scan.plan is not None else None
+    value: dict[str, torch.Tensor] | None = None
+    prev_v: int | None = None
+    for v in versions:
+        mkey = layout.manifest_key(p, v)
+        m = manifests.get(v)
+        if m is None:  # already reported by _manifests
+            value, prev_v = None, v
+            continue
+        good = _check_payloads(scan, p, m, problems)
+        if shapes is None:
+            continue
+        broken_before = prev_v != v - 1 or value is None
+        new = None
+        if "delta" in good and not broken_before:
+            key, data = good["delta"]
+            try:
+                new = codec.apply_published_delta(value, data, where=key, expected=shapes)
+            except InvalidPayloadError as exc:
+                problems.append(str(exc))
+        if "full" in good:
+            key, data = good["full"]
+            try:
+                full, _ = codec.decode_tensors(data, expected=shapes, max_numel=numel, where=key)
+            except InvalidPayloadError as exc:
+                problems.append(str(exc))
+                full = None
+            if full is not None and new is not None and any(not torch.equal(full[k], new[k]) for k in full):
+                problems.append(f"{good['delta'][0]}: version {v - 1} plus this delta does not reproduce the "
+                                f"keyframe {key}")
+            new = full if full is not None else new
+        if new is None and len(good) == len(m["payloads"]):  # no payload problem explains it
+            why = (f"its delta needs version {v - 1}, which is not readable" if "delta" in good
+                   else "it has no keyframe and no delta from the previous version")
+            problems.append(f"{mkey}: version {v} of fragment {p} is not readable: {why}")
+        value, prev_v = new, v
+
+
+def _check_payloads(scan: _Scan, p: int, m: dict[str, Any], problems: list[str]) -> dict[str, tuple[str, bytes]]:
+    """Fetch every payload of manifest ``m``, checking name, size and sha256.
+    Returns {kind: (key, bytes)} of the good ones."""
+    v = m["version"]
+    mkey = layout.manifest_key(p, v)
+    good = {}
+    for entry in m["payloads"]:
+        key = entry["key"]
+        if not key.startswith(layout.payload_prefix(p)) or layout.parse_num(key) != v:
+            problems.append(f"{mkey}: names payload {key}, which is not a payload of fragment {p} version {v}")
+            continue
+        if entry["kind"] == "delta" and entry.get("base_version") != v - 1:
+            problems.append(f"{mkey}: delta payload {key} has base version {entry.get('base_version')}, not {v - 1}")
+            continue
+        try:
+            data = scan.store.get(key)
+        except NotFound:
+            problems.append(f"{key}: missing (named by {mkey})")
+            continue
+        if len(data) != entry["size"]:
+            problems.append(f"{key}: size {len(data)} != {entry['size']} recorded in {mkey}")
+        elif records.sha256_hex(data) != entry["sha256"]:
+            problems.append(f"{key}: sha256 does not match the one recorded in {mkey}")
+        else:
+            good[entry["kind"]] = (key, data)
+    return good
+
+
+def _verify_checkpoints(scan: _Scan, problems: list[str]) -> None:
+    for info in scan.under("checkpoints/"):
+        m = re.match(rf"^checkpoints/{_P}/({_N})-[A-Za-z0-9]+\.safetensors$", info.key)
+        if m is None:
+            continue  # a foreign object: inspect lists it under orphans
+        p, v = int(m.group(1)), int(m.group(2))
+        if scan.plan is None or p >= scan.plan.num_fragments:
+            continue  # nothing to check the tensors against (already reported)
+        shapes = expected_shapes(scan.plan, p)
+        try:
+            tensors, header = codec.decode_tensors(scan.store.get(info.key), where=info.key,
+                                                   max_numel=scan.plan.fragment_numel(p))
+            records.validate(header, "checkpoint", where=info.key)
+        except NotFound:
+            continue  # collected since the LIST
+        except (InvalidPayloadError, ProtocolError) as exc:
+            problems.append(str(exc))
+            continue
+        if (header["run_id"], header["fragment"], header["version"]) != (scan.run_id, p, v):
+            problems.append(f"{info.key}: header names run {header['run_id']} fragment {header['fragment']} "
+                            f"version {header['version']}, not its key's")
+        elif any(k not in shapes or tuple(t.shape) != shapes[k] for k, t in tensors.items()):
+            problems.append(f"{info.key}: momentum tensors do not match fragment {p}'s shapes")
+
+
+# --------------------------------------------------------------------- status
+def run_status(store: Store) -> dict[str, Any]:
+    """Live state of a run, for ``ddiloco status``. Raises RunNotFoundError /
+    ProtocolError when there is no valid run.json or plan.json.
+
+    * ``fragments``: [{fragment, version, quorum_size, epoch, syncer_id, age_s, pending}]
+      (age_s: since the newest manifest was written; pending: contributions above its
+      high-water mark, not quarantined).
+    * ``learners``: [{learner_id, alive, state, step, tokens, tokens_per_s, loss,
+      last_contribution_age_s, bytes_up, bytes_down, blocked_s, heartbeat_age_s}];
+      alive = state "running" and heartbeat age <= the run's lease_s.
+    * ``syncers``: the epochs that own a fragment or still beat: [{epoch, syncer_id,
+      alive, state, fragments (owned), heartbeat_age_s, lag_versions, backlog}];
+      lag_versions = how many versions the newest committed ones are ahead of what
+      its last heartbeat reported (0 for a healthy owner); backlog = pending
+      contributions on its fragments.
+    * ``goodput`` (see ``goodput``) and ``bytes`` (see ``bytes_moved``).
+    """
+    now_s = store.now()
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    infos = store.list("")
+    scan = _Scan(store, now_s, infos, run=run, plan=plan)
+    lease_s = float(run["lease_s"])
+    qkeys = {i.key[len("quarantine/"):-len(".json")] for i in scan.under("quarantine/")}
+    mtime = {i.key: i.mtime_s for i in infos}
+
+    fragments = []
+    for p in range(plan.num_fragments):
+        versions = [v for i in scan.under(layout.manifest_prefix(p))
+                    if (v := layout.parse_num(i.key)) is not None and i.key == layout.manifest_key(p, v)]
+        entry: dict[str, Any] = {"fragment": p, "version": None, "quorum_size": None, "epoch": None,
+                                 "syncer_id": None, "age_s": None, "pending": 0}
+        if versions:
+            v = max(versions)
+            m = scan.record(layout.manifest_key(p, v), "manifest")
+            entry.update(version=v, age_s=now_s - mtime[layout.manifest_key(p, v)])
+            if m is not None:
+                entry.update(quorum_size=m.get("quorum_size", len(m["contributions"])), epoch=m["epoch"],
+                             syncer_id=m["syncer_id"])
+                entry["pending"] = _contributions(scan, p, m["high_water"], qkeys)["num_pending"]
+        fragments.append(entry)
+
+    last_contribution: dict[str, float] = {}
+    for info in scan.under("contributions/"):
+        parsed = layout.parse_contribution_key(info.key)
+        if parsed is not None:
+            last_contribution[parsed[1]] = max(last_contribution.get(parsed[1], 0.0), info.mtime_s)
+    learners = []
+    for rec, age in _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
+        lid, step, tokens = rec["learner_id"], int(rec["step"]), int(rec["tokens"])
+        step_time_s = float(rec.get("step_time_s") or 0.0)
+        learners.append({
+            "learner_id": lid, "alive": rec["state"] == "running" and age <= lease_s, "state": rec["state"],
+            "step": step, "tokens": tokens,
+            "tokens_per_s": tokens / step / step_time_s if step and step_time_s > 0 else None,
+            "step_time_s": step_time_s or None, "loss": rec.get("loss"),
+            "last_contribution_age_s": now_s - last_contribution[lid] if lid in last_contribution else None,
+            "bytes_up": int(rec.get("bytes_up", 0)), "bytes_down": int(rec.get("bytes_down", 0)),
+            "blocked_s": float(rec.get("blocked_s", 0.0)), "heartbeat_age_s": age,
+        })
+    learners.sort(key=lambda r: r["learner_id"])
+
+    run_start_s = mtime.get(layout.RUN_CONFIG, now_s)
+    return {
+        "url": store.url, "run_id": run["run_id"], "task": run["task"], "mode": run["mode"], "now_s": now_s,
+        "run_age_s": now_s - run_start_s, "num_params": plan.total_numel(), "num_fragments": plan.num_fragments,
+        "quorum": run["quorum"], "lease_s": lease_s,
+        "fragments": fragments, "learners": learners, "syncers": _syncer_status(scan, fragments, lease_s),
+        "goodput": goodput(learners, run_age_s=now_s - run_start_s),
+        "bytes": bytes_moved(learners, num_params=plan.total_numel()),
+        "errors": scan.errors,
+    }
+
+
+def _syncer_status(scan: _Scan, fragments: list[dict[str, Any]], lease_s: float) -> list[dict[str, Any]]:
+    epochs = _epochs(scan)
+    beats = {r["epoch"]: (r, age) for r, age in _heartbeats(scan, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")}
+    owner = {}
+    for e in epochs:  # ascending: the highest epoch claiming a fragment owns it
+        for p in e["fragments"]:
+            owner[p] = e["epoch"]
+    by_fragment = {f["fragment"]: f for f in fragments}
+    out = []
+    for e in reversed(epochs):
+        owned = [p for p in e["fragments"] if owner.get(p) == e["epoch"]]
+        rec, age = beats.get(e["epoch"], (None, None))
+        beating = rec is not None and age <= lease_s and rec["state"] == "serving"
+        if not owned and not beating:
+            continue  # fenced long ago
+        reported = rec.get("versions", {}) if rec else {}
+        lags = [by_fragment[p]["version"] - int(reported[str(p)]) for p in owned
+                if str(p) in reported and p in by_fragment and by_fragment[p]["version"] is not None]
+        out.append({
+            "epoch": e["epoch"], "syncer_id": e["syncer_id"], "alive": beating and bool(owned),
+            "state": rec["state"] if rec else "unknown", "fragments": owned, "heartbeat_age_s": age,
+            "lag_versions": max(lags) if lags else None,
+            "backlog": sum(by_fragment[p]["pending"] for p in owned if p in by_fragment),
+            "num_merges": rec.get("num_merges") if rec else None,
+            "num_quarantined": rec.get("num_quarantined") if rec else None,
+        })
+    return out
+
+
+def goodput(learners: list[dict[str, Any]], *, run_age_s: float) -> dict[str, Any]:
+    """Goodput = tokens processed / tokens that could have been processed.
+
+    For every learner ever seen (one heartbeat object per learner id), the
+    possible tokens are its observed rate (tokens per step / step time, from its
+    latest heartbeat) times its window: from run creation (run.json's mtime, store
+    clock) to now, or to its last heartbeat if it left or finished on purpose. A
+    learner that died (state still "running", heartbeat stale) keeps losing
+    goodput until it comes back. Late joins count as lost time. Learners without
+    a measured rate yet are left out of both sums (``num_unrated``). The tokens
+    are all tokens the learner trained on (cumulative over its sessions), not
+    only those whose contributions were merged.
+    """
+    done = possible = 0.0
+    unrated = 0
+    for r in learners:
+        if not r["tokens_per_s"]:
+            unrated += 1
+            continue
+        window_s = run_age_s if r["state"] == "running" else max(0.0, run_age_s - r["heartbeat_age_s"])
+        done += r["tokens"]
+        possible += r["tokens_per_s"] * window_s
+    return {"goodput": min(1.0, done / possible) if possible > 0 else None, "tokens": int(done),
+            "possible_tokens": int(possible), "num_unrated": unrated}
+
+
+def bytes_moved(learners: list[dict[str, Any]], *, num_params: int) -> dict[str, Any]:
+    """Bytes learners sent and received through the bucket (their heartbeats' counters),
+    against the data-parallel equivalent: an fp32 ring all-reduce of the full gradient
+    every inner step moves about 2 * 4 * num_params bytes per worker, so
+    ``data_parallel_bytes = 8 * num_params * sum(steps)``; ``reduction`` is their ratio."""
+    up = sum(r["bytes_up"] for r in learners)
+    down = sum(r["bytes_down"] for r in learners)
+    dp = 8 * num_params * sum(r["step"] for r in learners)
+    total = up + down
+    return {"bytes_up": up, "bytes_down": down, "bytes_total": total, "data_parallel_bytes": dp,
+            "reduction": dp / total if total else None}
+
+
+__all__ = ["CATEGORIES", "classify", "inspect_run", "verify_run", "run_status", "goodput", "bytes_moved"]

@@ -1,0 +1,233 @@
+"""`ddiloco inspect` and `inspect --verify` on real local-directory runs.
+
+``build_run`` (also used by test_status/test_export/test_gc) creates a run with
+the tiny GPT task and drives the real ``Syncer`` in-process through ``rounds``
+merges per fragment, from contributions written the way a learner writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli.cli import app
+from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.observe import inspect_run, verify_run
+from ddiloco_cli.published import FragmentReader, expected_shapes
+from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.store import open_store
+from ddiloco_cli.store.base import Store
+from ddiloco_cli.syncer import Syncer, SyncerOptions
+
+LEARNER = "alice"
+
+
+@dataclass
+class BuiltRun:
+    url: str
+    store: Store
+    run: dict
+    plan: FragmentPlan
+    syncer: Syncer
+
+
+def write_learner_heartbeat(store: Store, run: dict, learner_id: str, *, step: int = 10, state: str = "running",
+                            bytes_up: int = 1000, bytes_down: int = 2000) -> None:
+    rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id=learner_id, state=state, step=step,
+                       tokens=step * 64, step_time_s=0.5, loss=2.5, bytes_up=bytes_up, bytes_down=bytes_down,
+                       num_contributions=1, blocked_s=0.25, time_s=time.time())
+    store.put(layout.learner_heartbeat_key(learner_id), records.dumps(rec))
+
+
+def write_contribution(store: Store, run: dict, plan: FragmentPlan, *, fragment: int, seq: int, base_version: int,
+                       learner_id: str = LEARNER, scale: float = 1e-2) -> str:
+    shapes = expected_shapes(plan, fragment)
+    delta = {k: scale * torch.randn(shape) for k, shape in shapes.items()}
+    header = records.make("contribution", run_id=run["run_id"], fragment=fragment, learner_id=learner_id, seq=seq,
+                          base_version=base_version, c_tokens=64 * 4, c_steps=4, step=seq,
+                          nonce=records.new_nonce(), created_s=time.time())
+    data = codec.encode_tensors(delta, codec=run["codec"], block_size=run["codec_block"], metadata=header)
+    key = layout.contribution_key(fragment, learner_id, seq)
+    assert store.put_if_absent(key, data)
+    return key
+
+
+def merge_round(built: BuiltRun, seq: int) -> None:
+    """One contribution per fragment from LEARNER, then one real syncer merge each."""
+    for p, state in built.syncer.states.items():
+        write_contribution(built.store, built.run, built.plan, fragment=p, seq=seq, base_version=state.version)
+    for state in built.syncer.states.values():
+        built.syncer.poll_contributions(state)
+        assert built.syncer.maybe_merge(state), "quorum 1 with the only live learner reported: must merge"
+
+
+def build_run(root: str, *, rounds: int = 3, num_fragments: int = 2, **spec) -> BuiltRun:
+    torch.manual_seed(0)
+    store = open_store(str(root))
+    spec = {"sync_every": 4, "overlap_steps": 1, "codec": "int8", "keyframe_every": 2, "checkpoint_every": 3,
+            **spec}
+    run = init_run(store, RunSpec(num_fragments=num_fragments, **spec))
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    write_learner_heartbeat(store, run, LEARNER)
+    syncer = Syncer(store, options=SyncerOptions(syncer_id="test-syncer", gc=False))
+    assert syncer.acquire()
+    syncer.restore()
+    built = BuiltRun(str(root), store, run, plan, syncer)
+    for seq in range(rounds):
+        merge_round(built, seq)
+    syncer.heartbeat(force=True)
+    return built
+
+
+def latest_values(built: BuiltRun) -> dict[int, dict[str, torch.Tensor]]:
+    out = {}
+    for p in range(built.plan.num_fragments):
+        reader = FragmentReader(built.store, run_id=built.run["run_id"], plan=built.plan, fragment=p)
+        out[p] = reader.read(ledger.latest_version(built.store, p))
+    return out
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture
+def built(tmp_path) -> BuiltRun:
+    return build_run(str(tmp_path / "run"), rounds=3)
+
+
+# ------------------------------------------------------------------------ verify
+def test_consistent_run_verifies_clean(built):
+    assert verify_run(built.store) == []
+    result = invoke("inspect", built.url, "--verify")
+    assert result.exit_code == 0, result.output
+    assert "consistent" in result.output
+
+
+def _payload_keys(store: Store, fragment: int, version: int) -> dict[str, str]:
+    m = ledger.read_manifest(store, fragment, version)
+    return {e["kind"]: e["key"] for e in m["payloads"]}
+
+
+def test_verify_catches_flipped_byte(built):
+    key = _payload_keys(built.store, 1, 3)["delta"]
+    path = os.path.join(built.url, key)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 10)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    problems = verify_run(built.store)
+    assert any(key in p and "sha256" in p for p in problems), problems
+    result = invoke("inspect", built.url, "--verify")
+    assert result.exit_code == 1
+    assert key in result.output and "sha256" in result.output
+
+
+def test_verify_catches_missing_payload(built):
+    key = _payload_keys(built.store, 0, 2)["full"]
+    os.remove(os.path.join(built.url, key))
+    problems = verify_run(built.store)
+    assert any(key in p and "missing" in p for p in problems), problems
+    result = invoke("inspect", built.url, "--verify")
+    assert result.exit_code == 1
+    assert key in result.output
+
+
+def test_verify_catches_version_gap(built):
+    gap = layout.manifest_key(0, 2)
+    os.remove(os.path.join(built.url, gap))
+    problems = verify_run(built.store)
+    assert any(gap in p and "gap" in p for p in problems), problems
+    result = invoke("inspect", built.url, "--verify", "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.output)
+    assert any(gap in p for p in report["problems"])
+
+
+def test_verify_catches_bad_manifest_and_wrong_name(built):
+    key = layout.manifest_key(1, 1)
+    good = ledger.read_manifest(built.store, 1, 1)
+    os.remove(os.path.join(built.url, key))
+    built.store.put(key, records.dumps({**good, "version": 7}))  # valid schema, wrong name
+    bad_key = layout.manifest_key(0, 3)
+    built.store.put(bad_key, b"{not json")
+    problems = verify_run(built.store)
+    assert any(key in p and "claims fragment 1 version 7" in p for p in problems), problems
+    assert any(bad_key in p and "not valid JSON" in p for p in problems), problems
+
+
+def test_verify_catches_delta_that_disagrees_with_keyframe(built):
+    # version 2 has a delta and a keyframe; a valid delta of other values must be flagged
+    entries = ledger.read_manifest(built.store, 0, 2)["payloads"]
+    m = ledger.read_manifest(built.store, 0, 2)
+    prev = FragmentReader(built.store, run_id=built.run["run_id"], plan=built.plan, fragment=0).read(1)
+    wrong = {k: v + 1.0 for k, v in prev.items()}
+    data, _ = codec.encode_published_delta(prev, wrong, codec="int8", block_size=256)
+    key = layout.payload_key(0, 2, "delta", "badbadbadbad")
+    built.store.put(key, data)
+    m["payloads"] = [e if e["kind"] != "delta" else {**e, "key": key, "size": len(data),
+                                                     "sha256": records.sha256_hex(data)} for e in entries]
+    built.store.put(layout.manifest_key(0, 2), records.dumps(m))
+    problems = verify_run(built.store)
+    assert any(key in p and "does not reproduce" in p for p in problems), problems
+
+
+def test_verify_reports_missing_run(tmp_path):
+    store = open_store(str(tmp_path / "empty"))
+    assert any("run.json" in p and "missing" in p for p in verify_run(store))
+
+
+# ----------------------------------------------------------------------- inspect
+def test_inspect_json_has_sections(built):
+    pending_key = write_contribution(built.store, built.run, built.plan, fragment=0, seq=99, base_version=3)
+    foreign = "stray/notes.txt"
+    built.store.put(foreign, b"hello")
+    orphan = layout.payload_key(1, 9, "full", "0123456789ab")
+    built.store.put(orphan, b"x" * 10)
+    result = invoke("inspect", built.url, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    for section in ("run", "fragments", "epochs", "syncers", "learners", "quarantined", "objects", "orphans", "errors"):
+        assert section in report, section
+    assert report["run"]["run_id"] == built.run["run_id"]
+    f0, f1 = report["fragments"]
+    assert (f0["oldest_version"], f0["newest_version"], f0["num_versions"]) == (0, 3, 4)
+    assert f0["latest"]["quorum_size"] == 1 and f0["latest"]["epoch"] == built.syncer.epoch.epoch
+    assert f0["num_pending"] == 1 and f0["pending"] == {LEARNER: 1}, pending_key
+    assert f0["num_merged_uncollected"] == 3 and f1["num_pending"] == 0
+    assert [e["epoch"] for e in report["epochs"]] == [built.syncer.epoch.epoch]
+    assert report["syncers"][0]["syncer_id"] == "test-syncer"
+    assert report["learners"][0]["learner_id"] == LEARNER
+    objects = report["objects"]
+    assert objects["manifests"]["count"] == 8 and objects["contributions"]["count"] == 7
+    assert objects["checkpoints"]["count"] == 2  # version 3 of each fragment
+    assert objects["total"]["count"] == sum(v["count"] for k, v in objects.items() if k != "total")
+    orphans = {o["key"]: o["reason"] for o in report["orphans"]}
+    assert set(orphans) == {foreign, orphan}
+    assert "top-level" in orphans[foreign]
+    assert report["errors"] == []
+
+
+def test_inspect_reports_bad_content_without_crashing(built):
+    built.store.put(layout.learner_heartbeat_key("bob"), b"[1, 2")
+    built.store.put(layout.epoch_key(9), records.dumps({"format": "ddiloco.epoch"}))
+    built.store.put(layout.quarantine_key(layout.contribution_key(0, "bob", 1)),
+                    records.dumps(records.make("quarantine", key="x", reason="non-finite values")))
+    built.store.put(layout.RUN_CONFIG, b"{}")
+    report = inspect_run(built.store)
+    assert report["run"] is None
+    errors = "\n".join(report["errors"])
+    assert "run.json" in errors and layout.learner_heartbeat_key("bob") in errors
+    assert layout.epoch_key(9) in errors
+    assert report["quarantined"][0]["reason"] == "non-finite values"
+    assert len(report["fragments"]) == 2  # still shown, from the keys
+    result = invoke("inspect", built.url)
+    assert result.exit_code == 0, result.output
