@@ -1,0 +1,202 @@
+"""Codec benchmark: bytes per parameter, relative error and throughput per codec.
+
+Sizes and errors are measured on real outer gradients: a small char-level GPT
+(defined below, ~0.8M parameters) is trained with AdamW on real English text
+(ddiloco_cli/data/shakespeare_excerpt.txt; /work/shared/DESIGN.md if absent) for
+--warmup-steps, then for H = --sync-every more steps; the outer gradient is
+theta_before - theta_after. "down" is the syncer's published delta after one
+Nesterov outer step on that gradient (encode_published_delta). Throughput is
+measured on one core (torch.set_num_threads(1)) over --numel values tiled from
+the real outer gradient.
+
+    .venv/bin/python scripts/bench_codec.py                      # ~100M values for throughput
+    .venv/bin/python scripts/bench_codec.py --numel 4000000 --json /tmp/codec.json   # CPU/CI-sized
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ddiloco_cli.codec import CODECS, DEFAULT_BLOCK_SIZE, decode_tensors, encode_published_delta, encode_tensors
+from ddiloco_cli.outer import OuterOptimizer
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT_PATHS = [REPO / "ddiloco_cli/data/shakespeare_excerpt.txt", Path("/work/shared/DESIGN.md")]
+
+
+# --- a tiny char-level GPT ----------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.ln_1 = torch.nn.LayerNorm(d)
+        self.c_attn = torch.nn.Linear(d, 3 * d)
+        self.c_proj = torch.nn.Linear(d, d)
+        self.ln_2 = torch.nn.LayerNorm(d)
+        self.mlp_fc = torch.nn.Linear(d, 4 * d)
+        self.mlp_proj = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x))))
+
+
+class CharGPT(torch.nn.Module):
+    def __init__(self, vocab: int, *, d: int = 128, num_layers: int = 4, num_heads: int = 4, context: int = 64):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.wpe = torch.nn.Embedding(context, d)
+        self.blocks = torch.nn.ModuleList(Block(d, num_heads) for _ in range(num_layers))
+        self.ln_f = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def load_text() -> tuple[str, Path]:
+    for p in TEXT_PATHS:
+        if p.exists():
+            return p.read_text(encoding="utf-8"), p
+    raise SystemExit(f"no text found at {TEXT_PATHS}")
+
+
+def real_outer_gradient(
+    *, sync_every: int = 24, warmup_steps: int = 100, batch_size: int = 16, context: int = 64, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(theta_before, outer gradient theta_before - theta_after H AdamW steps, info)."""
+    text, path = load_text()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = CharGPT(len(chars), context=context)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+    def train(num_steps):
+        loss = None
+        for _ in range(num_steps):
+            ix = torch.randint(len(data) - context - 1, (batch_size,), generator=g)
+            x = torch.stack([data[i : i + context] for i in ix])
+            y = torch.stack([data[i + 1 : i + 1 + context] for i in ix])
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return float(loss.detach())
+
+    loss_warm = train(warmup_steps)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    loss_after = train(sync_every)
+    grad = {k: before[k] - v.detach() for k, v in model.named_parameters()}
+    info = {
+        "text": str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
+        "num_params": sum(v.numel() for v in grad.values()),
+        "warmup_steps": warmup_steps,
+        "sync_every": sync_every,
+        "loss_after_warmup": round(loss_warm, 4),
+        "loss_after_sync_window": round(loss_after, 4),
+    }
+    return before, grad, info
+
+
+def rel_error(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> float:
+    num = math.sqrt(sum(float((x[k] - y[k]).pow(2).sum()) for k in x))
+    den = math.sqrt(sum(float(x[k].pow(2).sum()) for k in x))
+    return num / den
+
+
+def measure_sizes(codec: str, block_size: int | None, before, grad) -> dict:
+    """Bytes/param and relative error of the upload (outer gradient) and of the
+    download (published delta after one outer step) for one codec."""
+    numel = sum(v.numel() for v in grad.values())
+    up = encode_tensors(grad, codec=codec, block_size=block_size)
+    dec, _ = decode_tensors(up)
+    # syncer side: global = before; one Nesterov outer step on the (merged) outer gradient
+    new_global = {k: v.clone() for k, v in before.items()}
+    OuterOptimizer(lr=0.7, momentum=0.9).step(new_global, grad)
+    down, published = encode_published_delta(before, new_global, codec=codec, block_size=block_size)
+    true_step = {k: before[k] - new_global[k] for k in before}
+    pub_step = {k: before[k] - published[k] for k in before}
+    return {
+        "up_bytes_per_param": len(up) / numel,
+        "up_rel_error": rel_error(grad, dec),
+        "down_bytes_per_param": len(down) / numel,
+        "down_rel_error": rel_error(true_step, pub_step),
+    }
+
+
+def measure_throughput(codec: str, block_size: int | None, grad, *, numel: int, repeats: int) -> dict:
+    flat = torch.cat([v.flatten() for v in grad.values()])
+    x = {"x": flat.repeat(-(-numel // flat.numel()))[:numel].contiguous()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        enc_s = dec_s = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            data = encode_tensors(x, codec=codec, block_size=block_size)
+            t1 = time.perf_counter()
+            decode_tensors(data, max_numel=numel)
+            t2 = time.perf_counter()
+            enc_s, dec_s = min(enc_s, t1 - t0), min(dec_s, t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
+    mb = 4 * numel / 1e6
+    return {"encode_MBps": mb / enc_s, "decode_MBps": mb / dec_s, "roundtrip_MBps": mb / (enc_s + dec_s)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=100_000_000, help="values for the throughput test")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sync-every", type=int, default=24, help="H: AdamW steps in the outer gradient")
+    ap.add_argument("--warmup-steps", type=int, default=100)
+    ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    before, grad, info = real_outer_gradient(sync_every=args.sync_every, warmup_steps=args.warmup_steps)
+    rows = []
+    for codec in args.codecs.split(","):
+        block = DEFAULT_BLOCK_SIZE.get(codec)
+        row = {"codec": codec, "block_size": block}
+        row.update(measure_sizes(codec, block, before, grad))
+        row.update(measure_throughput(codec, block, grad, numel=args.numel, repeats=args.repeats))
+        rows.append(row)
+
+    print(f"outer gradient: {info['num_params']:,} params, H={info['sync_every']} AdamW steps after "
+          f"{info['warmup_steps']} warmup, text {info['text']} (loss {info['loss_after_sync_window']})")
+    print(f"throughput: {args.numel:,} fp32 values, 1 thread, best of {args.repeats}")
+    hdr = f"{'codec':<6}{'block':>6}{'up B/param':>12}{'up rel.err':>12}{'down B/param':>14}" \
+          f"{'down rel.err':>14}{'enc MB/s':>10}{'dec MB/s':>10}{'enc+dec MB/s':>14}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['codec']:<6}{str(r['block_size'] or '-'):>6}{r['up_bytes_per_param']:>12.4f}"
+              f"{r['up_rel_error']:>12.4%}{r['down_bytes_per_param']:>14.4f}{r['down_rel_error']:>14.4%}"
+              f"{r['encode_MBps']:>10.0f}{r['decode_MBps']:>10.0f}{r['roundtrip_MBps']:>14.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({"info": info, "numel": args.numel, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
