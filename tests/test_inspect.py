@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -98,9 +99,20 @@ def invoke(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
+def copy_run(template: BuiltRun, root: str) -> BuiltRun:
+    """A copy of a built run in a fresh directory (its own store; the template's syncer)."""
+    shutil.copytree(template.url, root)
+    return BuiltRun(root, open_store(root), template.run, template.plan, template.syncer)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> BuiltRun:
+    return build_run(str(tmp_path_factory.mktemp("template") / "run"), rounds=3)
+
+
 @pytest.fixture
-def built(tmp_path) -> BuiltRun:
-    return build_run(str(tmp_path / "run"), rounds=3)
+def built(template, tmp_path) -> BuiltRun:
+    return copy_run(template, str(tmp_path / "run"))
 
 
 # ------------------------------------------------------------------------ verify

@@ -1,0 +1,103 @@
+"""`ddiloco export`: the latest global model as one safetensors file.
+
+The file holds the task model's full ``state_dict()`` (tied weights appear under
+every name ``state_dict`` uses, each as its own copy, since safetensors refuses
+shared storage), so ``model.load_state_dict(load_file(path), strict=True)``
+works on a freshly built task model. Its metadata carries the run config
+(``ddiloco_run``, JSON) and the fragment versions it was assembled from
+(``versions``, JSON ``{fragment: version}``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ddiloco_cli import ledger
+from ddiloco_cli.errors import ProtocolError, UsageError
+from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.published import FragmentReader
+from ddiloco_cli.store.base import Store
+from ddiloco_cli.tasks import load_task
+
+
+def assemble_parameters(plan: FragmentPlan, values: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters {name: tensor} from per-fragment values keyed by slice key
+    (``TensorSlice.key``); row slices are written into rows [row_start, row_end)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, (shape, _) in plan.tensor_shapes().items():
+        out[name] = torch.empty(shape, dtype=torch.float32)
+    for p, frag in enumerate(plan.fragments):
+        for s in frag:
+            v = values[p][s.key]
+            s.view_of(out[s.name]).copy_(v.reshape(s.slice_shape))
+    return out
+
+
+def export_model(store: Store, out_path: str) -> dict[str, Any]:
+    """Write the newest committed version of every fragment, assembled into the run's
+    task model, to ``out_path`` (a local file, replaced atomically).
+
+    Returns {run_id, num_params, versions: {fragment: version}, path}. Raises
+    RunNotFoundError, ProtocolError / InvalidPayloadError on bad bucket content, and
+    UsageError when the task cannot be built or does not match the run's plan.
+    """
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    versions: dict[int, int] = {}
+    values: dict[int, dict[str, torch.Tensor]] = {}
+    for p in range(plan.num_fragments):
+        v = ledger.latest_version(store, p)
+        if v is None:
+            raise ProtocolError(f"{store.url}: fragment {p} has no committed version (was `ddiloco init` interrupted?)")
+        values[p] = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=p).read(v)
+        versions[p] = v
+    params = assemble_parameters(plan, values)
+
+    model = load_task(run["task"]).build_model()
+    named = dict(model.named_parameters())
+    plan.check_model(named)
+    with torch.no_grad():
+        for name, param in named.items():
+            param.copy_(params[name])
+    state = {k: t.detach().to("cpu").clone().contiguous() for k, t in model.state_dict().items()}
+    metadata = {"ddiloco_run": json.dumps(run, sort_keys=True),
+                "versions": json.dumps({str(p): v for p, v in versions.items()})}
+
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".safetensors", dir=out_dir)
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata=metadata)
+        os.replace(tmp, out_path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return {"run_id": run["run_id"], "num_params": plan.total_numel(), "versions": versions, "path": out_path}
+
+
+def exported_metadata(path: str) -> dict[str, Any]:
+    """{"run": run config, "versions": {fragment: version}} from an exported file."""
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+    if "ddiloco_run" not in meta:
+        raise UsageError(f"{path} was not written by `ddiloco export` (no ddiloco_run metadata)")
+    return {"run": json.loads(meta["ddiloco_run"]),
+            "versions": {int(p): v for p, v in json.loads(meta.get("versions", "{}")).items()}}
+
+
+def load_exported(path: str, task_spec: str | None = None) -> torch.nn.Module:
+    """A fresh model of ``task_spec`` (default: the task recorded in the file) with the
+    exported weights loaded strictly."""
+    if task_spec is None:
+        task_spec = exported_metadata(path)["run"]["task"]
+    model = load_task(task_spec).build_model()
+    model.load_state_dict(load_file(path), strict=True)
+    return model
