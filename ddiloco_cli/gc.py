@@ -3,11 +3,13 @@
 For each fragment, with ``latest`` its newest version and ``ckpt`` the newest
 outer-optimizer checkpoint at or below it, everything from
 
-    keep_from = keyframe_floor(min(latest - retain_versions + 1, ckpt))
+    keep_from = keyframe_floor(min(latest - retain_versions + 1, ckpt - max_staleness))
 
 on is kept: the manifests and payloads a reader needs for any recent version
 (a keyframe plus the deltas after it), and the ledger plus contributions a
-restarting syncer needs to replay from its checkpoint. Older manifests and
+restarting syncer needs to replay from its checkpoint (replaying version
+ckpt + 1 needs the value of every base it merged, and bases reach back
+max_staleness versions). Older manifests and
 payloads go; contributions go once merged (or superseded) at or before
 ``ckpt``; orphans (payloads no manifest names, quarantined inputs, older
 checkpoints, clock probes) go only after ``gc_grace_s`` so that a writer still
@@ -40,9 +42,9 @@ class GCReport:
 
 
 def keep_from_version(*, latest: int, newest_checkpoint: int, retain_versions: int,
-                      publish_codec: str, keyframe_every: int) -> int:
+                      publish_codec: str, keyframe_every: int, max_staleness: int = 0) -> int:
     """The oldest version GC keeps for a fragment (see the module docstring)."""
-    keep = max(0, min(latest - retain_versions + 1, newest_checkpoint))
+    keep = max(0, min(latest - retain_versions + 1, newest_checkpoint - max_staleness))
     if publish_codec != "none":
         keep -= keep % keyframe_every  # the keyframe the retained delta chain starts from
     return keep
@@ -74,7 +76,8 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
         newest_ckpt = max((v for v, _ in checkpoints), default=0)
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
                                  retain_versions=int(run["retain_versions"]),
-                                 publish_codec=run["publish_codec"], keyframe_every=int(run["keyframe_every"]))
+                                 publish_codec=run["publish_codec"], keyframe_every=int(run["keyframe_every"]),
+                                 max_staleness=int(run["max_staleness"]))
         report.keep_from[p] = keep
         referenced: set[str] = set()
         high_water: dict[str, int] = {}
