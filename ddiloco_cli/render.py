@@ -63,7 +63,7 @@ def _alive(alive: bool) -> Text:
 
 
 def _table(title: str, *columns: str) -> Table:
-    table = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for c in columns:
         table.add_column(c, justify="left" if c in ("learner", "syncer", "key", "reason", "state", "fragments",
                                                      "field", "value", "category") else "right")
@@ -76,6 +76,16 @@ def _cut(table: Table, rows: list[tuple], ncols: int) -> Table:
     if len(rows) > MAX_ROWS:
         table.add_row(f"... {len(rows) - MAX_ROWS} more", *[""] * (ncols - 1))
     return table
+
+
+def _stack(parts: list[RenderableType]) -> Group:
+    """Sections one under another, a blank line between two tables."""
+    out: list[RenderableType] = []
+    for part in parts:
+        if out and isinstance(part, Table):
+            out.append(Text(""))
+        out.append(part)
+    return Group(*out)
 
 
 # ------------------------------------------------------------------------ status
@@ -109,7 +119,7 @@ def render_status(status: dict[str, Any]) -> RenderableType:
     parts.append(_cut(syncers, rows, 9) if rows else Text("syncers: none serving", style="yellow"))
     for error in status.get("errors", []):
         parts.append(Text(f"warning: {error}", style="yellow"))
-    return Group(*parts)
+    return _stack(parts)
 
 
 def _fragments_view(fragments: list[dict[str, Any]]) -> RenderableType:
@@ -162,6 +172,8 @@ def render_inspect(report: dict[str, Any]) -> RenderableType:
     else:
         table = _table("run", "field", "value")
         for k, v in run.items():
+            if k == "created_s" and v is not None:
+                v = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(v))
             table.add_row(k, f"{v:,}" if k == "num_params" and v is not None else str(v))
         parts.append(table)
 
@@ -209,4 +221,4 @@ def render_inspect(report: dict[str, Any]) -> RenderableType:
         parts.append(_cut(table, rows, 4))
     for error in report["errors"]:
         parts.append(Text(f"error: {error}", style="red"))
-    return Group(*parts)
+    return _stack(parts)
