@@ -299,8 +299,8 @@ def test_init_writes_plan_first_run_json_last_W6(store_url, backend):
 
 # ======================================================== committing a version
 def test_manifest_created_after_its_payloads_W2(run_store):
-    """[W2] payloads are created before the manifest that names them; the manifest records each
-    payload's key, size and sha256, and readers check them [R4]."""
+    """[W2][W7] payloads are created (create-only) before the manifest that names them; the manifest
+    records each payload's key, size and sha256, and readers check them [R4]."""
     beat(run_store, "a")
     rec = RecordingStore(run_store)
     s = live_syncer(rec)
