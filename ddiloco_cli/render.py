@@ -58,8 +58,11 @@ def fmt_fragments(frags: Iterable[int]) -> str:
     return ",".join(parts) or "-"
 
 
-def _alive(alive: bool) -> Text:
-    return Text("● alive", style="green") if alive else Text("○ down", style="red")
+def _alive(alive: bool, state: str = "running") -> Text:
+    if alive:
+        return Text("● alive", style="green")
+    # a learner that left or finished on purpose is not a failure
+    return Text("○ down", style="red") if state in ("running", "serving") else Text(f"○ {state}", style="dim")
 
 
 def _table(title: str, *columns: str) -> Table:
@@ -106,14 +109,14 @@ def render_status(status: dict[str, Any]) -> RenderableType:
 
     learners = _table("learners", "learner", "", "state", "step", "tokens", "tok/s", "loss", "last contrib",
                       "up", "down", "blocked", "beat")
-    rows = [(r["learner_id"], _alive(r["alive"]), r["state"], fmt_num(r["step"]), fmt_num(r["tokens"]),
+    rows = [(r["learner_id"], _alive(r["alive"], r["state"]), r["state"], fmt_num(r["step"]), fmt_num(r["tokens"]),
              fmt_num(r["tokens_per_s"]), fmt_num(r["loss"], ".3f"), fmt_age(r["last_contribution_age_s"]),
              fmt_bytes(r["bytes_up"]), fmt_bytes(r["bytes_down"]), fmt_age(r["blocked_s"]),
              fmt_age(r["heartbeat_age_s"])) for r in status["learners"]]
     parts.append(_cut(learners, rows, 12) if rows else Text("learners: none yet", style="dim"))
 
     syncers = _table("syncers", "epoch", "syncer", "", "state", "fragments", "beat", "lag", "backlog", "merges")
-    rows = [(str(s["epoch"]), s["syncer_id"], _alive(s["alive"]), s["state"], fmt_fragments(s["fragments"]),
+    rows = [(str(s["epoch"]), s["syncer_id"], _alive(s["alive"], s["state"]), s["state"], fmt_fragments(s["fragments"]),
              fmt_age(s["heartbeat_age_s"]), fmt_num(s["lag_versions"]), str(s["backlog"]), fmt_num(s["num_merges"]))
             for s in status["syncers"]]
     parts.append(_cut(syncers, rows, 9) if rows else Text("syncers: none serving", style="yellow"))
