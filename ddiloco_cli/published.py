@@ -170,3 +170,34 @@ class FragmentReader:
                 raise ProtocolError(f"{self.store.url}: version {m['version']} of fragment {self.fragment} has no delta payload")
             value = nxt
         return value
+
+
+def read_global_params(store: Store, *, run_id: str, plan: FragmentPlan) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+    """The latest published value of every fragment, reassembled into whole fp32
+    tensors keyed by parameter name. Returns (params, {fragment: version})."""
+    slices: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    versions: dict[int, int] = {}
+    for p in range(plan.num_fragments):
+        version = ledger.latest_version(store, p)
+        if version is None:
+            raise ProtocolError(f"{store.url}: fragment {p} has no committed version")
+        value = FragmentReader(store, run_id=run_id, plan=plan, fragment=p).read(version)
+        versions[p] = version
+        for s in plan.fragments[p]:
+            slices.setdefault(s.name, []).append((s.row_start, value[s.key]))
+            shapes[s.name] = tuple(s.shape)
+    params = {}
+    for name, parts in slices.items():
+        parts.sort(key=lambda x: x[0])
+        params[name] = torch.cat([t for _, t in parts]).reshape(shapes[name]) if shapes[name] else parts[0][1].reshape(())
+    return params, versions
+
+
+def load_global_model(store: Store, *, run_id: str, plan: FragmentPlan, model: torch.nn.Module) -> dict[int, int]:
+    """Copy the latest global parameters into ``model`` (by parameter name). Returns versions."""
+    params, versions = read_global_params(store, run_id=run_id, plan=plan)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            t.copy_(params[name].to(t.dtype))
+    return versions

@@ -1,0 +1,85 @@
+"""Helpers for tests that run real `ddiloco` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.store import open_store
+
+
+class Procs:
+    """Starts `python -m ddiloco_cli ...` processes with logs in a directory; kills
+    whatever is left at exit."""
+
+    def __init__(self, log_dir, env: dict[str, str] | None = None):
+        self.log_dir = str(log_dir)
+        self.env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=self.env)
+        proc.name = name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ddiloco_cli", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout_s)
+
+    def log(self, name: str) -> str:
+        with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
+            return f.read()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def wait_for(cond: Callable[[], bool], *, timeout_s: float, what: str, procs: Procs | None = None, poll_s: float = 0.25) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(poll_s)
+    logs = ""
+    if procs is not None:
+        for p in procs.procs:
+            logs += f"\n--- {p.name} (rc={p.poll()}) ---\n" + procs.log(p.name)[-3000:]
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{logs}")
+
+
+def terminate(proc: subprocess.Popen, *, timeout_s: float = 30) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=timeout_s)
+
+
+def versions(url: str, num_fragments: int) -> list[int]:
+    store = open_store(url)
+    return [ledger.latest_version(store, p) or 0 for p in range(num_fragments)]
+
+
+def all_manifests(url: str) -> dict[int, list[dict]]:
+    store = open_store(url)
+    run = ledger.read_run(store)
+    out = {}
+    for p in range(int(run["num_fragments"])):
+        out[p] = [ledger.read_manifest(store, p, v, run_id=run["run_id"]) for v in ledger.list_versions(store, p)]
+    return out
+
+
+def learner_heartbeat(url: str, learner_id: str) -> dict | None:
+    store = open_store(url)
+    try:
+        return records.loads(store.get(layout.learner_heartbeat_key(learner_id)), "learner_heartbeat", where="hb")
+    except Exception:  # noqa: BLE001
+        return None
