@@ -87,6 +87,13 @@ def _full_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     return torch.nn.functional.pad(x, (0, nb * block - n)).view(nb, block), nb
 
 
+def _chunk_elems(block: int) -> int:
+    """Elements per chunk: ~1M (a few MB stay in cache between the passes), a
+    multiple of the block size and even, so chunked output equals one-shot output."""
+    c = block * max(1, (1 << 20) // block)
+    return c if c % 2 == 0 else 2 * c
+
+
 def _quantize(x: torch.Tensor, codec: str, block: int) -> list:
     """fp32 flat contiguous tensor -> raw (uncompressed) frame, as a list of
     buffers to be concatenated."""
@@ -95,25 +102,36 @@ def _quantize(x: torch.Tensor, codec: str, block: int) -> list:
         return [x.numpy()]
     if codec == "bf16":
         return [x.to(torch.bfloat16).view(torch.int16).numpy()]
+    step = _chunk_elems(block)
+    scales, bodies = [], []
+    for start in range(0, n, step):
+        sc, body = _quantize_chunk(x[start : start + step], codec, block)
+        scales.append(sc)
+        bodies.append(body)
+    return scales + bodies
+
+
+def _quantize_chunk(x: torch.Tensor, codec: str, block: int):
+    n = x.numel()
     qmax = _QMAX[codec]
     xb, _ = _full_blocks(x, block)
     absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())
     scale = _bf16_scales_up(absmax, qmax)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     # |x * inv| <= qmax because the scale was rounded up, so no clamp is needed;
-    # floor(y + qmax + 1.5) is round-half-up of y, offset to be non-negative.
+    # floor(y + offset + 0.5) is round-half-up of y, shifted to be non-negative.
     offset = 8 if codec == "int4" else 128
     y = xb * inv[:, None]
     y.add_(offset + 0.5)
     u = y.to(torch.uint8).view(-1)[:n]
     scale_buf = scale.to(torch.bfloat16).view(torch.int16).numpy()
     if codec == "int8":
-        return [scale_buf, u.numpy()]  # stored as q + 128 (uint8)
+        return scale_buf, u.numpy()  # stored as q + 128 (uint8)
     if n % 2:
         u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8)])
     pairs = u.view(-1, 2)
     packed = torch.addcmul(pairs[:, 0], pairs[:, 1], torch.tensor(16, dtype=torch.uint8))
-    return [scale_buf, packed.numpy()]
+    return scale_buf, packed.numpy()
 
 
 def _dequantize(raw: bytes, codec: str, n: int, block: int) -> torch.Tensor:
@@ -130,23 +148,30 @@ def _dequantize(raw: bytes, codec: str, n: int, block: int) -> torch.Tensor:
     nb = _num_blocks(n, block)
     scale = buf[: 2 * nb].view(torch.bfloat16).to(torch.float32)
     body = buf[2 * nb :]
-    q = torch.empty(nb * block, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32)
+    step = _chunk_elems(block)
+    per_byte = 1 if codec == "int8" else 2
+    for start in range(0, n, step):
+        m = min(step, n - start)
+        b0 = start // block
+        chunk_body = body[start // per_byte : start // per_byte + -(-m // per_byte)]
+        out[start : start + m] = _dequantize_chunk(scale[b0 : b0 + _num_blocks(m, block)], chunk_body, codec, m, block)
+    return out
+
+
+def _dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: int, block: int) -> torch.Tensor:
+    nb = scale.numel()
+    q = torch.empty(max(nb * block, 2 * body.numel()), dtype=torch.float32)
     if codec == "int8":
         q[:n] = body
         q[:n].sub_(128)
     else:
-        pairs = q[: 2 * body.numel()].view(-1, 2) if 2 * body.numel() <= nb * block else None
-        if pairs is None:  # n odd and block == 1: one padding nibble past the end
-            full = torch.empty(2 * body.numel(), dtype=torch.float32)
-            full.view(-1, 2)[:, 0] = body & 0x0F
-            full.view(-1, 2)[:, 1] = body >> 4
-            q[:n] = full[:n]
-        else:
-            pairs[:, 0] = body & 0x0F
-            pairs[:, 1] = body >> 4
+        pairs = q[: 2 * body.numel()].view(-1, 2)
+        pairs[:, 0] = body & 0x0F
+        pairs[:, 1] = body >> 4
         q[:n].sub_(8)
     q[n:] = 0
-    qb = q.view(nb, block)
+    qb = q[: nb * block].view(nb, block)
     qb.mul_(scale[:, None])
     return q[:n]
 
