@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -147,16 +149,14 @@ def test_large_object_round_trip(store):
 
 
 @pytest.mark.gcs
-def test_gcs_create_only_enforced_above_resumable_threshold(gcs_url, monkeypatch):
-    # gcsfs switches to resumable uploads at its chunk size, where fake-gcs-server
-    # ignores ifGenerationMatch; our create must stay on the enforced path.
-    from ddiloco_cli.store import fsspec_store
-
-    monkeypatch.setattr(fsspec_store, "_GCS_DEFAULT_CHUNK_BYTES", 2**18)
+def test_gcs_create_only_enforced_above_resumable_threshold(gcs_url):
+    # gcsfs switches to a resumable upload at 50 MiB, where fake-gcs-server ignores
+    # ifGenerationMatch; our create must stay on the enforced single-request path.
     store = open_store(gcs_url.url)
-    first, second = os.urandom(2**20), os.urandom(2**20)
+    size = 50 * 2**20 + 1
+    first = b"a" * size
     assert store.put_if_absent("big.bin", first) is True
-    assert store.put_if_absent("big.bin", second) is False
+    assert store.put_if_absent("big.bin", b"b" * size) is False
     assert store.get("big.bin") == first
 
 
@@ -213,3 +213,14 @@ def test_bad_keys_are_rejected(store):
     for key in ["", "/abs", "a//b", "../escape", "a/./b", "a/.tmp-x"]:
         with pytest.raises(AssertionError):
             store.put(key, b"1")
+
+
+@pytest.mark.parametrize(
+    "fixture", [pytest.param("s3_url", marks=pytest.mark.s3), pytest.param("gcs_url", marks=pytest.mark.gcs)]
+)
+def test_bucket_url_fixture_reaches_the_emulator_from_a_subprocess(fixture, request):
+    # the contract other tests rely on: url + env are enough for a child process
+    url, env = request.getfixturevalue(fixture)
+    code = "import sys; from ddiloco_cli.store import open_store; open_store(sys.argv[1]).put_if_absent('from-child', b'hi')"
+    subprocess.run([sys.executable, "-c", code, url], env=env, check=True, timeout=120)
+    assert open_store(url).get("from-child") == b"hi"
