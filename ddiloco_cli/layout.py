@@ -63,8 +63,17 @@ def latest_hint_key(p: int) -> str:
 
 
 # -- learner contributions (outer gradients), named by (fragment, learner, seq) --
+CONTRIBUTION_ROOT = "contributions/"
+
+
 def contribution_prefix(p: int) -> str:
-    return f"contributions/{frag(p)}/"
+    return f"{CONTRIBUTION_ROOT}{frag(p)}/"
+
+
+def parse_fragment_dir(key: str) -> int | None:
+    """The fragment of a key under contributions/pNNNNN/..., or None."""
+    m = re.match(r"^contributions/p(\d{5})/", key)
+    return int(m.group(1)) if m else None
 
 
 def contribution_key(p: int, learner_id: str, seq: int) -> str:

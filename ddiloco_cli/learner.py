@@ -157,6 +157,7 @@ class Receiver(threading.Thread):
         self.ready: dict[int, tuple[int, Tensors, dict[str, Any]]] = {}
         self.stopping = threading.Event()
         self.wake = threading.Event()
+        self._polls = 0
 
     def want(self, p: int, have: tuple[int, Tensors]) -> None:
         with self.lock:
@@ -183,7 +184,11 @@ class Receiver(threading.Thread):
             self.wake.clear()
 
     def _fetch(self, p: int, have: tuple[int, Tensors]) -> None:
-        latest = ledger.latest_version(self.store, p)
+        # the hint costs a GET; every 8th poll LISTs, in case the hint is stale or lost
+        self._polls += 1
+        latest = ledger.read_latest_hint(self.store, p) if self._polls % 8 else None
+        if latest is None:
+            latest = ledger.latest_version(self.store, p)
         with self.lock:
             ready = self.ready.get(p)
         if latest is None or latest <= have[0] or (ready is not None and ready[0] >= latest):

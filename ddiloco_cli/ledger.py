@@ -106,6 +106,18 @@ def latest_version(store: Store, fragment: int) -> int | None:
     return versions[-1] if versions else None
 
 
+def read_latest_hint(store: Store, fragment: int) -> int | None:
+    """The version the ``latest`` hint names (one GET instead of a LIST), or None.
+
+    Only a hint: it may lag, be missing or lie; callers confirm by reading that
+    version's manifest and fall back to ``latest_version`` now and then."""
+    try:
+        rec = records.loads(store.get(layout.latest_hint_key(fragment)), "latest", where="latest hint")
+    except (NotFound, ProtocolError):
+        return None
+    return rec["version"] if rec["fragment"] == fragment else None
+
+
 def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | None = None) -> dict[str, Any]:
     """A committed manifest, validated. Raises NotFound or ProtocolError."""
     key = layout.manifest_key(fragment, version)

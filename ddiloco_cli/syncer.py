@@ -27,7 +27,7 @@ from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.merge import check_finite, is_embedding_key, merge_outer_gradients, token_weight
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, encode_version, expected_shapes, upload_payloads
-from ddiloco_cli.store.base import NotFound, Store
+from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class FragmentState:
     high_water: dict[str, int]
     history: OrderedDict[int, Tensors] = field(default_factory=OrderedDict)
     pending: dict[str, Contribution] = field(default_factory=dict)
-    superseded: list[Contribution] = field(default_factory=list)
+    superseded: list[dict[str, Any]] = field(default_factory=list)  # ledger entries
     seen: set[str] = field(default_factory=set)
     first_pending_t: float | None = None
     quorum_t: float | None = None
@@ -341,9 +341,27 @@ class Syncer:
                            epoch=self.epoch.epoch if self.epoch else 0, created_s=time.time())
         self.store.put_if_absent(layout.quarantine_key(key), records.dumps(rec))
 
-    def poll_contributions(self, state: FragmentState) -> None:
+    def poll_contributions(self) -> None:
+        """One LIST for all owned fragments (one per fragment would cost P LISTs a poll)."""
+        if len(self.fragments) == 1:
+            infos = self.store.list(layout.contribution_prefix(self.fragments[0]))
+        else:
+            infos = self.store.list(layout.CONTRIBUTION_ROOT)
+        by_fragment: dict[int, list[ObjectInfo]] = {p: [] for p in self.fragments}
+        for info in infos:
+            p = layout.parse_fragment_dir(info.key)
+            if p in by_fragment:
+                by_fragment[p].append(info)
+        for p, keys in by_fragment.items():
+            self._take_contributions(self.states[p], keys)
+
+    def _take_contributions(self, state: FragmentState, infos: list[ObjectInfo]) -> None:
+        """Load at most one new contribution per learner: its newest valid one. Older
+        unmerged ones are superseded (the newest carries the learner's progress against
+        its base) and go into the ledger as such without being downloaded."""
         p = state.fragment
-        for info in self.store.list(layout.contribution_prefix(p)):
+        fresh: dict[str, list[tuple[int, ObjectInfo]]] = {}
+        for info in infos:
             key = info.key
             if key in state.seen or key in self.bad_keys:
                 continue
@@ -352,22 +370,26 @@ class Syncer:
                 self._quarantine(key, "not a valid contribution name")
                 continue
             _, learner_id, seq = parsed
-            if seq <= state.high_water.get(learner_id, -1):
-                state.seen.add(key)  # already merged or superseded
-                continue
-            current = state.pending.get(learner_id)
-            if current is not None and current.seq > seq:
-                state.seen.add(key)
-                continue
-            contribution = self._load_contribution(state, key, learner_id, seq)
             state.seen.add(key)
-            if contribution is None:
-                continue
-            if current is not None:
-                state.superseded.append(current)
-            state.pending[learner_id] = contribution
-            if state.first_pending_t is None:
-                state.first_pending_t = time.monotonic()
+            if seq > state.high_water.get(learner_id, -1):  # else already merged or superseded
+                fresh.setdefault(learner_id, []).append((seq, info))
+        for learner_id, items in fresh.items():
+            items.sort(key=lambda item: item[0], reverse=True)
+            current = state.pending.get(learner_id)
+            for i, (seq, info) in enumerate(items):
+                if current is not None and seq < current.seq:
+                    state.superseded.extend(_superseded_entry(learner_id, s, o) for s, o in items[i:])
+                    break
+                contribution = self._load_contribution(state, info.key, learner_id, seq)
+                if contribution is None:
+                    continue
+                state.superseded.extend(_superseded_entry(learner_id, s, o) for s, o in items[i + 1:])
+                if current is not None:
+                    state.superseded.append(_superseded_entry(learner_id, current.seq, current))
+                state.pending[learner_id] = contribution
+                if state.first_pending_t is None:
+                    state.first_pending_t = time.monotonic()
+                break
 
     def _load_contribution(self, state: FragmentState, key: str, learner_id: str, seq: int) -> Contribution | None:
         p = state.fragment
@@ -445,14 +467,16 @@ class Syncer:
             keyframe_every=int(self.run["keyframe_every"]),
         )
         high_water = dict(state.high_water)
-        for c in contributions + state.superseded:
+        for c in contributions:
             high_water[c.learner_id] = max(high_water.get(c.learner_id, -1), c.seq)
+        for e in state.superseded:
+            high_water[e["learner_id"]] = max(high_water.get(e["learner_id"], -1), e["seq"])
         manifest = records.make(
             "manifest", run_id=self.run_id, fragment=p, version=version, epoch=self.epoch.epoch,
             syncer_id=self.syncer_id, nonce=records.new_nonce(), created_s=time.time(),
             numel=self.plan.fragment_numel(p), payloads=[e for _, _, e in encoded.payloads],
             contributions=[c.ledger_entry(used=True) for c in contributions]
-            + [c.ledger_entry(used=False, reason="superseded") for c in state.superseded],
+            + state.superseded,
             quorum_size=len(contributions), grace_s=grace_s, outer_steps=outer.num_steps, high_water=high_water,
         )
         self.bytes_out += upload_payloads(self.store, encoded)
@@ -478,6 +502,7 @@ class Syncer:
         state.high_water = high_water
         state.pending.clear()
         state.superseded.clear()
+        state.seen = {k for k in state.seen if _above_high_water(k, high_water)}
         state.first_pending_t = state.quorum_t = None
         state.last_quorum_size = len(contributions)
         self.num_merges += 1
@@ -514,10 +539,9 @@ class Syncer:
                 if time.monotonic() - self._last_fence_check_t > max(1.0, float(self.run["heartbeat_s"])):
                     self.check_fence()
                 self.heartbeat()
+                self.poll_contributions()
                 for p in self.fragments:
-                    state = self.states[p]
-                    self.poll_contributions(state)
-                    if self.maybe_merge(state):
+                    if self.maybe_merge(self.states[p]):
                         committed += 1
                 if self.on_progress is not None:
                     self.on_progress(self.progress())
@@ -553,6 +577,15 @@ class Syncer:
             "num_merges": self.num_merges, "num_quarantined": self.num_quarantined,
             "live_learners": len(self.live_learners), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
         }
+
+
+def _superseded_entry(learner_id: str, seq: int, obj: "ObjectInfo | Contribution") -> dict[str, Any]:
+    return {"learner_id": learner_id, "seq": seq, "key": obj.key, "size": obj.size, "used": False, "reason": "superseded"}
+
+
+def _above_high_water(key: str, high_water: dict[str, int]) -> bool:
+    parsed = layout.parse_contribution_key(key)
+    return parsed is None or parsed[2] > high_water.get(parsed[1], -1)
 
 
 def _spec(frags: list[int]) -> str:

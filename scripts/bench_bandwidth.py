@@ -1,7 +1,9 @@
 """Bandwidth model: bytes per learner per inner step, Decoupled DiLoCo vs data-parallel.
 
-Data-parallel: a ring all-reduce of fp32 gradients every step moves
-2 (n-1)/n * 4 bytes * params per worker (n = --learners data centres).
+Data-parallel: a ring all-reduce of fp32 gradients every step (reduce-scatter,
+then all-gather) makes every worker send 2 (n-1)/n * 4 bytes * params and
+receive as much (n = --learners data centres); both directions are counted, as
+they are for Decoupled DiLoCo (up + down).
 Decoupled DiLoCo: every parameter goes up once per H steps (as part of one of P
 fragments) and comes back down once per H steps, so per step a learner sends
 params * b_up / H and receives params * b_down / H, where b = encoded bytes per
@@ -36,6 +38,7 @@ PAPER_DDILOCO_GBPS = 0.84
 
 
 def dp_bytes_per_step(params: float, learners: int) -> float:
+    """Bytes one worker sends (and, again, receives) per step in a ring all-reduce."""
     return 2 * (learners - 1) / learners * 4 * params
 
 
@@ -58,8 +61,8 @@ def main() -> None:
     measured = {c: measure_sizes(c, DEFAULT_BLOCK_SIZE.get(c), before, grad) for c in CODECS}
 
     dp = dp_bytes_per_step(N, args.learners)
-    rows = [{"setting": f"data-parallel fp32 ring all-reduce (n={args.learners})", "up": dp / 2, "down": dp / 2,
-             "peak": dp, "ratio": 1.0}]
+    rows = [{"setting": f"data-parallel fp32 ring all-reduce (n={args.learners})", "up": dp, "down": dp,
+             "peak": 2 * dp, "ratio": 1.0}]
     for up_c, down_c in [(c, c) for c in CODECS] + ([(args.codec, down_codec)] if down_codec != args.codec else []):
         b_up = measured[up_c]["up_bytes_per_param"]
         b_down = measured[down_c]["down_bytes_per_param"]
@@ -70,7 +73,7 @@ def main() -> None:
             "b_up": b_up, "b_down": b_down,
             "up": up, "down": down,
             "peak": N / P * (b_up + b_down),  # one fragment up and one down at a sync step
-            "ratio": dp / (up + down),
+            "ratio": 2 * dp / (up + down),
         })
     main_row = next(r for r in rows[1:] if r["up_codec"] == args.codec and r["down_codec"] == down_codec)
     ratio = main_row["ratio"]
@@ -100,7 +103,7 @@ def main() -> None:
     }
     if args.step_time_s:
         gbps = (main_row["up"] + main_row["down"]) * 8 / args.step_time_s / 1e9
-        dp_gbps = dp * 8 / args.step_time_s / 1e9
+        dp_gbps = 2 * dp * 8 / args.step_time_s / 1e9
         print(f"at {args.step_time_s} s/step: DP {dp_gbps:.2f} Gbps vs DDiLoCo {gbps:.4f} Gbps")
         result.update(step_time_s=args.step_time_s, dp_gbps=dp_gbps, ddiloco_gbps=gbps)
     if args.json:

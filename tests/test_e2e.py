@@ -69,7 +69,7 @@ def test_survives_kill9_of_learner_and_syncer(run_url, tmp_path):
         model = task.build_model()
         initial_loss = evaluate(task, model, batch_size=16, max_batches=4)
 
-        procs.start("syncer-1", "sync", url, "--poll", "0.05", "--no-gc")
+        procs.start("syncer-1", "sync", url, "--poll", "0.2", "--no-gc")
         learners = {lid: procs.start(lid, "learn", url, "--learner-id", lid, "--threads", "1")
                     for lid in ("learner-0", "learner-1", "learner-2")}
         wait_for(lambda: min(versions(url, P)) >= 4, timeout_s=120, what="4 versions of every fragment", procs=procs)
@@ -101,7 +101,7 @@ def test_survives_kill9_of_learner_and_syncer(run_url, tmp_path):
         procs.procs[0].send_signal(signal.SIGKILL)
         procs.procs[0].wait()
         killed_at = versions(url, P)
-        procs.start("syncer-2", "sync", url, "--poll", "0.05", "--no-gc")
+        procs.start("syncer-2", "sync", url, "--poll", "0.2", "--no-gc")
         wait_for(lambda: min(v - k for v, k in zip(versions(url, P), killed_at)) >= 3, timeout_s=90,
                  what="the second syncer committing", procs=procs)
 

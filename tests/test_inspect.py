@@ -65,7 +65,7 @@ def merge_round(built: BuiltRun, seq: int) -> None:
     for p, state in built.syncer.states.items():
         write_contribution(built.store, built.run, built.plan, fragment=p, seq=seq, base_version=state.version)
     for state in built.syncer.states.values():
-        built.syncer.poll_contributions(state)
+        built.syncer.poll_contributions()
         assert built.syncer.maybe_merge(state), "quorum 1 with the only live learner reported: must merge"
 
 

@@ -156,7 +156,7 @@ def live_syncer(store, *, syncer_id: str = "live", fragments: list[int] | None =
 
 def step(s: Syncer, p: int) -> bool:
     state = s.states[p]
-    s.poll_contributions(state)
+    s.poll_contributions()
     return s.maybe_merge(state)
 
 
@@ -619,7 +619,7 @@ def test_high_water_marks_and_superseded_contributions_W9(run_store):
     assert not step(s, 0)
     assert s.states[0].pending == {}
     r = restored(run_store)  # a restarted syncer takes the marks from the ledger
-    r.poll_contributions(r.states[0])
+    r.poll_contributions()
     assert r.states[0].pending == {}
 
 
