@@ -104,7 +104,7 @@ class _FsspecStore:
 
     def _check_access(self) -> None:
         try:
-            self._call(self._probe_bucket, what="list", attempts=2)
+            self._call(self._probe_bucket, what="list", attempts=1)  # the clients retry inside
         except FileNotFoundError:
             raise StoreAccessError(
                 f"bucket {self.bucket!r} does not exist at {self._where()}; create it or fix the URL"
