@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
-import logging
 import os
 import uuid
 from typing import Callable, TypeVar
@@ -39,7 +38,6 @@ from ddiloco_cli.store.base import NotFound, ObjectInfo, TransientStoreError, re
 # write against emulators. Must be set before gcsfs is imported.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _S3_SINGLE_PUT_MAX_BYTES = 5 * 2**30
