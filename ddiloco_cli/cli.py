@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.store.base import TransientStoreError
 
 app = typer.Typer(
     name="ddiloco",
@@ -53,8 +54,9 @@ def _setup_logging(verbose: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("botocore", "s3fs", "gcsfs", "aiobotocore", "urllib3", "fsspec", "google"):
+    for noisy in ("botocore", "s3fs", "aiobotocore", "urllib3", "fsspec", "google"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs a traceback per exhausted retry
 
 
 def _pair(text: str, flag: str) -> tuple[float, float]:
@@ -300,7 +302,7 @@ def demo(
 def simulate(
     mode: Annotated[str, typer.Option(help="data-parallel, elastic-data-parallel or decoupled")] = "decoupled",
     chips: Annotated[int, typer.Option(help="Number of chips")] = 1_200_000,
-    learners: Annotated[int, typer.Option(help="Learners M (decoupled)")] = 8,
+    learners: Annotated[int, typer.Option(help="Learners M (decoupled only)")] = 8,
     mtbi_years: Annotated[float, typer.Option(help="Mean time between interruptions per chip, years")] = 1.0,
     quorum: Annotated[int, typer.Option(help="Quorum K (decoupled)")] = 1,
     seed: Annotated[int, typer.Option()] = 0,
@@ -309,7 +311,8 @@ def simulate(
     """Discrete-event goodput simulator of training at scale (see docs/simulator.md)."""
     from ddiloco_cli.simulate import simulate as run_sim
 
-    result = run_sim(mode=mode, chips=chips, learners=learners, mtbi_years=mtbi_years, quorum=quorum, seed=seed)
+    result = run_sim(mode=mode, chips=chips, learners=learners if mode == "decoupled" else 1,
+                     mtbi_years=mtbi_years, quorum=quorum, seed=seed)
     if json_out:
         out.print_json(json.dumps(result))
     else:
@@ -324,6 +327,11 @@ def main() -> None:
             raise
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         sys.exit(exc.exit_code)
+    except TransientStoreError as exc:
+        if os.environ.get("DDILOCO_TRACEBACK"):
+            raise
+        console.print(f"[bold red]error:[/] the bucket kept failing after retries: {exc}", highlight=False)
+        sys.exit(3)
     except KeyboardInterrupt:
         console.print("interrupted")
         sys.exit(130)

@@ -22,22 +22,10 @@ from safetensors.torch import load_file, save_file
 from ddiloco_cli import ledger
 from ddiloco_cli.errors import ProtocolError, UsageError
 from ddiloco_cli.fragments import FragmentPlan
-from ddiloco_cli.published import FragmentReader
+from ddiloco_cli.fragments import assemble_parameters  # noqa: F401 - re-exported
+from ddiloco_cli.published import read_global_params
 from ddiloco_cli.store.base import Store
 from ddiloco_cli.tasks import load_task
-
-
-def assemble_parameters(plan: FragmentPlan, values: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters {name: tensor} from per-fragment values keyed by slice key
-    (``TensorSlice.key``); row slices are written into rows [row_start, row_end)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, (shape, _) in plan.tensor_shapes().items():
-        out[name] = torch.empty(shape, dtype=torch.float32)
-    for p, frag in enumerate(plan.fragments):
-        for s in frag:
-            v = values[p][s.key]
-            s.view_of(out[s.name]).copy_(v.reshape(s.slice_shape))
-    return out
 
 
 def export_model(store: Store, out_path: str) -> dict[str, Any]:
@@ -50,15 +38,7 @@ def export_model(store: Store, out_path: str) -> dict[str, Any]:
     """
     run = ledger.read_run(store)
     plan = ledger.read_plan(store, run_id=run["run_id"])
-    versions: dict[int, int] = {}
-    values: dict[int, dict[str, torch.Tensor]] = {}
-    for p in range(plan.num_fragments):
-        v = ledger.latest_version(store, p)
-        if v is None:
-            raise ProtocolError(f"{store.url}: fragment {p} has no committed version (was `ddiloco init` interrupted?)")
-        values[p] = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=p).read(v)
-        versions[p] = v
-    params = assemble_parameters(plan, values)
+    params, versions = read_global_params(store, run_id=run["run_id"], plan=plan)
 
     model = load_task(run["task"]).build_model()
     named = dict(model.named_parameters())

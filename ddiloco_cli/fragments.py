@@ -303,3 +303,16 @@ def scatter_fragment(
             dst = s.view_of(params[s.name])
             assert tuple(v.shape) == tuple(dst.shape), (s.key, tuple(v.shape), tuple(dst.shape))
             dst.copy_(v)
+
+
+def assemble_parameters(plan: FragmentPlan, values: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters {name: tensor} from per-fragment values keyed by slice key
+    (``TensorSlice.key``); row slices are written into rows [row_start, row_end)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, (shape, _) in plan.tensor_shapes().items():
+        out[name] = torch.empty(shape, dtype=torch.float32)
+    for p, frag in enumerate(plan.fragments):
+        for s in frag:
+            v = values[p][s.key]
+            s.view_of(out[s.name]).copy_(v.reshape(s.slice_shape))
+    return out

@@ -259,13 +259,17 @@ class Learner:
             device=str(self.device), session=self.session, started_s=self.started_s, time_s=time.time(),
         )
 
-    def _resume_point(self) -> tuple[int, int]:
-        """(step, tokens) from this learner's previous heartbeat: a hint for the LR schedule."""
+    def _resume(self) -> None:
+        """Carry step, tokens and byte counters over from this learner's previous
+        heartbeat (a hint: it keeps the LR schedule and the totals continuous)."""
         try:
             rec = records.loads(self.store.get(self.hb_key), "learner_heartbeat", where=self.hb_key)
-            return int(rec["step"]), int(rec["tokens"])
         except (NotFound, DdilocoError):
-            return 0, 0
+            return
+        s = self.stats
+        s.step, s.tokens = int(rec["step"]), int(rec["tokens"])
+        s.bytes_up, s.bytes_down = int(rec.get("bytes_up", 0)), int(rec.get("bytes_down", 0))
+        s.num_contributions, s.blocked_s = int(rec.get("num_contributions", 0)), float(rec.get("blocked_s", 0.0))
 
     def _bootstrap(self, params: dict[str, torch.Tensor]) -> dict[int, tuple[int, Tensors]]:
         """Load the latest committed version of every fragment into the model."""
@@ -317,8 +321,9 @@ class Learner:
                         for p in range(self.plan.num_fragments)}
         self.session = int(self.store.now() * 1e6) if self.io else 0
         self.started_s = time.time()
-        step, tokens = self._resume_point() if self.io else (0, 0)
-        self.stats.step, self.stats.tokens = step, tokens
+        if self.io:
+            self._resume()
+        step, tokens = self.stats.step, self.stats.tokens
         seq = self.session
         base = self._bootstrap(params)
         if self.world > 1:

@@ -24,7 +24,7 @@ import torch
 
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
-from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.fragments import FragmentPlan, assemble_parameters
 from ddiloco_cli.store.base import NotFound, Store
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,29 @@ def expected_shapes(plan: FragmentPlan, fragment: int) -> dict[str, tuple[int, .
     }
 
 
+def _payload_size(manifest: dict[str, Any], kind: str) -> int | None:
+    return next((e["size"] for e in manifest["payloads"] if e["kind"] == kind), None)
+
+
+def _cheapest_start(ms: list[dict[str, Any]]) -> int | None:
+    """Where to start reading versions ms[0..]: -1 = from the value the reader has, then
+    every delta; i = from the full payload of ms[i], then the deltas after it. Picks the
+    fewer bytes (a long delta chain can cost more than one keyframe); None if neither works."""
+    best: tuple[int, int] | None = None
+    deltas = [_payload_size(m, "delta") for m in ms]
+    if all(d is not None for d in deltas):
+        best = (sum(deltas), -1)  # type: ignore[arg-type]
+    for i in range(len(ms) - 1, -1, -1):
+        full = _payload_size(ms[i], "full")
+        if full is not None:
+            if all(d is not None for d in deltas[i + 1:]):
+                cost = full + sum(deltas[i + 1:])  # type: ignore[arg-type]
+                if best is None or cost < best[0]:
+                    best = (cost, i)
+            break
+    return None if best is None else best[1]
+
+
 class FragmentReader:
     """Reads published values of one fragment. Not thread-safe; one per thread."""
 
@@ -142,17 +165,20 @@ class FragmentReader:
         a needed manifest is gone (garbage-collected), InvalidPayloadError or
         ProtocolError when bucket content is bad.
         """
-        if have is not None and have[0] <= version:
+        if have is not None and have[0] == version:
+            return have[1]
+        if have is not None and have[0] < version:
             try:
-                value = have[1]
-                for v in range(have[0] + 1, version + 1):
-                    m = self.manifest(v)
-                    value = self._apply_delta(value, m) or self._full(m)
-                    if value is None:
-                        raise ProtocolError(f"version {v} of fragment {self.fragment} has no payload")
-                return value
+                ms = [self.manifest(v) for v in range(have[0] + 1, version + 1)]
             except NotFound:
-                log.info("fragment %d: delta chain from %d gone; reading a keyframe", self.fragment, have[0])
+                log.info("fragment %d: versions after %d are gone; reading a keyframe", self.fragment, have[0])
+            else:
+                start = _cheapest_start(ms)
+                if start is not None:
+                    value = have[1] if start < 0 else self._full(ms[start])
+                    for m in ms[start + 1:]:
+                        value = self._apply_delta(value, m)
+                    return value
         pending: list[dict[str, Any]] = []
         v = version
         while True:
@@ -175,23 +201,15 @@ class FragmentReader:
 def read_global_params(store: Store, *, run_id: str, plan: FragmentPlan) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
     """The latest published value of every fragment, reassembled into whole fp32
     tensors keyed by parameter name. Returns (params, {fragment: version})."""
-    slices: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
+    values: dict[int, Tensors] = {}
     versions: dict[int, int] = {}
     for p in range(plan.num_fragments):
         version = ledger.latest_version(store, p)
         if version is None:
-            raise ProtocolError(f"{store.url}: fragment {p} has no committed version")
-        value = FragmentReader(store, run_id=run_id, plan=plan, fragment=p).read(version)
+            raise ProtocolError(f"{store.url}: fragment {p} has no committed version (was `ddiloco init` interrupted?)")
+        values[p] = FragmentReader(store, run_id=run_id, plan=plan, fragment=p).read(version)
         versions[p] = version
-        for s in plan.fragments[p]:
-            slices.setdefault(s.name, []).append((s.row_start, value[s.key]))
-            shapes[s.name] = tuple(s.shape)
-    params = {}
-    for name, parts in slices.items():
-        parts.sort(key=lambda x: x[0])
-        params[name] = torch.cat([t for _, t in parts]).reshape(shapes[name]) if shapes[name] else parts[0][1].reshape(())
-    return params, versions
+    return assemble_parameters(plan, values), versions
 
 
 def load_global_model(store: Store, *, run_id: str, plan: FragmentPlan, model: torch.nn.Module) -> dict[int, int]:

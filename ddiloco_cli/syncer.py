@@ -297,8 +297,8 @@ class Syncer:
                     del values[old]
             return values[latest]
         except (NotFound, InvalidPayloadError, ProtocolError) as exc:
-            log.warning("fragment %d: cannot replay the ledger from checkpoint %d (%s); "
-                        "keeping the checkpoint's momentum", p, start, exc)
+            log.error("fragment %d: cannot replay the ledger from checkpoint %d (%s); continuing with the "
+                      "checkpoint's momentum, which lags the committed trajectory", p, start, exc)
             return None
 
     def _fetch_contribution_tensors(self, p: int, entry: dict[str, Any]) -> Tensors:
@@ -425,13 +425,20 @@ class Syncer:
 
     # ------------------------------------------------------------------ commit
     def maybe_merge(self, state: FragmentState) -> bool:
-        # stale contributions are dropped (quarantined) before counting the quorum
+        # stale contributions, or ones whose base can no longer be read, are quarantined before counting
         max_stale = int(self.run["max_staleness"])
         for lid, c in list(state.pending.items()):
+            reason = None
             if c.base_version < state.version - max_stale:
+                reason = f"stale: base version {c.base_version}, current {state.version}, max staleness {max_stale}"
+            elif c.base_version != state.version:
+                try:
+                    self._base_value(state, c.base_version)
+                except (NotFound, InvalidPayloadError, ProtocolError) as exc:
+                    reason = f"base version {c.base_version} can no longer be read ({exc})"
+            if reason is not None:
                 del state.pending[lid]
-                self._quarantine(c.key, f"stale: base version {c.base_version}, current {state.version}, "
-                                        f"max staleness {max_stale}")
+                self._quarantine(c.key, reason)
         now_t = time.monotonic()
         quorum = int(self.run["quorum"])
         if len(state.pending) >= quorum and state.quorum_t is None:
@@ -445,10 +452,11 @@ class Syncer:
         )
         if not go:
             return False
-        self.commit(state, grace_s=grace)
-        return True
+        return self.commit(state, grace_s=grace)
 
-    def commit(self, state: FragmentState, *, grace_s: float) -> None:
+    def commit(self, state: FragmentState, *, grace_s: float) -> bool:
+        """Merge the pending contributions into the next version. Returns False when
+        another syncer committed that version first (state is then reloaded)."""
         t0 = time.monotonic()
         p = state.fragment
         contributions = sorted(state.pending.values(), key=lambda c: (c.learner_id, c.seq))
@@ -493,7 +501,7 @@ class Syncer:
             reloaded.seen = state.seen
             reloaded.pending = {lid: c for lid, c in state.pending.items() if c.seq > reloaded.high_water.get(lid, -1)}
             self.states[p] = reloaded
-            return
+            return False
         state.version = version
         state.value = encoded.published
         state.history[version] = encoded.published
@@ -511,6 +519,7 @@ class Syncer:
         dt = time.monotonic() - t0
         self.sync_time_s = dt if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * dt
         log.info("fragment %d -> version %d (quorum %d, grace %.2fs, %.0f ms)", p, version, len(contributions), grace_s, dt * 1e3)
+        return True
 
     def write_checkpoint(self, state: FragmentState) -> None:
         header = records.make(
