@@ -1,0 +1,339 @@
+"""Syncer throughput: download + decode + validate + merge + outer step + encode + commit,
+on one core, in parameter-contributions per second (one contribution of a fragment of
+n parameters = n parameter-contributions), by codec and by M (contributions per merge).
+
+The real ``ddiloco_cli.syncer.Syncer`` is driven in-process, step by step
+(``poll_contributions()`` then ``maybe_merge(state)``), against a real store (a local
+directory by default). Before each timed round, M learners' contributions (noise-like
+outer gradients, the codec's worst case) are written to the store, so a round times
+exactly what a serving syncer does for one merge of one fragment. Run config:
+quorum K = M, grace_gamma 0 (merge as soon as the quorum is in), RDA merge, publish
+codec = codec, default keyframe_every (8) and checkpoint_every (10) so those costs are
+amortised into the rate as in a real run. The split (decode+validate, outer gradient,
+merge, outer step, encode, checkpoint, store I/O, other) is exclusive wall time per
+region, measured by wrapping the syncer's own functions.
+
+Capacity: one learner sends 1/H of ... a 1B-parameter model per 1 s inner step at
+P = H = 24, i.e. each fragment (1e9/24 parameters) gets M contributions every H steps:
+required rate = M * 1e9 / (H * step_s), so one core keeps up with
+M_max = throughput * H * step_s / 1e9 learners.
+
+    .venv/bin/python scripts/bench_syncer.py                               # 2.1M-parameter fragment
+    .venv/bin/python scripts/bench_syncer.py --json /tmp/syncer.json
+    .venv/bin/python scripts/bench_syncer.py --width 256 --rounds 2 --codecs int4 --ms 1,2   # smoke
+    .venv/bin/python scripts/bench_syncer.py --profile int4:8              # cProfile one config
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+
+TASK_ENV_WIDTH = "DDILOCO_BENCH_SYNCER_WIDTH"
+TASK_ENV_LAYERS = "DDILOCO_BENCH_SYNCER_LAYERS"
+
+
+# --------------------------------------------------------------------- the task
+class _Stack(torch.nn.Module):
+    """A few big square Linear layers (no biases, no embeddings: every tensor goes
+    through RDA, the expensive path)."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class BenchTask:
+    """Task used only to initialise the run (the syncer never trains). Size from the
+    environment so the script can choose it: width x width x layers parameters."""
+
+    def build_model(self) -> torch.nn.Module:
+        return _Stack(int(os.environ.get(TASK_ENV_WIDTH, "1024")), int(os.environ.get(TASK_ENV_LAYERS, "4")))
+
+    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
+        width = int(os.environ.get(TASK_ENV_WIDTH, "1024"))
+        g = torch.Generator().manual_seed(seed * 1000 + shard)
+        while True:
+            yield torch.randn(batch_size, width, generator=g)
+
+    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    def num_tokens(self, batch: torch.Tensor) -> int:
+        return int(batch.shape[0])
+
+
+# ------------------------------------------------------------------- profiling
+class Regions:
+    """Exclusive wall time per named region (a nested region's time is not counted
+    in its parent's)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._stack: list[list[float]] = []  # per open region: [child time]
+        self.enabled = False
+
+    @contextmanager
+    def region(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        self._stack.append([0.0])
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            child = self._stack.pop()[0]
+            self.totals[name] = self.totals.get(name, 0.0) + dt - child
+            if self._stack:
+                self._stack[-1][0] += dt
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            with self.region(name):
+                return fn(*args, **kwargs)
+
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
+    def reset(self) -> None:
+        self.totals = {}
+
+
+class TimedStore:
+    """Delegates to a Store; every call is the "io" region."""
+
+    def __init__(self, inner, regions: Regions):
+        self.inner, self.url, self.regions = inner, inner.url, regions
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name in ("get", "put", "put_if_absent", "list", "delete", "now") and callable(attr):
+            return self.regions.wrap("io", attr)
+        return attr
+
+
+REGIONS = Regions()
+
+
+def _instrument() -> None:
+    """Wrap the syncer's stages (once per process)."""
+    from ddiloco_cli import outer, syncer
+
+    S = syncer.Syncer
+    if getattr(S, "_bench_instrumented", False):
+        return
+    S._load_contribution = REGIONS.wrap("decode+validate", S._load_contribution)
+    S._outer_gradient = staticmethod(REGIONS.wrap("outer_grad", S._outer_gradient))
+    S._merge = REGIONS.wrap("merge", S._merge)
+    S.write_checkpoint = REGIONS.wrap("checkpoint", S.write_checkpoint)
+    outer.OuterOptimizer.step = REGIONS.wrap("outer_step", outer.OuterOptimizer.step)
+    syncer.encode_version = REGIONS.wrap("encode", syncer.encode_version)
+    S._bench_instrumented = True
+
+
+# ---------------------------------------------------------------------- one config
+def _make_run(url: str, *, codec: str, m: int, num_fragments: int):
+    from ddiloco_cli import ledger
+    from ddiloco_cli.runinit import RunSpec, init_run
+    from ddiloco_cli.store import open_store
+
+    store = open_store(url)
+    spec = RunSpec(task=f"{os.path.abspath(__file__)}:BenchTask", num_fragments=num_fragments,
+                   sync_every=max(24, num_fragments), overlap_steps=2, quorum=m, codec=codec, merge="rda",
+                   grace_gamma=0.0, lease_s=3600.0, heartbeat_s=1.0, max_staleness=8)
+    run = init_run(store, spec)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    return store, run, plan
+
+
+def _learner_ids(m: int) -> list[str]:
+    return [f"learner-{i:02d}" for i in range(m)]
+
+
+def _write_heartbeats(store, run: dict, m: int) -> None:
+    from ddiloco_cli import layout, records
+
+    for lid in _learner_ids(m):
+        rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id=lid, state="running", step=1,
+                           tokens=64, step_time_s=1.0, time_s=time.time())
+        store.put(layout.learner_heartbeat_key(lid), records.dumps(rec))
+
+
+def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: int, base_version: int,
+                         gen: torch.Generator) -> int:
+    """M contributions (noise, scale 1e-3) against base_version; returns bytes written."""
+    from ddiloco_cli import codec, layout, records
+    from ddiloco_cli.published import expected_shapes
+
+    shapes = expected_shapes(plan, fragment)
+    nbytes = 0
+    for i, lid in enumerate(_learner_ids(m)):
+        delta = {k: 1e-3 * torch.randn(shape, generator=gen) for k, shape in shapes.items()}
+        header = records.make("contribution", run_id=run["run_id"], fragment=fragment, learner_id=lid, seq=seq,
+                              base_version=base_version, c_tokens=512 * (i + 1), c_steps=24, step=seq,
+                              nonce=records.new_nonce(), created_s=time.time())
+        data = codec.encode_tensors(delta, codec=run["codec"], block_size=int(run["codec_block"]), metadata=header)
+        assert store.put_if_absent(layout.contribution_key(fragment, lid, seq), data)
+        nbytes += len(data)
+    return nbytes
+
+
+def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, store_kind: str,
+                 num_fragments: int, profile: bool = False) -> dict[str, Any]:
+    """Time `rounds` merges of fragment 0 with M contributions each."""
+    from ddiloco_cli.store import open_store
+    from ddiloco_cli.syncer import Syncer, SyncerOptions
+
+    _instrument()
+    url = f"memory://bench-syncer-{codec}-{m}-{time.monotonic_ns()}" if store_kind == "memory" else \
+        os.path.join(root, f"{codec}-m{m}")
+    store, run, plan = _make_run(url, codec=codec, m=m, num_fragments=num_fragments)
+    _write_heartbeats(store, run, m)
+    timed_store = TimedStore(open_store(url), REGIONS)
+    syncer = Syncer(timed_store, options=SyncerOptions(fragments=[0], syncer_id="bench", gc=False))
+    assert syncer.acquire()
+    syncer.check_fence()
+    syncer.restore()
+    state = syncer.states[0]
+    n = plan.fragment_numel(0)
+    gen = torch.Generator().manual_seed(0)
+    times, bytes_in = [], 0
+    prof = cProfile.Profile() if profile else None
+    for r in range(warmup + rounds):
+        version = state.version
+        nb = _write_contributions(store, run, plan, fragment=0, m=m, seq=r + 1, base_version=version, gen=gen)
+        timed = r >= warmup
+        if timed and r == warmup:
+            REGIONS.reset()
+        REGIONS.enabled = timed
+        if prof is not None and timed:
+            prof.enable()
+        t0 = time.perf_counter()
+        syncer.poll_contributions()
+        merged = syncer.maybe_merge(syncer.states[0])
+        dt = time.perf_counter() - t0
+        if prof is not None and timed:
+            prof.disable()
+        REGIONS.enabled = False
+        state = syncer.states[0]
+        assert merged and state.version == version + 1, f"round {r}: no merge (pending {len(state.pending)})"
+        assert state.last_quorum_size == m
+        if timed:
+            times.append(dt)
+            bytes_in += nb
+    total = sum(times)
+    split = {k: v / rounds for k, v in sorted(REGIONS.totals.items())}
+    split["other"] = total / rounds - sum(split.values())
+    if store_kind != "memory":
+        shutil.rmtree(url, ignore_errors=True)
+    out = {
+        "codec": codec, "m": m, "fragment_numel": n, "rounds": rounds,
+        "s_per_merge_median": sorted(times)[len(times) // 2], "s_per_merge_mean": total / rounds,
+        "param_contribs_per_s": m * n * rounds / total,
+        "contribution_bytes": bytes_in / (rounds * m),
+        "split_s_per_merge": split,
+    }
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        out["profile"] = s.getvalue()
+    return out
+
+
+def capacity(rate: float, *, params: float = 1e9, sync_every: int = 24, step_s: float = 1.0) -> float:
+    """Learners one syncer core keeps up with: rate * H * step_s / params."""
+    return rate * sync_every * step_s / params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--codecs", default="none,bf16,int8,int4")
+    ap.add_argument("--ms", default="1,2,4,8", help="contributions per merge (M)")
+    ap.add_argument("--width", type=int, default=1024, help="Linear width (params per layer = width^2)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--fragments", type=int, default=2, help="P; fragment 0 is benchmarked")
+    ap.add_argument("--rounds", type=int, default=5, help="timed merges per config")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--store", choices=("local", "memory"), default="local")
+    ap.add_argument("--root", default=None, help="directory for local stores (default: a temp dir)")
+    ap.add_argument("--profile", default=None, help="codec:M to cProfile (prints the top functions)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    os.environ[TASK_ENV_WIDTH] = str(args.width)
+    os.environ[TASK_ENV_LAYERS] = str(args.layers)
+    root = args.root or tempfile.mkdtemp(prefix="bench-syncer-")
+    load = os.getloadavg()
+    results = []
+    try:
+        if args.profile:
+            c, m = args.profile.split(":")
+            res = bench_config(codec=c, m=int(m), rounds=args.rounds, warmup=args.warmup, root=root,
+                               store_kind=args.store, num_fragments=args.fragments, profile=True)
+            print(res.pop("profile"))
+            results.append(res)
+        else:
+            for c in args.codecs.split(","):
+                for m in (int(x) for x in args.ms.split(",")):
+                    res = bench_config(codec=c, m=m, rounds=args.rounds, warmup=args.warmup, root=root,
+                                       store_kind=args.store, num_fragments=args.fragments)
+                    results.append(res)
+                    sp = res["split_s_per_merge"]
+                    print(f"  {c:5s} M={m}: {res['param_contribs_per_s']:.3g} param-contribs/s "
+                          f"({res['s_per_merge_mean'] * 1e3:.0f} ms/merge)", file=sys.stderr, flush=True)
+    finally:
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+    load_after = os.getloadavg()
+
+    cols = ["decode+validate", "outer_grad", "merge", "outer_step", "encode", "checkpoint", "io", "other"]
+    n = results[0]["fragment_numel"]
+    print(f"\nSyncer throughput, one core (torch threads 1), fragment of {n / 1e6:.2f}M params, "
+          f"store {args.store}, {args.rounds} timed merges each")
+    print(f"load avg before {load[0]:.2f}, after {load_after[0]:.2f} (2 cores)")
+    head = f"{'codec':5s} {'M':>2s} {'KB/contrib':>10s} {'ms/merge':>9s} {'param-contrib/s':>15s} {'M_max(1B,H24,1s)':>16s} | " + \
+        " ".join(f"{c[:10]:>10s}" for c in cols) + "  (ms per merge)"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        sp = r["split_s_per_merge"]
+        r["m_max_1b_h24_1s"] = capacity(r["param_contribs_per_s"])
+        print(f"{r['codec']:5s} {r['m']:>2d} {r['contribution_bytes'] / 1e3:>10.0f} {r['s_per_merge_mean'] * 1e3:>9.1f} "
+              f"{r['param_contribs_per_s']:>15.3g} {r['m_max_1b_h24_1s']:>16.1f} | "
+              + " ".join(f"{sp.get(c, 0.0) * 1e3:>10.1f}" for c in cols))
+    target = 2e8
+    int4 = [r for r in results if r["codec"] == "int4"]
+    if int4:
+        best = max(r["param_contribs_per_s"] for r in int4)
+        worst = min(r["param_contribs_per_s"] for r in int4)
+        print(f"\nint4 target >= {target:.0e} param-contribs/s per core: min {worst:.3g}, max {best:.3g} -> "
+              f"{'MET' if worst >= target else 'met at some M' if best >= target else 'NOT MET'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"fragment_numel": n, "store": args.store, "rounds": args.rounds, "threads": 1,
+                       "load_before": load[0], "load_after": load_after[0], "target_int4": target,
+                       "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
