@@ -1,0 +1,197 @@
+"""Convergence benchmark: Decoupled DiLoCo vs data-parallel at equal total tokens.
+
+Real processes (`ddiloco init`, one `ddiloco sync`, M `ddiloco learn`) on a
+local-directory bucket, built-in tiny GPT on the shipped Shakespeare excerpt.
+Every arm trains on M * N * batch tokens:
+
+  (a) dp        one process, batch M*B, N plain AdamW steps (same inner lr, betas,
+                weight decay, clip, warmup and schedule as a learner); no ddiloco code
+  (b) lockstep  streaming DiLoCo, --mode lockstep, K = M
+  (c) decoupled Decoupled DiLoCo, K = 1 + grace window, RDA merge
+  (d) mean      (c) with --merge mean
+  (e) chaos     (c) while learners are SIGKILLed and restarted (seeded exponential
+                trace); a restarted learner resumes its step count, each stops at N
+
+(b)-(e) run `init --total-steps N`, wait for every learner to finish, let the syncer
+merge what is left, stop it and evaluate the latest global model. Every arm is
+scored on the same fixed validation batches (the whole val split).
+
+    .venv/bin/python scripts/bench_convergence.py                     # CPU defaults, ~5 min on 2 cores
+    .venv/bin/python scripts/bench_convergence.py --steps-per-learner 1000 --learners 4 --json /tmp/conv.json
+    .venv/bin/python scripts/bench_convergence.py --arms dp,decoupled --outer-lr 0.5   # a subset, tuning
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+from ddiloco_cli.tasks import load_task  # noqa: E402
+
+ARMS = ("dp", "lockstep", "decoupled", "mean", "chaos")
+TARGETS = {"decoupled": 1.02, "chaos": 1.03}  # loss ratio to dp at most
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--learners", type=int, default=3, help="M")
+    ap.add_argument("--steps-per-learner", type=int, default=400, help="N inner steps per learner (= dp steps)")
+    ap.add_argument("--task", default="ddiloco_cli.tasks.gpt:tiny")
+    ap.add_argument("--batch-size", type=int, default=16, help="B per learner (dp uses M*B)")
+    ap.add_argument("--fragments", "-P", type=int, default=4)
+    ap.add_argument("--sync-every", "-H", type=int, default=16)
+    ap.add_argument("--overlap-steps", type=int, default=2)
+    ap.add_argument("--inner-lr", type=float, default=3e-3)
+    ap.add_argument("--warmup-steps", type=int, default=20)
+    ap.add_argument("--lr-schedule", default="cosine")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--codec", default="int4")
+    ap.add_argument("--grace-gamma", type=float, default=0.5)
+    ap.add_argument("--grace-max", type=float, default=5.0)
+    ap.add_argument("--chaos-mean-s", type=float, default=12.0, help="mean seconds between kills, per learner")
+    ap.add_argument("--chaos-restart-s", type=float, default=2.0, help="seconds from kill to restart")
+    ap.add_argument("--seed", type=int, default=0, help="chaos trace seed")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    ap.add_argument("--workdir", default=None, help="runs go here (default: a temp dir, removed after)")
+    ap.add_argument("--timeout-s", type=float, default=1800, help="per arm")
+    ap.add_argument("--json", dest="json_path", default=None)
+    args = ap.parse_args(argv)
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        ap.error(f"--arms: unknown {unknown}; use {','.join(ARMS)}")
+    return args
+
+
+def init_flags(args, *, arm: str) -> dict:
+    M = args.learners
+    flags = dict(task=args.task, fragments=args.fragments, sync_every=args.sync_every,
+                 overlap_steps=args.overlap_steps, codec=args.codec, inner_lr=args.inner_lr,
+                 warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, total_steps=args.steps_per_learner,
+                 batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                 grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
+                 max_staleness=16, quorum=1, mode="decoupled", merge="rda")
+    if arm == "lockstep":
+        flags.update(mode="lockstep", quorum=M)
+    elif arm == "mean":
+        flags.update(merge="mean")
+    return flags
+
+
+def run_ddiloco_arm(args, *, arm: str, workdir: str, task, inner_out: dict) -> dict:
+    ids = [f"l{i}" for i in range(args.learners)]
+    cluster = benchlib.Cluster(os.path.join(workdir, arm))
+    t0 = time.monotonic()
+    try:
+        run = cluster.init(**init_flags(args, arm=arm))
+        inner_out.update(run["inner"])
+        cluster.start_syncer("--poll", "0.1")
+        for lid in ids:
+            cluster.start_learner(lid)
+        driver = None
+        if arm == "chaos":
+            trace = benchlib.failure_trace(seed=args.seed, learner_ids=ids, mean_between_s=args.chaos_mean_s,
+                                           restart_delay_s=args.chaos_restart_s, duration_s=args.timeout_s)
+            driver = benchlib.ChaosDriver(trace)
+        load_during = []
+
+        def tick(c):
+            if driver is not None:
+                driver.tick(c)
+            if not load_during or time.monotonic() - load_during[-1][0] > 10:
+                load_during.append((time.monotonic(), os.getloadavg()[0]))
+
+        cluster.wait_learners_finished(ids, timeout_s=args.timeout_s, on_tick=tick)
+        train_s = time.monotonic() - t0
+        unmerged = cluster.drain(timeout_s=30)
+        cluster.stop_syncer()
+        model, versions = cluster.global_model(task)
+        loss = benchlib.val_loss(task, model)
+        beats = cluster.heartbeats()
+        manifests = cluster.manifests()
+        quorum_sizes = [m["quorum_size"] for m in manifests if m["version"] > 0]
+        return {
+            "arm": arm, "val_loss": loss, "train_s": train_s, "versions": versions,
+            "steps": {lid: beats[lid]["step"] for lid in ids},
+            "tokens": sum(int(beats[lid]["tokens"]) for lid in ids),
+            "merged_tokens": benchlib.merged_tokens(manifests, num_fragments=int(run["num_fragments"])),
+            "mean_quorum": sum(quorum_sizes) / max(1, len(quorum_sizes)),
+            "unmerged_at_stop": unmerged,
+            "kills": sum(1 for e in (driver.events if driver else []) if e[1] == "kill"),
+            "chaos_events": driver.events if driver else [],
+            "mean_load_1m": sum(l for _, l in load_during) / max(1, len(load_during)),
+        }
+    finally:
+        cluster.close()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    task = load_task(args.task)
+    M, N, B = args.learners, args.steps_per_learner, args.batch_size
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_conv_")
+    print(f"M={M} N={N} B={B} P={args.fragments} H={args.sync_every} tau={args.overlap_steps} "
+          f"inner_lr={args.inner_lr} outer_lr={args.outer_lr} momentum={args.outer_momentum} codec={args.codec} "
+          f"task={args.task}; tokens per arm = M*N*B*T; {benchlib.load_text()}", file=sys.stderr)
+    inner = {"lr": args.inner_lr, "betas": [0.9, 0.95], "weight_decay": 0.1, "warmup_steps": args.warmup_steps,
+             "lr_schedule": args.lr_schedule, "total_steps": N, "grad_clip": 1.0, "batch_size": B}
+    results: dict[str, dict] = {}
+    for arm in args.arms:
+        t0 = time.monotonic()
+        print(f"[{arm}] running ... ({benchlib.load_text()})", file=sys.stderr)
+        if arm == "dp":
+            model = benchlib.train_data_parallel(task, steps=N, batch_size=M * B, inner=inner)
+            results[arm] = {"arm": arm, "val_loss": benchlib.val_loss(task, model), "train_s": time.monotonic() - t0,
+                            "tokens": N * M * B * task.config.block_size if hasattr(task, "config") else None}
+        else:
+            run_inner: dict = {}
+            results[arm] = run_ddiloco_arm(args, arm=arm, workdir=workdir, task=task, inner_out=run_inner)
+            # the dp arm must use exactly the learners' optimizer settings
+            assert all(run_inner[k] == inner[k] or (k == "betas" and list(run_inner[k]) == inner[k])
+                       for k in inner), (run_inner, inner)
+        print(f"[{arm}] val loss {results[arm]['val_loss']:.4f} in {time.monotonic() - t0:.0f}s "
+              f"({benchlib.load_text()})", file=sys.stderr)
+    base = results.get("dp", {}).get("val_loss")
+    rows = []
+    for arm in args.arms:
+        r = results[arm]
+        ratio = r["val_loss"] / base if base else None
+        target = TARGETS.get(arm)
+        r["ratio_to_dp"] = ratio
+        r["target_ratio"] = target
+        r["target_met"] = None if ratio is None or target is None else ratio <= target
+        rows.append([arm, r["val_loss"], "-" if ratio is None else f"{ratio:.4f}",
+                     "-" if target is None else f"<= {target:.2f} " + ("met" if r["target_met"] else "MISSED"),
+                     r.get("tokens", "-"), f"{r.get('merged_tokens', 0):.0f}" if "merged_tokens" in r else "-",
+                     f"{r['mean_quorum']:.2f}" if "mean_quorum" in r else "-", r.get("kills", "-"),
+                     f"{r['train_s']:.0f}"])
+    table = benchlib.fmt_table(["arm", "val_loss", "ratio_to_dp", "target", "tokens", "merged_tokens",
+                                "mean_quorum", "kills", "wall_s"], rows)
+    print(table)
+    print(f"settings: M={M} N={N} B={B} P={args.fragments} H={args.sync_every} tau={args.overlap_steps} "
+          f"inner_lr={args.inner_lr} (cosine, warmup {args.warmup_steps}) outer_lr={args.outer_lr} "
+          f"momentum={args.outer_momentum} codec={args.codec}; chaos mean {args.chaos_mean_s}s restart "
+          f"{args.chaos_restart_s}s seed {args.seed}; {benchlib.load_text()}")
+    out = {"settings": {k: v for k, v in vars(args).items() if k != "json_path"}, "results": results,
+           "load_end": os.getloadavg()}
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    if not args.workdir:
+        import shutil
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

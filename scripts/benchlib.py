@@ -1,0 +1,466 @@
+"""Shared helpers for the multi-process benchmarks (bench_convergence.py, bench_goodput.py).
+
+A ``Cluster`` runs real ``python -m ddiloco_cli`` processes (init, one syncer, M
+learners) against a local-directory bucket, with logs in a work directory; it
+can SIGKILL and restart learners, waits on learner heartbeats, and reads back
+heartbeats, fragment versions and the manifest ledger. Around it sit the pieces
+with logic of their own, kept pure so tests/test_benchlib.py can check them:
+the seeded failure trace, goodput arithmetic, the longest stall in a series of
+version samples, and the plain data-parallel AdamW baseline.
+
+``paced_tiny`` is a task for ``--task /abs/path/scripts/benchlib.py:paced_tiny``:
+the built-in tiny GPT whose every training loss call also sleeps
+$DDILOCO_BENCH_PACE_MS milliseconds. It stands in for an accelerator: a learner's
+step time is then mostly wall clock, not CPU, so several learners share the two
+CPU cores without one learner's death speeding the others up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.learner import lr_at
+from ddiloco_cli.published import load_global_model
+from ddiloco_cli.store import open_store
+from ddiloco_cli.store.base import NotFound
+from ddiloco_cli.tasks import evaluate, load_task
+from ddiloco_cli.tasks.gpt import tiny as _tiny
+
+BENCHLIB_PATH = os.path.abspath(__file__)
+PACED_TASK = f"{BENCHLIB_PATH}:paced_tiny"
+PACE_ENV = "DDILOCO_BENCH_PACE_MS"
+
+
+# --------------------------------------------------------------------------- paced task
+
+
+class PacedTask:
+    """Wraps a task; in training mode each loss() call first sleeps pace_ms (read
+    from $DDILOCO_BENCH_PACE_MS at call time, default 0). Evaluation (model.eval())
+    is not paced. Everything else is delegated, so the model and data are the
+    wrapped task's."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def build_model(self):
+        return self.inner.build_model()
+
+    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
+        return self.inner.batches(shard=shard, num_shards=num_shards, seed=seed, batch_size=batch_size)
+
+    def val_batches(self, *, batch_size: int):
+        return self.inner.val_batches(batch_size=batch_size)
+
+    def num_tokens(self, batch: Any) -> int:
+        return self.inner.num_tokens(batch)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        pace_ms = float(os.environ.get(PACE_ENV, "0") or 0)
+        if pace_ms > 0 and model.training:
+            time.sleep(pace_ms / 1e3)
+        return self.inner.loss(model, batch)
+
+
+paced_tiny = PacedTask(_tiny)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Cluster:
+    """Processes of one run on a local-directory bucket at ``workdir/bucket``;
+    logs in ``workdir/logs``. ``close()`` SIGKILLs whatever is still running."""
+
+    def __init__(self, workdir: str, *, env: dict[str, str] | None = None, fresh: bool = True):
+        self.workdir = os.path.abspath(workdir)
+        if fresh and os.path.exists(self.workdir):
+            shutil.rmtree(self.workdir)
+        self.bucket = os.path.join(self.workdir, "bucket")
+        self.log_dir = os.path.join(self.workdir, "logs")
+        os.makedirs(self.bucket, exist_ok=True)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.url = self.bucket
+        self.env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.syncer: subprocess.Popen | None = None
+        self.learners: dict[str, subprocess.Popen] = {}
+        self.learner_args: dict[str, list[str]] = {}
+        self.spawned_s: dict[str, float] = {}  # learner id -> wall time of its latest spawn
+        self._all: list[subprocess.Popen] = []
+        self._store = None
+
+    @property
+    def store(self):
+        if self._store is None:
+            self._store = open_store(self.url)
+        return self._store
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=self.env)
+        log.close()
+        self._all.append(proc)
+        return proc
+
+    def init(self, **flags: Any) -> dict[str, Any]:
+        """`ddiloco init BUCKET --flag value ...` (underscores become dashes; True is a bare
+        flag). Returns run.json. Raises RuntimeError with the output if init fails."""
+        args = ["init", self.url]
+        for k, v in flags.items():
+            flag = "--" + k.replace("_", "-")
+            if v is True:
+                args.append(flag)
+            elif v is not None and v is not False:
+                args += [flag, str(v)]
+        out = subprocess.run([sys.executable, "-m", "ddiloco_cli", *args], env=self.env, capture_output=True,
+                             text=True, timeout=300)
+        if out.returncode != 0:
+            raise RuntimeError(f"ddiloco init failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+        self.run = ledger.read_run(self.store)
+        return self.run
+
+    def start_syncer(self, *extra: str) -> subprocess.Popen:
+        self.syncer = self._spawn("syncer", ["sync", self.url, "--no-gc", *extra])
+        return self.syncer
+
+    def start_learner(self, learner_id: str, *extra: str) -> subprocess.Popen:
+        """Start (or, with the same id, restart: it resumes its step count) a learner."""
+        if extra or learner_id not in self.learner_args:
+            self.learner_args[learner_id] = ["learn", self.url, "--learner-id", learner_id, "--threads", "1", *extra]
+        self.spawned_s[learner_id] = time.time()
+        proc = self._spawn(f"learner-{learner_id}", self.learner_args[learner_id])
+        self.learners[learner_id] = proc
+        return proc
+
+    def kill_learner(self, learner_id: str) -> bool:
+        """SIGKILL a learner; False if it was not running."""
+        proc = self.learners.get(learner_id)
+        if proc is None or proc.poll() is not None:
+            return False
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return True
+
+    def learner_running(self, learner_id: str) -> bool:
+        proc = self.learners.get(learner_id)
+        return proc is not None and proc.poll() is None
+
+    def stop_syncer(self, *, timeout_s: float = 30) -> int | None:
+        if self.syncer is None or self.syncer.poll() is not None:
+            return None if self.syncer is None else self.syncer.returncode
+        self.syncer.send_signal(signal.SIGTERM)
+        try:
+            return self.syncer.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.syncer.kill()
+            return self.syncer.wait()
+
+    def terminate_learners(self, *, timeout_s: float = 60) -> None:
+        """SIGTERM every running learner (they finish the step and uploads in flight) and wait."""
+        live = [p for p in self.learners.values() if p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        for p in live:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def close(self) -> None:
+        for p in self._all:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def log_tail(self, name: str, n_chars: int = 3000) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
+                return f.read()[-n_chars:]
+        except FileNotFoundError:
+            return ""
+
+    # ----------------------------------------------------------------- reading the bucket
+    def heartbeats(self) -> dict[str, dict[str, Any]]:
+        """learner id -> its latest heartbeat record (store-clock age added as age_s)."""
+        beats = ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
+        return {b.record["learner_id"]: {**b.record, "age_s": b.age_s} for b in beats}
+
+    def versions(self) -> list[int]:
+        """Latest committed version of every fragment (LIST per fragment: the truth, not the hint)."""
+        return [ledger.latest_version(self.store, p) or 0 for p in range(int(self.run["num_fragments"]))]
+
+    def manifests(self) -> list[dict[str, Any]]:
+        """Every committed manifest (all fragments, all versions); needs the syncer's --no-gc."""
+        out = []
+        for p in range(int(self.run["num_fragments"])):
+            for v in ledger.list_versions(self.store, p):
+                out.append(ledger.read_manifest(self.store, p, v, run_id=self.run["run_id"]))
+        return out
+
+    def unmerged_contributions(self) -> int:
+        """Contributions in the bucket above the latest manifest's high-water mark of their
+        learner: uploaded but neither merged nor superseded yet."""
+        n = 0
+        for p in range(int(self.run["num_fragments"])):
+            latest = ledger.latest_version(self.store, p)
+            high = ledger.read_manifest(self.store, p, latest, run_id=self.run["run_id"])["high_water"] if latest else {}
+            for info in self.store.list(layout.contribution_prefix(p)):
+                parsed = layout.parse_contribution_key(info.key)
+                if parsed is not None and parsed[2] > high.get(parsed[1], -1):
+                    n += 1
+        return n
+
+    def learners_up(self, heartbeats: dict[str, dict[str, Any]] | None = None) -> list[str]:
+        """Learners whose process runs and whose current session is training: a heartbeat
+        in state running started after the latest spawn of that learner."""
+        beats = self.heartbeats() if heartbeats is None else heartbeats
+        up = []
+        for lid, proc in self.learners.items():
+            hb = beats.get(lid)
+            if proc.poll() is None and hb is not None and hb["state"] == "running" \
+                    and float(hb["started_s"]) >= self.spawned_s[lid] - 1.0:
+                up.append(lid)
+        return up
+
+    def wait_learners_finished(self, learner_ids: Iterable[str], *, timeout_s: float,
+                               on_tick=None, poll_s: float = 0.5) -> None:
+        """Wait until every learner's process has exited with code 0 and its heartbeat says
+        finished. on_tick(cluster) is called every poll (the chaos driver runs there).
+        Raises RuntimeError with log tails on timeout or on a nonzero exit."""
+        ids = list(learner_ids)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if on_tick is not None:
+                on_tick(self)
+            done = True
+            for lid in ids:
+                proc = self.learners[lid]
+                rc = proc.poll()
+                if rc is None:
+                    done = False
+                elif rc not in (0, -signal.SIGKILL):
+                    raise RuntimeError(f"learner {lid} exited with {rc}:\n{self.log_tail('learner-' + lid)}")
+                elif rc == -signal.SIGKILL:
+                    done = False  # killed by the chaos driver; it restarts it
+            if done:
+                beats = self.heartbeats()
+                if all(beats.get(lid, {}).get("state") == "finished" for lid in ids):
+                    return
+            time.sleep(poll_s)
+        tails = "".join(f"\n--- {n} ---\n{self.log_tail(n)}" for n in ["syncer", *(f"learner-{i}" for i in ids)])
+        raise RuntimeError(f"learners not finished after {timeout_s}s{tails}")
+
+    def drain(self, *, timeout_s: float = 30, poll_s: float = 0.25) -> int:
+        """Wait (up to timeout_s) until the syncer has merged or superseded every uploaded
+        contribution; returns how many were still unmerged at the end (0: drained)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            n = self.unmerged_contributions()
+            if n == 0 or time.monotonic() > deadline:
+                return n
+            time.sleep(poll_s)
+
+    def global_model(self, task: Any) -> tuple[torch.nn.Module, dict[int, int]]:
+        """The task's model holding the latest global parameters; and their versions."""
+        plan = ledger.read_plan(self.store, run_id=self.run["run_id"])
+        model = task.build_model()
+        versions = load_global_model(self.store, run_id=self.run["run_id"], plan=plan, model=model)
+        return model, versions
+
+
+def merged_tokens(manifests: Iterable[dict[str, Any]], *, num_fragments: int,
+                  window_s: tuple[float, float] | None = None) -> float:
+    """Tokens that reached the global model, averaged over fragments: the sum of
+    c_tokens of the used contributions of every manifest (optionally only those
+    created within window_s = (start, end), wall-clock seconds), divided by the
+    number of fragments. A superseded contribution's progress is carried by its
+    successor's c_tokens, so it is not counted twice."""
+    total = 0
+    for m in manifests:
+        if window_s is not None and not window_s[0] <= float(m["created_s"]) < window_s[1]:
+            continue
+        total += sum(int(c["c_tokens"]) for c in m["contributions"] if c.get("used"))
+    return total / num_fragments
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def val_loss(task: Any, model: torch.nn.Module, *, batch_size: int = 64, max_batches: int | None = None) -> float:
+    """Validation loss on the task's fixed val set (the same batches for every arm)."""
+    return evaluate(task, model, batch_size=batch_size, max_batches=max_batches)
+
+
+def train_data_parallel(task: Any, *, steps: int, batch_size: int, inner: dict[str, Any], seed: int = 0,
+                        data_seed: int = 12345, log_every: int = 0) -> torch.nn.Module:
+    """The data-parallel equivalent: one process, one model, a plain AdamW loop of
+    `steps` steps at `batch_size` (M times a learner's batch), with a learner's inner
+    optimizer and schedule (inner: run.json's "inner": lr, betas, weight_decay,
+    warmup_steps, lr_schedule, total_steps, grad_clip). Data: random windows of the
+    whole training set (shard 0 of 1), like a learner without --shard."""
+    torch.manual_seed(seed)
+    model = task.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=float(inner["lr"]), betas=tuple(inner["betas"]),
+                            weight_decay=float(inner["weight_decay"]))
+    batches = task.batches(shard=0, num_shards=1, seed=data_seed, batch_size=batch_size)
+    model.train()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, inner)
+        loss = task.loss(model, next(batches))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if float(inner["grad_clip"]) > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(inner["grad_clip"]))
+        opt.step()
+        if log_every and (step + 1) % log_every == 0:
+            print(f"  dp step {step + 1} loss {loss.item():.4f}", file=sys.stderr)
+    return model
+
+
+# --------------------------------------------------------------------------- failure traces
+
+
+@dataclass(frozen=True)
+class Failure:
+    t_s: float  # seconds after the trace's start: SIGKILL
+    learner: str
+    restart_delay_s: float  # the same command is started again this long after the kill
+
+
+def failure_trace(*, seed: int, learner_ids: list[str], mean_between_s: float, restart_delay_s: float,
+                  duration_s: float) -> list[Failure]:
+    """Failures of each learner, sorted by time: per learner, times between failures are
+    exponential with mean mean_between_s, counted from the moment it is back (so a
+    learner is never killed while it is down); only failures before duration_s are
+    kept. The same arguments always give the same trace (random.Random(seed),
+    learners drawn in the given order)."""
+    if mean_between_s <= 0 or restart_delay_s < 0 or duration_s < 0:
+        raise ValueError("mean_between_s must be > 0, restart_delay_s and duration_s >= 0")
+    rng = random.Random(seed)
+    out: list[Failure] = []
+    for lid in learner_ids:
+        t = 0.0
+        while True:
+            t += rng.expovariate(1.0 / mean_between_s)
+            if t >= duration_s:
+                break
+            out.append(Failure(round(t, 3), lid, restart_delay_s))
+            t += restart_delay_s
+    out.sort(key=lambda f: (f.t_s, f.learner))
+    return out
+
+
+class ChaosDriver:
+    """Replays a failure trace on a Cluster: call tick(cluster) often (e.g. as
+    wait_learners_finished's on_tick). A failure kills the learner only if it is
+    running and not finished; its restart fires restart_delay_s later unless the
+    learner had already finished. Records (t, event, learner) in `events`."""
+
+    def __init__(self, trace: list[Failure], *, t0: float | None = None):
+        self.trace = list(trace)
+        self.t0 = time.monotonic() if t0 is None else t0
+        self.restarts: list[tuple[float, str]] = []  # (due time, learner)
+        self.events: list[tuple[float, str, str]] = []
+        self.skipped = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def tick(self, cluster: Cluster) -> None:
+        now = self.now()
+        while self.trace and self.trace[0].t_s <= now:
+            f = self.trace.pop(0)
+            if cluster.learner_running(f.learner) and cluster.kill_learner(f.learner):
+                self.events.append((round(now, 2), "kill", f.learner))
+                self.restarts.append((f.t_s + f.restart_delay_s, f.learner))
+            else:
+                self.skipped += 1
+        for due, lid in sorted(self.restarts):
+            if due <= now:
+                self.restarts.remove((due, lid))
+                cluster.start_learner(lid)
+                self.events.append((round(now, 2), "restart", lid))
+
+    def pending_restarts(self) -> int:
+        return len(self.restarts)
+
+
+# --------------------------------------------------------------------------- goodput and stalls
+
+
+def goodput(*, useful_tokens: float, elapsed_s: float, fault_free_tokens_per_s: float) -> float:
+    """Useful tokens per second over the fault-free rate (1.0 = no loss)."""
+    if elapsed_s <= 0 or fault_free_tokens_per_s <= 0:
+        raise ValueError("elapsed_s and fault_free_tokens_per_s must be > 0")
+    return useful_tokens / elapsed_s / fault_free_tokens_per_s
+
+
+@dataclass(frozen=True)
+class Sample:
+    t_s: float
+    versions: tuple[int, ...]
+    learners_up: int
+    syncer_up: bool
+
+
+def longest_stall(samples: list[Sample]) -> float:
+    """Longest time with at least one learner up and a syncer up during which no
+    fragment version advanced. An interval is measured from the later of (the last
+    advance, the moment the condition became true) to the first sample that shows an
+    advance or breaks the condition (or the last sample). Samples must be in time order."""
+    worst = 0.0
+    start: float | None = None
+    prev: Sample | None = None
+    for s in samples:
+        live = s.learners_up > 0 and s.syncer_up
+        advanced = prev is not None and s.versions != prev.versions
+        if start is not None:
+            worst = max(worst, s.t_s - start)
+            if advanced or not live:
+                start = None
+        if live and start is None:
+            start = s.t_s
+        prev = s
+    return worst
+
+
+def load_text() -> str:
+    """`uptime`'s load averages, for printing next to timings."""
+    try:
+        return "load %.2f %.2f %.2f" % os.getloadavg()
+    except OSError:
+        return "load n/a"
+
+
+def fmt_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain fixed-width table."""
+    cells = [[str(h) for h in headers]] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def read_record(store, key: str, record_type: str) -> dict[str, Any] | None:
+    try:
+        return records.loads(store.get(key), record_type, where=key)
+    except (NotFound, Exception):  # noqa: BLE001 - a torn or absent record is "none yet"
+        return None
