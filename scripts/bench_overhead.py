@@ -1,0 +1,346 @@
+"""Learner overhead and memory: ddiloco's learner loop vs the same plain AdamW loop,
+and syncer memory by the number of fragments it serves.
+
+1. Step time. Two arms, each a fresh process with 1 torch thread, interleaved
+   A/B/B/A/A/B/... for --reps rounds on the same task (``mid``, defined here: a
+   ~3.2M-parameter char-level GPT, block 64, batch 8), same seed, same data stream:
+   * plain:   nanoGPT-like loop (lr, forward, backward, clip, AdamW step, loss.item());
+   * ddiloco: ``Learner.train`` on a local-directory run with P = H = 24, tau 2, K 1,
+     int4, with a real ``ddiloco sync`` process serving it (so versions come back and
+     the receive path runs).
+   Steady-state median ms/step excludes the first --skip steps of each process.
+   Fairness on a 2-core machine: both learner arms are pinned to CPU 0 (--pin), so the
+   learner's own background threads (upload encode, receive decode, heartbeat) compete
+   with its compute thread, as on a one-core learner: the worst case. The syncer
+   stands for a remote machine: pinned to CPU 1 at nice +10 and kept running for
+   both arms, so it never takes the learners' core and the arms see the same
+   background. Load averages are recorded next to every figure.
+2. Peak memory (VmHWM) of each arm's process; target learner <= 1.5x plain.
+3. Syncer memory: peak RSS (getrusage of a child) of ``ddiloco sync --fragments 0``
+   vs all fragments, on a 24-fragment run of a 25M-parameter model (24 Linear
+   1024x1024 layers) after one merge of every served fragment from two learners;
+   the import-only baseline is subtracted.
+
+    .venv/bin/python scripts/bench_overhead.py                       # ~6 min on 2 cores
+    .venv/bin/python scripts/bench_overhead.py --json /tmp/overhead.json
+    .venv/bin/python scripts/bench_overhead.py --steps 40 --skip 10 --reps 1 --syncer-width 128   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+THIS = os.path.abspath(__file__)
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from ddiloco_cli.tasks.gpt import GPTConfig, GPTTask  # noqa: E402
+
+# ~3.2M parameters: ~100-200 ms per step on one core at batch 8 x 64 tokens
+mid = GPTTask(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), default_batch_size=8)
+
+SYNCER_WIDTH_ENV = "DDILOCO_BENCH_OVERHEAD_WIDTH"
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class StackTask:
+    """24 square Linear layers (one per fragment at P = 24): for the syncer memory test."""
+
+    def build_model(self) -> torch.nn.Module:
+        return _Stack(int(os.environ.get(SYNCER_WIDTH_ENV, "1024")), 24)
+
+    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
+        g = torch.Generator().manual_seed(seed * 1000 + shard)
+        width = int(os.environ.get(SYNCER_WIDTH_ENV, "1024"))
+        while True:
+            yield torch.randn(batch_size, width, generator=g)
+
+    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    def num_tokens(self, batch: torch.Tensor) -> int:
+        return int(batch.shape[0])
+
+
+stack = StackTask()
+
+BATCH_SIZE = 8
+INNER_LR = 1e-3
+WARMUP = 20
+SEED = 0
+
+
+def vm_hwm_kb(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+# ------------------------------------------------------------------------- workers
+def plain_worker(steps: int, out: str) -> None:
+    """The plain loop: same task, model, optimizer, lr warmup, clip, batch and seed as
+    the learner; no ddiloco import beyond the task."""
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    model = mid.build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=INNER_LR, betas=(0.9, 0.95), weight_decay=0.1)
+    batches = mid.batches(shard=0, num_shards=1, seed=12345, batch_size=BATCH_SIZE)
+    stamps = [(time.perf_counter(), time.process_time())]
+    for step in range(steps):
+        lr = INNER_LR * (step + 1) / WARMUP if step < WARMUP else INNER_LR
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = next(batches)
+        loss = mid.loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        float(loss.detach())
+        stamps.append((time.perf_counter(), time.process_time()))
+    _write(out, arm="plain", stamps=stamps, numel=sum(p.numel() for p in params))
+
+
+def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    from ddiloco_cli.learner import Learner, LearnerOptions
+    from ddiloco_cli.store import open_store
+
+    stamps = [(time.perf_counter(), time.process_time())]
+    learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9),
+                      on_progress=lambda p: stamps.append((time.perf_counter(), time.process_time())))
+    reason = learner.train()
+    s = learner.stats
+    _write(out, arm="ddiloco", stamps=stamps, reason=reason, blocked_s=s.blocked_s, bytes_up=s.bytes_up,
+           bytes_down=s.bytes_down, num_contributions=s.num_contributions,
+           versions_received=sum(1 for v in s.versions.values() if v > 0),
+           max_version=max(s.versions.values(), default=0))
+
+
+def _write(out: str, **rec) -> None:
+    rec["vm_hwm_kb"] = vm_hwm_kb()
+    with open(out, "w") as f:
+        json.dump(rec, f)
+
+
+# --------------------------------------------------------------------- orchestrator
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _prefix(cpu: int | None, nice: int = 0) -> list[str]:
+    pre = []
+    if nice:
+        pre += ["nice", "-n", str(nice)]
+    if cpu is not None:
+        pre += ["taskset", "-c", str(cpu)]
+    return pre
+
+
+def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | None) -> dict:
+    out = os.path.join(workdir, f"{arm}-{rep}.json")
+    cmd = [*_prefix(cpu), sys.executable, THIS, "--worker", arm, "--steps", str(steps), "--out", out]
+    if arm == "ddiloco":
+        cmd += ["--url", url, "--learner-id", f"bench-{rep}"]
+    load0 = os.getloadavg()[0]
+    subprocess.run(cmd, check=True, env=_env(), cwd=str(REPO))
+    with open(out) as f:
+        rec = json.load(f)
+    stamps = rec.pop("stamps")
+    dts = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][skip:]
+    cpu = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])][skip:]
+    rec.update(rep=rep, median_ms=1e3 * statistics.median(dts), mean_ms=1e3 * statistics.fmean(dts),
+               cpu_median_ms=1e3 * statistics.median(cpu), cpu_mean_ms=1e3 * statistics.fmean(cpu),
+               p90_ms=1e3 * sorted(dts)[int(0.9 * len(dts))], steps_measured=len(dts),
+               load_before=load0, load_after=os.getloadavg()[0])
+    print(f"  rep {rep} {arm:8s} median {rec['median_ms']:7.1f} ms/step  p90 {rec['p90_ms']:7.1f}  "
+          f"cpu {rec['cpu_mean_ms']:7.1f}  VmHWM {rec['vm_hwm_kb'] / 1024:6.0f} MB  load {load0:.2f}->{rec['load_after']:.2f}", flush=True)
+    return rec
+
+
+def step_time_comparison(args, workdir: str) -> dict:
+    from ddiloco_cli.runinit import RunSpec, init_run
+    from ddiloco_cli.store import open_store
+
+    url = os.path.join(workdir, "run")
+    init_run(open_store(url), RunSpec(task=f"{THIS}:mid", num_fragments=24, sync_every=24, overlap_steps=2, quorum=1,
+                                      codec="int4", inner_lr=INNER_LR, warmup_steps=WARMUP, lr_schedule="constant",
+                                      total_steps=0, batch_size=BATCH_SIZE, seed=SEED))
+    cpu_l, cpu_s = (0, 1) if args.pin else (None, None)
+    syncer_log = open(os.path.join(workdir, "syncer.log"), "wb")
+    syncer = subprocess.Popen([*_prefix(cpu_s, nice=10), sys.executable, "-m", "ddiloco_cli", "sync", url],
+                              stdout=syncer_log, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO))
+    records = []
+    try:
+        for rep in range(args.reps):
+            order = ("plain", "ddiloco") if rep % 2 == 0 else ("ddiloco", "plain")
+            for arm in order:
+                records.append(run_arm(arm, url=url, rep=rep, steps=args.steps, skip=args.skip, workdir=workdir,
+                                       cpu=cpu_l))
+        syncer_hwm = vm_hwm_kb(syncer.pid)
+    finally:
+        syncer.terminate()
+        syncer.wait(timeout=60)
+        syncer_log.close()
+    plain = [r for r in records if r["arm"] == "plain"]
+    dd = [r for r in records if r["arm"] == "ddiloco"]
+    ratios = [d["median_ms"] / p["median_ms"] for p, d in zip(plain, dd)]  # same rep: adjacent in time
+    cpu_ratios = [d["cpu_mean_ms"] / p["cpu_mean_ms"] for p, d in zip(plain, dd)]
+    return {
+        "records": records, "syncer_vm_hwm_kb": syncer_hwm,
+        "plain_median_ms": statistics.median(r["median_ms"] for r in plain),
+        "ddiloco_median_ms": statistics.median(r["median_ms"] for r in dd),
+        "overhead_per_rep": [r - 1 for r in ratios], "overhead_median": statistics.median(ratios) - 1,
+        "plain_cpu_ms": statistics.median(r["cpu_mean_ms"] for r in plain),
+        "ddiloco_cpu_ms": statistics.median(r["cpu_mean_ms"] for r in dd),
+        "cpu_overhead_per_rep": [r - 1 for r in cpu_ratios], "cpu_overhead_median": statistics.median(cpu_ratios) - 1,
+        "plain_vm_hwm_kb": max(r["vm_hwm_kb"] for r in plain), "ddiloco_vm_hwm_kb": max(r["vm_hwm_kb"] for r in dd),
+    }
+
+
+def _peak_rss_kb(cmd: list[str], *, env: dict) -> int:
+    """Peak RSS of one child process (ru_maxrss of a wrapper's only child)."""
+    wrapper = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+               "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    res = subprocess.run([sys.executable, "-c", wrapper, *cmd], check=True, env=env, capture_output=True, text=True,
+                         cwd=str(REPO))
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+def syncer_memory(args, workdir: str) -> dict:
+    """Peak RSS of a syncer serving fragment 0 vs all 24, each after merging two learners'
+    int4 contributions into every fragment it serves."""
+    from ddiloco_cli import codec, layout, ledger, records
+    from ddiloco_cli.published import expected_shapes
+    from ddiloco_cli.runinit import RunSpec, init_run
+    from ddiloco_cli.store import open_store
+
+    env = {**_env(), SYNCER_WIDTH_ENV: str(args.syncer_width)}
+    os.environ[SYNCER_WIDTH_ENV] = str(args.syncer_width)
+    out: dict = {"width": args.syncer_width}
+    cases = {"fragment 0": ("0", 1), "all 24": ("all", 24)}
+    for name, (spec, num) in cases.items():
+        url = os.path.join(workdir, f"mem-{spec}")
+        store = open_store(url)
+        run = init_run(store, RunSpec(task=f"{THIS}:stack", num_fragments=24, sync_every=24, quorum=2, codec="int4",
+                                      grace_gamma=0.0, lease_s=3600.0, heartbeat_s=1.0))
+        plan = ledger.read_plan(store, run_id=run["run_id"])
+        g = torch.Generator().manual_seed(0)
+        for lid in ("a", "b"):
+            store.put(layout.learner_heartbeat_key(lid), records.dumps(records.make(
+                "learner_heartbeat", run_id=run["run_id"], learner_id=lid, state="running", step=24, tokens=384,
+                step_time_s=1.0, time_s=time.time())))
+            for p in range(24):
+                delta = {k: 1e-3 * torch.randn(s, generator=g) for k, s in expected_shapes(plan, p).items()}
+                header = records.make("contribution", run_id=run["run_id"], fragment=p, learner_id=lid, seq=1,
+                                      base_version=0, c_tokens=384, c_steps=24, step=24, nonce=records.new_nonce(),
+                                      created_s=time.time())
+                store.put_if_absent(layout.contribution_key(p, lid, 1),
+                                    codec.encode_tensors(delta, codec="int4", metadata=header))
+        out["model_numel"] = sum(plan.fragment_numel(p) for p in range(24))
+        cmd = [sys.executable, "-m", "ddiloco_cli", "sync", url, "--no-gc", "--poll", "0.05",
+               "--max-versions", str(num), *(["--fragments", spec] if spec != "all" else [])]
+        out[name] = _peak_rss_kb(cmd, env=env)
+        assert all(ledger.latest_version(store, p) == 1 for p in range(num)), f"{name}: syncer did not merge"
+    out["import_baseline"] = _peak_rss_kb(
+        [sys.executable, "-c", "import torch, ddiloco_cli.cli, ddiloco_cli.syncer, ddiloco_cli.store.local"], env=env)
+    base = out["import_baseline"]
+    out["ratio_above_baseline"] = (out["fragment 0"] - base) / max(1, out["all 24"] - base)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=150, help="inner steps per process")
+    ap.add_argument("--skip", type=int, default=30, help="start-up steps left out of each process's median")
+    ap.add_argument("--reps", type=int, default=4, help="A/B rounds (order alternates)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin learners to CPU 0 / syncer to CPU 1")
+    ap.add_argument("--syncer-width", type=int, default=1024, help="layer width of the syncer-memory model (24 layers)")
+    ap.add_argument("--skip-syncer-memory", action="store_true")
+    ap.add_argument("--json", default=None)
+    # internal: one arm in this process
+    ap.add_argument("--worker", choices=("plain", "ddiloco"), help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--learner-id", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker == "plain":
+        return plain_worker(args.steps, args.out)
+    if args.worker == "ddiloco":
+        return ddiloco_worker(args.url, args.learner_id, args.steps, args.out)
+    if args.pin and (os.cpu_count() or 1) < 2:
+        args.pin = False
+
+    workdir = tempfile.mkdtemp(prefix="bench-overhead-")
+    try:
+        n = sum(p.numel() for p in mid.build_model().parameters())
+        print(f"task mid: {n / 1e6:.2f}M params, batch {BATCH_SIZE} x {mid.config.block_size} tokens; "
+              f"P = H = 24, int4; {args.reps} A/B rounds x {args.steps} steps (first {args.skip} skipped); "
+              f"pinned: {args.pin}; load {os.getloadavg()[0]:.2f}", flush=True)
+        res = step_time_comparison(args, workdir)
+        res["model_numel"] = n
+        if not args.skip_syncer_memory:
+            res["syncer_memory"] = syncer_memory(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    oh, mem = res["overhead_median"], res["ddiloco_vm_hwm_kb"] / res["plain_vm_hwm_kb"]
+    print(f"\nLearner step time (median of per-process steady-state medians), 1 thread, load "
+          f"{min(r['load_before'] for r in res['records']):.2f}-{max(r['load_after'] for r in res['records']):.2f}")
+    print(f"{'arm':8s} {'wall ms/step':>12s} {'CPU ms/step':>12s} {'peak RSS MB':>12s}")
+    for arm in ("plain", "ddiloco"):
+        print(f"{arm:8s} {res[arm + '_median_ms']:12.1f} {res[arm + '_cpu_ms']:12.1f} {res[arm + '_vm_hwm_kb'] / 1024:12.0f}")
+    print(f"overhead per A/B round: {', '.join(f'{x:+.1%}' for x in res['overhead_per_rep'])}; "
+          f"median {oh:+.1%} (target <= +3%: {'MET' if oh <= 0.03 else 'NOT MET'})")
+    coh = res["cpu_overhead_median"]
+    print(f"CPU time (all threads of the process) per step, per round: "
+          f"{', '.join(f'{x:+.1%}' for x in res['cpu_overhead_per_rep'])}; median {coh:+.1%} "
+          f"(load-independent: includes the background upload/receive/heartbeat threads)")
+    print(f"learner peak memory {mem:.2f}x plain (target <= 1.5x: {'MET' if mem <= 1.5 else 'NOT MET'}); "
+          f"syncer peak {res['syncer_vm_hwm_kb'] / 1024:.0f} MB")
+    dd = [r for r in res["records"] if r["arm"] == "ddiloco"]
+    print("ddiloco arm: contributions sent " + ", ".join(str(r["num_contributions"]) for r in dd)
+          + "; fragments received (version > 0) " + ", ".join(f"{r['versions_received']}/24" for r in dd)
+          + "; blocked s " + ", ".join(f"{r['blocked_s']:.2f}" for r in dd))
+    sm = res.get("syncer_memory")
+    if sm:
+        base = sm["import_baseline"]
+        print(f"\nSyncer peak RSS, 24 fragments of a {sm['model_numel'] / 1e6:.1f}M-param model "
+              f"({sm['model_numel'] * 4 / 2**20:.0f} MB fp32), after one 2-learner merge of each served fragment:")
+        for name in ("fragment 0", "all 24"):
+            print(f"  {name:10s} {sm[name] / 1024:7.0f} MB  ({(sm[name] - base) / 1024:6.0f} MB above the "
+                  f"{base / 1024:.0f} MB import baseline)")
+        print(f"  fragment 0 / all, above baseline: {sm['ratio_above_baseline']:.3f} (1/24 = {1 / 24:.3f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
