@@ -291,6 +291,14 @@ class Learner:
             self.stats.versions[p] = v
         return base
 
+    def _agree(self, values: list) -> list:
+        """Rank 0's small values on every rank (no-op on a single process)."""
+        if self.world == 1:
+            return values
+        box = list(values)
+        dist.broadcast_object_list(box, src=0)
+        return box
+
     def _broadcast(self, version: int, value: Tensors, p: int) -> tuple[int, Tensors]:
         """Rank 0's (version, value) of fragment p on every rank."""
         if self.world == 1:
@@ -323,7 +331,7 @@ class Learner:
         self.started_s = time.time()
         if self.io:
             self._resume()
-        step, tokens = self.stats.step, self.stats.tokens
+        step, tokens = self._agree([self.stats.step, self.stats.tokens])
         seq = self.session
         base = self._bootstrap(params)
         if self.world > 1:
@@ -357,8 +365,8 @@ class Learner:
         reason = "finished"
         try:
             while True:
-                if self.stop_reason is not None:
-                    reason = self.stop_reason
+                if self._agree([self.stop_reason is not None])[0]:  # every rank stops at the same step
+                    reason = self.stop_reason or "left"
                     break
                 if end_step is not None and step >= end_step:
                     reason = "finished" if total and step >= total else "steps"
