@@ -98,6 +98,12 @@ def resolve_device(name: str) -> torch.device:
     raise UsageError(f"--device {name!r}: use cpu, cuda, cuda:N or xla")
 
 
+def _xla_mark_step() -> None:
+    import torch_xla.core.xla_model as xm  # noqa: PLC0415 - only on XLA devices
+
+    xm.mark_step()
+
+
 class Uploader(threading.Thread):
     """Encodes and uploads contributions from a bounded queue, retrying with backoff."""
 
@@ -384,6 +390,8 @@ class Learner:
                 if float(inner["grad_clip"]) > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), float(inner["grad_clip"]))
                 optimizer.step()
+                if self.device.type == "xla":
+                    _xla_mark_step()
                 step += 1
                 n_tok = int(self.task.num_tokens(batch)) * self.world
                 tokens += n_tok
