@@ -142,7 +142,7 @@ def run_demo(*, workdir: str, num_learners: int = 3, duration_s: float = 150.0, 
     final_loss = eval_global()
     beats = _learner_beats(store)
     summary = _summary(run, beats, num_params=num_params, initial_loss=initial_loss, final_loss=final_loss,
-                       wall_s=trace.now(), num_learners=num_learners, down_s=(restarted_at or 0) - (killed_at or 0))
+                       wall_s=trace.now(), num_learners=num_learners, victims={victim} if killed_at else set())
     plot_path = os.path.join(workdir, "loss.png")
     _plot(trace, plot_path)
     summary["plot"] = plot_path
@@ -161,14 +161,16 @@ def _wait(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 
 def _summary(run: dict[str, Any], beats: dict[str, dict[str, Any]], *, num_params: int, initial_loss: float,
-             final_loss: float, wall_s: float, num_learners: int, down_s: float) -> dict[str, Any]:
+             final_loss: float, wall_s: float, num_learners: int, victims: set[str]) -> dict[str, Any]:
     steps = sum(b["step"] for b in beats.values())
     tokens = sum(b["tokens"] for b in beats.values())
     moved = sum(b.get("bytes_up", 0) + b.get("bytes_down", 0) for b in beats.values())
     # data-parallel equivalent: a ring all-reduce of fp32 gradients sends and receives ~2x the model per step
     dp_bytes = 2 * 4 * num_params * steps
-    # goodput: learner-seconds actually training over learner-seconds available
-    goodput = 1.0 - max(0.0, down_s) / (num_learners * wall_s)
+    # goodput: tokens trained over what every learner would have trained without the kill,
+    # estimated by the learners that were never killed (restart start-up time counts as lost)
+    spared = [b["tokens"] for lid, b in beats.items() if lid not in victims]
+    goodput = tokens / (num_learners * (sum(spared) / len(spared))) if spared else 1.0
     return {
         "run_id": run["run_id"], "num_params": num_params, "num_learners": num_learners,
         "val_loss_start": initial_loss, "val_loss_end": final_loss, "inner_steps": steps, "tokens": tokens,
