@@ -113,7 +113,8 @@ def run_demo(*, workdir: str, num_learners: int = 3, duration_s: float = 150.0, 
                 time.sleep(1.0)
                 beats = _learner_beats(store)
                 for lid, b in beats.items():
-                    if b.get("loss") is not None and procs[lid].poll() is None:
+                    fresh = b["age_s"] < 3 * float(run["heartbeat_s"]) and b["state"] == "running"
+                    if b.get("loss") is not None and fresh and procs[lid].poll() is None:
                         trace.learner_loss.setdefault(lid, []).append((trace.now(), float(b["loss"])))
                 if victim and killed_at is None and trace.now() > duration_s / 2:
                     procs[victim].send_signal(signal.SIGKILL)
