@@ -25,7 +25,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 160)  # tables stay readable when piped
 
 StorageOpts = Annotated[
     Optional[list[str]],
@@ -235,7 +235,11 @@ def inspect(
     from ddiloco_cli.render import render_inspect
     from ddiloco_cli.observe import inspect_run, verify_run
 
+    from ddiloco_cli import ledger
+
     store = _store(url, storage_option)
+    if not ledger.run_exists(store):
+        raise ledger.RunNotFoundError(f"no ddiloco run at {store.url} (create one with `ddiloco init {url}`)")
     report = inspect_run(store)
     problems = verify_run(store) if verify else []
     if verify:
