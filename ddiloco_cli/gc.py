@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ddiloco_cli import layout, ledger
-from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,24 @@ class GCReport:
     def to_json(self) -> dict[str, Any]:
         return {"num_deleted": len(self.deleted), "bytes_freed": self.bytes_freed,
                 "keep_from": {str(p): v for p, v in self.keep_from.items()}}
+
+
+_VALID_CHECKPOINTS: set[tuple[str, str]] = set()  # (store url, key): checked once per process
+
+
+def _checkpoint_ok(store: Store, key: str, *, run_id: str) -> bool:
+    if (store.url, key) in _VALID_CHECKPOINTS:
+        return True
+    try:
+        _, meta = codec.decode_tensors(store.get(key), where=key)
+        records.validate(meta, "checkpoint", where=key)
+    except (NotFound, InvalidPayloadError, ProtocolError) as exc:
+        log.warning("gc: ignoring checkpoint %s: %s", key, exc)
+        return False
+    if meta["run_id"] != run_id:
+        return False
+    _VALID_CHECKPOINTS.add((store.url, key))
+    return True
 
 
 def keep_from_version(*, latest: int, newest_checkpoint: int, retain_versions: int,
@@ -73,7 +91,8 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
         latest = versions[-1]
         checkpoints = [(layout.parse_num(i.key), i) for i in store.list(layout.checkpoint_prefix(p))]
         checkpoints = [(v, i) for v, i in checkpoints if v is not None and v <= latest]
-        newest_ckpt = max((v for v, _ in checkpoints), default=0)
+        # only a checkpoint that decodes counts: a corrupt one must not license deleting the ledger behind it
+        newest_ckpt = max((v for v, i in checkpoints if _checkpoint_ok(store, i.key, run_id=run["run_id"])), default=0)
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
                                  retain_versions=int(run["retain_versions"]),
                                  publish_codec=run["publish_codec"], keyframe_every=int(run["keyframe_every"]),
