@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 import warnings
 from typing import Any, Mapping
 
@@ -155,25 +156,26 @@ def _dequantize(raw: bytes, codec: str, n: int, block: int) -> torch.Tensor:
         m = min(step, n - start)
         b0 = start // block
         chunk_body = body[start // per_byte : start // per_byte + -(-m // per_byte)]
-        out[start : start + m] = _dequantize_chunk(scale[b0 : b0 + _num_blocks(m, block)], chunk_body, codec, m, block)
+        _dequantize_chunk(scale[b0 : b0 + _num_blocks(m, block)], chunk_body, codec, m, block, out=out[start : start + m])
     return out
 
 
-def _dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: int, block: int) -> torch.Tensor:
-    nb = scale.numel()
-    q = torch.empty(max(nb * block, 2 * body.numel()), dtype=torch.float32)
+def _dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: int, block: int, *, out: torch.Tensor) -> None:
+    """Write q * scale (fp32) into out (n values). q is formed in int8 (1 byte per value)
+    and cast inside the multiply: the same fp32 products as casting q first, ~1.5-2x faster."""
     if codec == "int8":
-        q[:n] = body
-        q[:n].sub_(128)
+        q = torch.bitwise_xor(body, 128).view(torch.int8)  # stored q + 128 -> q (two's complement)
+    elif sys.byteorder == "little":
+        b = body.to(torch.int16)  # each int16 = (high nibble << 8) | low nibble: bytes low, high
+        q = (b & 0x0F).bitwise_or_((b << 4).bitwise_and_(0x0F00)).view(torch.uint8).view(torch.int8).sub_(8)
     else:
-        pairs = q[: 2 * body.numel()].view(-1, 2)
-        pairs[:, 0] = body & 0x0F
-        pairs[:, 1] = body >> 4
-        q[:n].sub_(8)
-    q[n:] = 0
-    qb = q[: nb * block].view(nb, block)
-    qb.mul_(scale[:, None])
-    return q[:n]
+        q = torch.stack((body & 0x0F, body >> 4), dim=1).view(-1).view(torch.int8).sub_(8)
+    q = q[:n]
+    full = (n // block) * block
+    if full:
+        torch.mul(q[:full].view(-1, block), scale[: full // block, None], out=out[:full].view(-1, block))
+    if full < n:
+        torch.mul(q[full:], scale[-1], out=out[full:])
 
 
 # --- encode / decode ----------------------------------------------------------------
@@ -370,8 +372,14 @@ def decode_tensors(
             raise bad(f"tensor {key!r}: zstd decompression failed ({err})") from None
         if len(raw) != raw_n:
             raise bad(f"tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
+        # |q| <= qmax, so when every qmax * scale is finite so is every value (a cheap check
+        # on the scales); otherwise check the values themselves
+        proven = False
+        if codec in _QMAX and n:
+            nb = _num_blocks(n, block)
+            proven = all_finite(_dequantize(raw[: 2 * nb], "bf16", nb, block) * _QMAX[codec])
         t = _dequantize(raw, codec, n, block).view(shape)
-        if not all_finite(t):
+        if not proven and not all_finite(t):
             raise bad(f"tensor {key!r} has non-finite values")
         out[key] = t
     return out, caller_meta

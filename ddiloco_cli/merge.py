@@ -70,26 +70,36 @@ def _check_weights(weights: Sequence[float], n: int) -> list[float]:
 
 
 def _canonical(vectors: Sequence[torch.Tensor], weights: list[float]) -> list[tuple[float, torch.Tensor, float]]:
-    """(weight, fp64 vector, fp64 norm) sorted into an order that depends only on
-    the multiset of inputs."""
+    """(weight, flat CPU vector, fp64 norm) sorted into an order that depends only on
+    the multiset of inputs. The norm is accumulated in fp64 without an fp64 copy."""
     items = []
     for v, w in zip(vectors, weights):
-        v64 = v.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
-        items.append((w, v64, float(torch.linalg.vector_norm(v64)), v))
+        flat = v.detach().to(device="cpu").reshape(-1)
+        items.append((w, flat, float(torch.linalg.vector_norm(flat, dtype=torch.float64))))
 
     def digest(v: torch.Tensor) -> bytes:
-        return hashlib.sha256(v.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).digest()
+        return hashlib.sha256(v.to(torch.float32).contiguous().numpy().tobytes()).digest()
 
     # sha256 only breaks exact (weight, norm) ties; equal digests mean equal inputs.
     ties = {}
-    for w, _, n, _v in items:
+    for w, _, n in items:
         ties[(w, n)] = ties.get((w, n), 0) + 1
-    items.sort(key=lambda it: (it[0], it[2], digest(it[3]) if ties[(it[0], it[2])] > 1 else b""))
-    return [(w, v64, n) for w, v64, n, _ in items]
+    items.sort(key=lambda it: (it[0], it[2], digest(it[1]) if ties[(it[0], it[2])] > 1 else b""))
+    return items
 
 
 def _finish(out64: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out64.to(torch.float32).reshape(like.shape)
+
+
+_ACC_CHUNK = 1 << 16  # elements: the fp64 copy of a chunk stays in cache
+
+
+def _accumulate(acc: torch.Tensor, v: torch.Tensor, alpha: float) -> None:
+    """acc (fp64) += alpha * fp64(v), chunk by chunk: the same elementwise result as one
+    add_ of a full fp64 copy, without materialising it."""
+    for i in range(0, v.numel(), _ACC_CHUNK):
+        acc[i : i + _ACC_CHUNK].add_(v[i : i + _ACC_CHUNK].to(torch.float64), alpha=alpha)
 
 
 def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -98,12 +108,12 @@ def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     ws = _check_weights(weights, len(vectors))
     items = _canonical(vectors, ws)
     total = math.fsum(ws)
-    acc = torch.zeros_like(items[0][1])
+    acc = torch.zeros(items[0][1].numel(), dtype=torch.float64)
     if total == 0:
         return _finish(acc, vectors[0])
-    for w, v64, _ in items:
+    for w, v, _ in items:
         if w:
-            acc.add_(v64, alpha=w)
+            _accumulate(acc, v, w)
     return _finish(acc / total, vectors[0])
 
 
@@ -115,13 +125,13 @@ def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tens
     ws = _check_weights(weights, len(vectors))
     items = _canonical(vectors, ws)
     total = math.fsum(ws)
-    direction = torch.zeros_like(items[0][1])
+    direction = torch.zeros(items[0][1].numel(), dtype=torch.float64)
     if total == 0:
         return _finish(direction, vectors[0])
     radial = math.fsum(w * n for w, _, n in items) / total
-    for w, v64, n in items:
+    for w, v, n in items:
         if w and n > 0:
-            direction.add_(v64, alpha=w / n)
+            _accumulate(direction, v, w / n)
     dnorm = float(torch.linalg.vector_norm(direction))
     if dnorm == 0 or radial == 0:
         return _finish(torch.zeros_like(direction), vectors[0])
