@@ -92,6 +92,29 @@ WARMUP = 20
 SEED = 0
 
 
+def _stamp() -> tuple[float, float, float]:
+    """(wall, CPU of the whole process, CPU of this thread), seconds."""
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of every live thread of this process, by Python name."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), f"native-{tid}")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def vm_hwm_kb(pid: int | str = "self") -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -110,7 +133,7 @@ def plain_worker(steps: int, out: str) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=INNER_LR, betas=(0.9, 0.95), weight_decay=0.1)
     batches = mid.batches(shard=0, num_shards=1, seed=12345, batch_size=BATCH_SIZE)
-    stamps = [(time.perf_counter(), time.process_time())]
+    stamps = [_stamp()]
     for step in range(steps):
         lr = INNER_LR * (step + 1) / WARMUP if step < WARMUP else INNER_LR
         for group in optimizer.param_groups:
@@ -122,7 +145,7 @@ def plain_worker(steps: int, out: str) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         float(loss.detach())
-        stamps.append((time.perf_counter(), time.process_time()))
+        stamps.append(_stamp())
     _write(out, arm="plain", stamps=stamps, numel=sum(p.numel() for p in params))
 
 
@@ -131,15 +154,38 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
     from ddiloco_cli.learner import Learner, LearnerOptions
     from ddiloco_cli.store import open_store
 
-    stamps = [(time.perf_counter(), time.process_time())]
+    # main-thread time inside the loop's own ddiloco calls (send: gather + delta + queue;
+    # receive: take + scatter), wall and CPU
+    spent = {"send_s": 0.0, "receive_s": 0.0, "send_cpu_s": 0.0, "receive_cpu_s": 0.0}
+
+    def timed(name, fn):
+        def wrapped(*a, **k):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name + "_s"] += time.perf_counter() - t0
+                spent[name + "_cpu_s"] += time.thread_time() - c0
+        return wrapped
+
+    Learner._send = timed("send", Learner._send)
+    Learner._receive = timed("receive", Learner._receive)
+    stamps = [_stamp()]
+    threads: dict[str, float] = {}
+
+    def on_progress(p: dict) -> None:
+        stamps.append(_stamp())
+        if len(stamps) == steps + 1:  # last step: the workers are still alive
+            threads.update(thread_cpu_s())
+
     learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9),
-                      on_progress=lambda p: stamps.append((time.perf_counter(), time.process_time())))
+                      on_progress=on_progress)
     reason = learner.train()
     s = learner.stats
     _write(out, arm="ddiloco", stamps=stamps, reason=reason, blocked_s=s.blocked_s, bytes_up=s.bytes_up,
            bytes_down=s.bytes_down, num_contributions=s.num_contributions,
            versions_received=sum(1 for v in s.versions.values() if v > 0),
-           max_version=max(s.versions.values(), default=0))
+           max_version=max(s.versions.values(), default=0), thread_cpu_s=threads, **spent)
 
 
 def _write(out: str, **rec) -> None:
@@ -174,12 +220,14 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
     stamps = rec.pop("stamps")
     dts = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][skip:]
     cpu = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])][skip:]
+    main_cpu = [b[2] - a[2] for a, b in zip(stamps, stamps[1:])][skip:]
     rec.update(rep=rep, median_ms=1e3 * statistics.median(dts), mean_ms=1e3 * statistics.fmean(dts),
                cpu_median_ms=1e3 * statistics.median(cpu), cpu_mean_ms=1e3 * statistics.fmean(cpu),
+               main_cpu_median_ms=1e3 * statistics.median(main_cpu),
                p90_ms=1e3 * sorted(dts)[int(0.9 * len(dts))], steps_measured=len(dts),
                load_before=load0, load_after=os.getloadavg()[0])
     print(f"  rep {rep} {arm:8s} median {rec['median_ms']:7.1f} ms/step  p90 {rec['p90_ms']:7.1f}  "
-          f"cpu {rec['cpu_mean_ms']:7.1f}  VmHWM {rec['vm_hwm_kb'] / 1024:6.0f} MB  load {load0:.2f}->{rec['load_after']:.2f}", flush=True)
+          f"cpu {rec['cpu_mean_ms']:7.1f} (main {rec['main_cpu_median_ms']:6.1f})  VmHWM {rec['vm_hwm_kb'] / 1024:6.0f} MB  load {load0:.2f}->{rec['load_after']:.2f}", flush=True)
     return rec
 
 
@@ -219,8 +267,26 @@ def step_time_comparison(args, workdir: str) -> dict:
         "plain_cpu_ms": statistics.median(r["cpu_mean_ms"] for r in plain),
         "ddiloco_cpu_ms": statistics.median(r["cpu_mean_ms"] for r in dd),
         "cpu_overhead_per_rep": [r - 1 for r in cpu_ratios], "cpu_overhead_median": statistics.median(cpu_ratios) - 1,
+        "plain_main_cpu_ms": statistics.median(r["main_cpu_median_ms"] for r in plain),
+        "ddiloco_main_cpu_ms": statistics.median(r["main_cpu_median_ms"] for r in dd),
+        "machinery_ms_per_step": _machinery(dd, steps=args.steps),
         "plain_vm_hwm_kb": max(r["vm_hwm_kb"] for r in plain), "ddiloco_vm_hwm_kb": max(r["vm_hwm_kb"] for r in dd),
     }
+
+
+def _machinery(dd: list[dict], *, steps: int) -> dict[str, float]:
+    """ddiloco's own work per step (median over processes), in ms: main-thread time in
+    send/receive, and CPU of each background thread; these do not depend on the load."""
+    out: dict[str, float] = {}
+    for key in ("send_s", "receive_s", "send_cpu_s", "receive_cpu_s"):
+        out["main " + key.replace("_s", "").replace("_cpu", " CPU")] = 1e3 * statistics.median(r[key] for r in dd) / steps
+    for name in ("ddiloco-uploader", "ddiloco-receiver", "ddiloco-heartbeat"):
+        out[name + " CPU"] = 1e3 * statistics.median(r["thread_cpu_s"].get(name, 0.0) for r in dd) / steps
+    others = [sum(v for k, v in r["thread_cpu_s"].items() if k not in ("MainThread", "ddiloco-uploader",
+                                                                        "ddiloco-receiver", "ddiloco-heartbeat"))
+              for r in dd]
+    out["other threads CPU"] = 1e3 * statistics.median(others) / steps
+    return out
 
 
 def _peak_rss_kb(cmd: list[str], *, env: dict) -> int:
@@ -244,7 +310,7 @@ def syncer_memory(args, workdir: str) -> dict:
     env = {**_env(), SYNCER_WIDTH_ENV: str(args.syncer_width)}
     os.environ[SYNCER_WIDTH_ENV] = str(args.syncer_width)
     out: dict = {"width": args.syncer_width}
-    cases = {"fragment 0": ("0", 1), "all 24": ("all", 24)}
+    cases = {"fragment 0": ("0", 1), "fragments 0-5": ("0-5", 6), "all 24": ("all", 24)}
     for name, (spec, num) in cases.items():
         url = os.path.join(workdir, f"mem-{spec}")
         store = open_store(url)
@@ -272,6 +338,9 @@ def syncer_memory(args, workdir: str) -> dict:
         [sys.executable, "-c", "import torch, ddiloco_cli.cli, ddiloco_cli.syncer, ddiloco_cli.store.local"], env=env)
     base = out["import_baseline"]
     out["ratio_above_baseline"] = (out["fragment 0"] - base) / max(1, out["all 24"] - base)
+    out["per_fragment_kb"] = (out["all 24"] - out["fragment 0"]) / 23
+    out["fixed_kb"] = out["fragment 0"] - out["per_fragment_kb"]
+    out["fragment_fp32_kb"] = out["model_numel"] * 4 / 24 / 1024
     return out
 
 
@@ -324,6 +393,13 @@ def main() -> None:
           f"(load-independent: includes the background upload/receive/heartbeat threads)")
     print(f"learner peak memory {mem:.2f}x plain (target <= 1.5x: {'MET' if mem <= 1.5 else 'NOT MET'}); "
           f"syncer peak {res['syncer_vm_hwm_kb'] / 1024:.0f} MB")
+    print(f"main-thread CPU per step (median): plain {res['plain_main_cpu_ms']:.1f} ms, ddiloco "
+          f"{res['ddiloco_main_cpu_ms']:.1f} ms")
+    mach = res["machinery_ms_per_step"]
+    total = mach["main send CPU"] + mach["main receive CPU"] + sum(v for k, v in mach.items() if "thread" in k or "ddiloco-" in k)
+    print("ddiloco machinery per step, ms (load-independent): " + ", ".join(f"{k} {v:.2f}" for k, v in mach.items())
+          + f"; CPU total {total:.2f} = {total / res['plain_cpu_ms']:.1%} of the plain step's CPU")
+    res["machinery_cpu_fraction"] = total / res["plain_cpu_ms"]
     dd = [r for r in res["records"] if r["arm"] == "ddiloco"]
     print("ddiloco arm: contributions sent " + ", ".join(str(r["num_contributions"]) for r in dd)
           + "; fragments received (version > 0) " + ", ".join(f"{r['versions_received']}/24" for r in dd)
@@ -333,10 +409,14 @@ def main() -> None:
         base = sm["import_baseline"]
         print(f"\nSyncer peak RSS, 24 fragments of a {sm['model_numel'] / 1e6:.1f}M-param model "
               f"({sm['model_numel'] * 4 / 2**20:.0f} MB fp32), after one 2-learner merge of each served fragment:")
-        for name in ("fragment 0", "all 24"):
+        for name in ("fragment 0", "fragments 0-5", "all 24"):
             print(f"  {name:10s} {sm[name] / 1024:7.0f} MB  ({(sm[name] - base) / 1024:6.0f} MB above the "
                   f"{base / 1024:.0f} MB import baseline)")
         print(f"  fragment 0 / all, above baseline: {sm['ratio_above_baseline']:.3f} (1/24 = {1 / 24:.3f})")
+        print(f"  linear fit: {sm['fixed_kb'] / 1024:.0f} MB fixed + {sm['per_fragment_kb'] / 1024:.1f} MB per served "
+              f"fragment ({sm['per_fragment_kb'] / sm['fragment_fp32_kb']:.1f}x its {sm['fragment_fp32_kb'] / 1024:.1f} MB "
+              f"of fp32 values); 0-5 predicted {(sm['fixed_kb'] + 6 * sm['per_fragment_kb']) / 1024:.0f} MB, "
+              f"measured {sm['fragments 0-5'] / 1024:.0f} MB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

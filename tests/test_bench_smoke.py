@@ -1,0 +1,55 @@
+"""Smoke tests of the benchmarks: each script runs end to end with tiny settings and
+writes the JSON keys its report promises. Nothing here asserts a timing.
+
+Run: .venv/bin/python -m pytest tests/test_bench_smoke.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(script: str, *args: str, timeout_s: float = 120) -> str:
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], env=ENV, cwd=str(REPO),
+                         capture_output=True, text=True, timeout=timeout_s)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_bench_syncer_smoke(tmp_path):
+    out = tmp_path / "syncer.json"
+    text = _run("bench_syncer.py", "--width", "64", "--layers", "4", "--rounds", "1", "--warmup", "0",
+                "--codecs", "int4,none", "--ms", "1,2", "--json", str(out))
+    assert "param-contrib" in text.lower() or "p-c/" in text
+    rep = json.loads(out.read_text())
+    assert rep["fragment_numel"] == 64 * 64 * 2  # 4 layers over 2 fragments
+    assert [(r["codec"], r["m"]) for r in rep["results"]] == [("int4", 1), ("int4", 2), ("none", 1), ("none", 2)]
+    for r in rep["results"]:
+        assert r["param_contribs_per_cpu_s"] > 0 and r["param_contribs_per_s"] > 0
+        assert r["m_max_1b_h24_1s"] > 0
+        assert {"decode+validate", "encode", "io", "other"} <= set(r["split_s_per_merge"])
+        assert (r["m"] > 1) == ("merge" in r["split_s_per_merge"])  # one contribution passes through
+
+
+def test_bench_overhead_smoke(tmp_path):
+    out = tmp_path / "overhead.json"
+    _run("bench_overhead.py", "--steps", "5", "--skip", "1", "--reps", "1", "--syncer-width", "16",
+         "--json", str(out), timeout_s=180)
+    rep = json.loads(out.read_text())
+    arms = [r["arm"] for r in rep["records"]]
+    assert arms == ["plain", "ddiloco"]
+    dd = rep["records"][1]
+    assert dd["num_contributions"] == 5  # P = H = 24: one fragment goes up per step
+    assert dd["steps_measured"] == 4
+    for key in ("overhead_median", "cpu_overhead_median", "plain_vm_hwm_kb", "ddiloco_vm_hwm_kb", "syncer_vm_hwm_kb"):
+        assert key in rep
+    sm = rep["syncer_memory"]
+    assert sm["model_numel"] == 24 * 16 * 16
+    assert sm["fragment 0"] > 0 and sm["all 24"] > 0 and sm["import_baseline"] > 0
