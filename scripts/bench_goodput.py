@@ -125,6 +125,7 @@ def run_arm(args, *, mode: str, trace: list[benchlib.Failure] | None, duration_s
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    benchlib.exit_on_sigterm()  # so each Cluster's finally kills its processes
     M = args.learners
     ids = [f"l{i}" for i in range(M)]
     trace = benchlib.failure_trace(seed=args.seed, learner_ids=ids, mean_between_s=args.mean_between_s,

@@ -442,6 +442,11 @@ def longest_stall(samples: list[Sample]) -> float:
     return worst
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so `finally: cluster.close()` kills the children."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def load_text() -> str:
     """`uptime`'s load averages, for printing next to timings."""
     try:
