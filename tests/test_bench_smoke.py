@@ -35,7 +35,7 @@ def test_bench_syncer_smoke(tmp_path):
         assert r["param_contribs_per_cpu_s"] > 0 and r["param_contribs_per_s"] > 0
         assert r["m_max_1b_h24_1s"] > 0
         assert {"decode+validate", "encode", "io", "other"} <= set(r["split_s_per_merge"])
-        assert (r["m"] > 1) == ("merge" in r["split_s_per_merge"])  # one contribution passes through
+        assert r["split_s_per_merge"]["merge"] >= 0
 
 
 def test_bench_overhead_smoke(tmp_path):
