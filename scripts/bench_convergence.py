@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--inner-lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--lr-schedule", default="cosine")
-    ap.add_argument("--outer-lr", type=float, default=0.4, help="0.7 diverges with K=1 (measured: see the report)")
+    ap.add_argument("--outer-lr", type=float, default=0.4, help="0.7 stalls K=1 training here (val 2.97 vs 2.34 at 0.4, N=400)")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
