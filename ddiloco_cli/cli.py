@@ -138,6 +138,7 @@ def learn(
     shard: Annotated[Optional[int], typer.Option(help="Data shard index (default: a stream seeded by the learner id)")] = None,
     num_shards: Annotated[Optional[int], typer.Option(help="Number of data shards")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
+    poll: Annotated[float, typer.Option("--poll", help="Seconds between polls for a new version of a fragment it waits for")] = 0.2,
     storage_option: StorageOpts = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
@@ -156,7 +157,8 @@ def learn(
 
         torch.set_num_threads(threads)
     _maybe_init_distributed(device)
-    opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards)
+    opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards,
+                          poll_s=poll)
     with learner_view(console, learner_id) as on_progress:
         reason = Learner(_store(url, storage_option), options=opts, on_progress=on_progress).train()
     logging.getLogger("ddiloco").info("learner %s: %s", learner_id, reason)

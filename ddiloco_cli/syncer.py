@@ -137,6 +137,7 @@ class Syncer:
         self.bytes_in = 0
         self.bytes_out = 0
         self._last_beat_t = 0.0
+        self._last_learners_t = 0.0
         self._last_fence_check_t = 0.0
         self._last_gc_t = time.monotonic()
         self._known_epoch_keys: set[str] = set()
@@ -209,9 +210,10 @@ class Syncer:
         )
         self.store.put(layout.syncer_heartbeat_key(self.epoch.epoch), records.dumps(rec))
         self._last_beat_t = now
-        self._refresh_learners()
 
     def _refresh_learners(self) -> None:
+        """Which learners are live, and their median step time (for the grace window)."""
+        self._last_learners_t = time.monotonic()
         beats = ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
         lease_s = float(self.run["lease_s"])
         self.known_learners = {b.record["learner_id"] for b in beats}
@@ -548,6 +550,8 @@ class Syncer:
                 if time.monotonic() - self._last_fence_check_t > max(1.0, float(self.run["heartbeat_s"])):
                     self.check_fence()
                 self.heartbeat()
+                if time.monotonic() - self._last_learners_t > float(self.run["heartbeat_s"]):
+                    self._refresh_learners()
                 self.poll_contributions()
                 for p in self.fragments:
                     if self.maybe_merge(self.states[p]):

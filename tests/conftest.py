@@ -86,20 +86,31 @@ def _s3_env(endpoint_url: str) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def moto_server():
-    """Endpoint URL of a running moto S3 server holding bucket ``S3_TEST_BUCKET``."""
+    """Endpoint URL of a running moto S3 server holding bucket ``S3_TEST_BUCKET``.
+
+    The server runs in its own process (tests/moto_proc.py) so that it is not
+    starved by the test process's own work under the GIL."""
+    import subprocess
+    import sys
+
     import boto3
 
-    server = _SerialMotoServer()
-    server.start()
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in _s3_env(server.endpoint_url).items():
-            mp.setenv(k, v)
-        mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-        mp.delenv("AWS_PROFILE", raising=False)
-        mp.delenv("AWS_SESSION_TOKEN", raising=False)
-        boto3.client("s3", endpoint_url=server.endpoint_url).create_bucket(Bucket=S3_TEST_BUCKET)
-        yield server.endpoint_url
-    server.stop()
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "moto_proc.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        endpoint_url = proc.stdout.readline().strip()
+        assert endpoint_url.startswith("http://"), "moto server did not start"
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in _s3_env(endpoint_url).items():
+                mp.setenv(k, v)
+            mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+            mp.delenv("AWS_PROFILE", raising=False)
+            mp.delenv("AWS_SESSION_TOKEN", raising=False)
+            boto3.client("s3", endpoint_url=endpoint_url).create_bucket(Bucket=S3_TEST_BUCKET)
+            yield endpoint_url
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 class _FakeGCSServer:
@@ -188,8 +199,14 @@ def _fresh_prefix() -> str:
 
 @pytest.fixture
 def s3_url(moto_server) -> BucketURL:
-    """A fresh, empty ``s3://`` run root on the moto server, plus a subprocess env."""
-    return BucketURL(f"s3://{S3_TEST_BUCKET}/{_fresh_prefix()}", {**os.environ, **_s3_env(moto_server)})
+    """A fresh, empty ``s3://`` run root in its own bucket on the moto server, plus a
+    subprocess env. (moto's LIST scans every key of a bucket, so a bucket per test
+    keeps one test's objects from slowing down the next.)"""
+    import boto3
+
+    bucket = f"ddiloco-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket=bucket)
+    return BucketURL(f"s3://{bucket}/{_fresh_prefix()}", {**os.environ, **_s3_env(moto_server)})
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import os
+import time
 import uuid
 from typing import Callable, TypeVar
 
@@ -171,17 +172,28 @@ class _FsspecStore:
         except FileNotFoundError:
             pass
 
+    # Re-read the service's clock this often; in between, advance it by the local
+    # monotonic clock (immune to wall-clock jumps; only its rate is trusted).
+    CLOCK_PROBE_EVERY_S = 30.0
+
     def now(self) -> float:
-        """The service's clock: write a tiny probe object, read its modification
-        time, delete it (three requests)."""
+        """The service's clock. Probing it costs three requests (write a tiny
+        object, read its modification time, delete it), so a probe is reused
+        for CLOCK_PROBE_EVERY_S, advanced by ``time.monotonic()``."""
+        probe = getattr(self, "_clock", None)
+        if probe is not None and time.monotonic() - probe[1] < self.CLOCK_PROBE_EVERY_S:
+            return probe[0] + (time.monotonic() - probe[1])
         key = f"{layout.CLOCK_PREFIX}{uuid.uuid4().hex}"
         path = self._path(key)
+        t0 = time.monotonic()
         self._call(lambda: self._fs.pipe_file(path, b""), what="clock probe")
         try:
             info = self._call(lambda: self._fs.info(path), what="clock probe")
         finally:
             self.delete(key)
-        return self._mtime_s(info)
+        store_s = self._mtime_s(info)
+        self._clock = (store_s, t0)  # the object was stamped at or after t0
+        return store_s + (time.monotonic() - t0)
 
 
 class S3Store(_FsspecStore):
