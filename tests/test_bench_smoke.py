@@ -40,7 +40,8 @@ def test_bench_syncer_smoke(tmp_path):
 
 def test_bench_overhead_smoke(tmp_path):
     out = tmp_path / "overhead.json"
-    _run("bench_overhead.py", "--steps", "5", "--skip", "1", "--reps", "1", "--syncer-width", "16",
+    # the syncer-memory part (4 more processes) is left out to keep this test short
+    _run("bench_overhead.py", "--steps", "5", "--skip", "1", "--reps", "1", "--skip-syncer-memory",
          "--json", str(out), timeout_s=180)
     rep = json.loads(out.read_text())
     arms = [r["arm"] for r in rep["records"]]
@@ -50,6 +51,5 @@ def test_bench_overhead_smoke(tmp_path):
     assert dd["steps_measured"] == 4
     for key in ("overhead_median", "cpu_overhead_median", "plain_vm_hwm_kb", "ddiloco_vm_hwm_kb", "syncer_vm_hwm_kb"):
         assert key in rep
-    sm = rep["syncer_memory"]
-    assert sm["model_numel"] == 24 * 16 * 16
-    assert sm["fragment 0"] > 0 and sm["all 24"] > 0 and sm["import_baseline"] > 0
+    assert set(rep["machinery_ms_per_step"]) >= {"main send CPU", "ddiloco-uploader CPU", "ddiloco-receiver CPU"}
+    assert "syncer_memory" not in rep
