@@ -76,6 +76,9 @@ def init(
     overlap_steps: Annotated[int, typer.Option("--overlap-steps", help="Steps a fragment's sync overlaps with compute (tau)")] = 2,
     quorum: Annotated[int, typer.Option("--quorum", "-K", help="Minimum distinct learners per merge (K)")] = 1,
     alpha: Annotated[float, typer.Option(help="Learner-side merge: theta <- alpha*theta + (1-alpha)*global")] = 0.0,
+    keep_overlap_progress: Annotated[bool, typer.Option(
+        "--keep-overlap-progress/--discard-overlap-progress",
+        help="On receive, keep the steps trained since the send (theta <- Theta_new + progress) or overwrite them")] = True,
     merge: Annotated[str, typer.Option(help="rda (Radial-Directional Averaging) or mean")] = "rda",
     outer_lr: Annotated[float, typer.Option(help="Outer Nesterov learning rate")] = 0.7,
     outer_momentum: Annotated[float, typer.Option(help="Outer Nesterov momentum")] = 0.9,
@@ -112,7 +115,7 @@ def init(
 
     spec = RunSpec(
         task=task, num_fragments=fragments, sync_every=sync_every, overlap_steps=overlap_steps, quorum=quorum,
-        alpha=alpha, merge=merge, outer_lr=outer_lr, outer_momentum=outer_momentum, codec=codec,
+        alpha=alpha, keep_overlap_progress=keep_overlap_progress, merge=merge, outer_lr=outer_lr, outer_momentum=outer_momentum, codec=codec,
         codec_block=codec_block, publish_codec=publish_codec, mode=mode, inner_lr=inner_lr,
         adam_betas=_pair(adam_betas, "--adam-betas"), weight_decay=weight_decay, warmup_steps=warmup_steps,
         lr_schedule=lr_schedule, total_steps=total_steps, grad_clip=grad_clip, batch_size=batch_size, seed=seed,

@@ -69,6 +69,16 @@ class LearnerStats:
     state: str = "running"
 
 
+@dataclass
+class InFlight:
+    """A fragment sent and not yet received back."""
+
+    receive_step: int  # step + tau: from here on the learner takes a newer version
+    seq: int
+    theta: Tensors  # the learner's fragment at the send
+    counters: tuple[int, int]  # (c_steps, c_tokens) at the send
+
+
 def lr_at(step: int, inner: dict[str, Any]) -> float:
     """Inner learning rate: linear warmup, then constant or cosine decay to 10%."""
     base, warmup, total = float(inner["lr"]), int(inner["warmup_steps"]), int(inner["total_steps"])
@@ -355,7 +365,7 @@ class Learner:
         counters = FragmentCounters(self.plan.num_fragments)
         P, H, tau = self.plan.num_fragments, int(run["sync_every"]), int(run["overlap_steps"])
         lockstep = run["mode"] == "lockstep"
-        receive_at: dict[int, tuple[int, int]] = {}  # fragment -> (step to receive from, seq sent)
+        receive_at: dict[int, InFlight] = {}  # fragments sent and not yet received back
         total = int(inner["total_steps"])
         end_step = step + opts.steps if opts.steps is not None else (total or None)
         uploader = receiver = heartbeat = None
@@ -397,14 +407,21 @@ class Learner:
                 tokens += n_tok
                 counters.on_step(n_tok)
                 # send the fragments that are due, receive the ones whose overlap window has passed
-                for p in fragments_due(step, num_fragments=P, sync_every=H):
+                due = fragments_due(step, num_fragments=P, sync_every=H)
+                for p in due:
                     seq += 1
-                    self._send(p, seq, base[p], params, counters, step, uploader)
-                    receive_at[p] = (step + tau, seq)
+                    theta = self._send(p, seq, base[p], params, counters, step, uploader)
+                    receive_at[p] = InFlight(step + tau, seq, theta, counters.snapshot(p))
                     if self.io:
                         receiver.want(p, base[p])
-                for p, (at, sent_seq) in list(receive_at.items()):
-                    if step >= at and self._receive(p, sent_seq, base, params, counters, receiver, block=lockstep):
+                if due and lockstep and self.io:
+                    # a restart must resume past every fragment it already sent, or it would
+                    # send one again and wait for a merge the other learners never join
+                    self.stats.step, self.stats.tokens = step, tokens
+                    heartbeat.beat()
+                for p, flight in list(receive_at.items()):
+                    if step >= flight.receive_step and self._receive(p, flight, base, params, counters, receiver,
+                                                                     block=lockstep):
                         del receive_at[p]
                 # timing and logging
                 dt = time.perf_counter() - t0
@@ -436,12 +453,12 @@ class Learner:
         self.stop_reason = "left"
 
     def _send(self, p: int, seq: int, base: tuple[int, Tensors], params: dict[str, torch.Tensor],
-              counters: FragmentCounters, step: int, uploader: Uploader | None) -> None:
-        """Queue the outer gradient delta = Theta_base - theta of fragment p."""
-        if not self.io:
-            return
-        base_version, base_value = base
+              counters: FragmentCounters, step: int, uploader: Uploader | None) -> Tensors:
+        """Queue the outer gradient delta = Theta_base - theta of fragment p; returns theta."""
         theta = gather_fragment(self.plan, p, params)
+        if not self.io:
+            return theta
+        base_version, base_value = base
         delta = {k: base_value[k] - theta[k] for k in theta}
         c_steps, c_tokens = counters.snapshot(p)
         header = records.make(
@@ -450,11 +467,18 @@ class Learner:
             nonce=records.new_nonce(), created_s=time.time(),
         )
         self.stats.blocked_s += uploader.submit(layout.contribution_key(p, self.opts.learner_id, seq), delta, header)
+        return theta
 
-    def _receive(self, p: int, sent_seq: int, base: dict[int, tuple[int, Tensors]], params: dict[str, torch.Tensor],
+    def _receive(self, p: int, flight: InFlight, base: dict[int, tuple[int, Tensors]], params: dict[str, torch.Tensor],
                  counters: FragmentCounters, receiver: Receiver | None, *, block: bool) -> bool:
         """Merge a newer committed version of p if one is ready (lock-step: wait for the
-        version that includes our contribution). Returns True when p was received."""
+        version that includes our contribution). Returns True when p was received.
+
+        theta <- alpha * theta + (1 - alpha) * (Theta_new + progress), where progress =
+        theta - theta_at_send is what the overlap window trained after the send (zero
+        when tau = 0, or when the run discards it: keep_overlap_progress = false). The
+        next contribution then covers exactly the steps since this send."""
+        sent_seq = flight.seq
         got = None
         if self.io:
             t0 = time.monotonic()
@@ -479,14 +503,16 @@ class Learner:
                 return False
             version, value = got[0], got[1]
         alpha = float(self.run["alpha"])
-        if alpha == 0.0:
+        keep = bool(self.run.get("keep_overlap_progress", False)) and int(self.run["overlap_steps"]) > 0
+        if alpha == 0.0 and not keep:
             scatter_fragment(self.plan, p, params, value)
         else:
             local = gather_fragment(self.plan, p, params)
+            target = {k: value[k] + (local[k] - flight.theta[k]) for k in local} if keep else value
             for k in local:
-                alpha_merge(local[k], value[k], alpha)
+                alpha_merge(local[k], target[k], alpha)
             scatter_fragment(self.plan, p, params, local)
         base[p] = (version, value)
-        counters.reset(p)
+        counters.reset(p, since=flight.counters if keep else None)
         self.stats.versions[p] = version
         return True

@@ -16,6 +16,7 @@ Invariants (PROTOCOL.md sections in brackets):
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -111,11 +112,14 @@ def read_latest_hint(store: Store, fragment: int) -> int | None:
 
     Only a hint: it may lag, be missing or lie; callers confirm by reading that
     version's manifest and fall back to ``latest_version`` now and then."""
-    try:
-        rec = records.loads(store.get(layout.latest_hint_key(fragment)), "latest", where="latest hint")
-    except (NotFound, ProtocolError):
+    try:  # polled often: a plain parse, not a schema validation (a wrong hint only costs a read)
+        rec = json.loads(store.get(layout.latest_hint_key(fragment)))
+    except (NotFound, ValueError):
         return None
-    return rec["version"] if rec["fragment"] == fragment else None
+    version = rec.get("version") if isinstance(rec, dict) else None
+    if rec.get("fragment") != fragment or not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        return None
+    return version
 
 
 def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | None = None) -> dict[str, Any]:

@@ -123,9 +123,17 @@ class FragmentReader:
         self.expected = expected_shapes(plan, fragment)
         self.numel = plan.fragment_numel(fragment)
         self.bytes_down = 0
+        self._manifests: dict[int, dict[str, Any]] = {}
 
     def manifest(self, version: int) -> dict[str, Any]:
-        return ledger.read_manifest(self.store, self.fragment, version, run_id=self.run_id)
+        """A committed manifest (immutable, so cached: a few recent ones)."""
+        cached = self._manifests.get(version)
+        if cached is None:
+            cached = ledger.read_manifest(self.store, self.fragment, version, run_id=self.run_id)
+            self._manifests[version] = cached
+            while len(self._manifests) > 64:
+                del self._manifests[min(self._manifests)]
+        return cached
 
     def _payload(self, entry: dict[str, Any], *, version: int) -> bytes:
         key = entry["key"]

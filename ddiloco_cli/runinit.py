@@ -30,6 +30,7 @@ class RunSpec:
     overlap_steps: int = 2
     quorum: int = 1
     alpha: float = 0.0
+    keep_overlap_progress: bool = True
     merge: str = "rda"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9

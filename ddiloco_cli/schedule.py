@@ -85,9 +85,13 @@ class FragmentCounters:
         """(c_steps, c_tokens) of fragment p."""
         return self.c_steps[p], self.c_tokens[p]
 
-    def reset(self, p: int) -> None:
-        self.c_steps[p] = 0
-        self.c_tokens[p] = 0
+    def reset(self, p: int, *, since: tuple[int, int] | None = None) -> None:
+        """Restart fragment p's counts from zero, or, with ``since`` = a snapshot taken
+        when p was sent, keep only what was counted after that snapshot (the learner
+        keeps its progress of the overlap window on receive)."""
+        steps, tokens = since if since is not None else (self.c_steps[p], self.c_tokens[p])
+        self.c_steps[p] -= steps
+        self.c_tokens[p] -= tokens
 
     def to_json(self) -> dict:
         return {"c_steps": list(self.c_steps), "c_tokens": list(self.c_tokens)}

@@ -24,7 +24,7 @@ import torch
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import FencedError, InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
-from ddiloco_cli.merge import check_finite, is_embedding_key, merge_outer_gradients, token_weight
+from ddiloco_cli.merge import is_embedding_key, merge_outer_gradients, token_weight
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, encode_version, expected_shapes, upload_payloads
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
@@ -413,7 +413,6 @@ class Syncer:
             if header["base_version"] > state.version:
                 raise InvalidPayloadError(f"{where}: base version {header['base_version']} is newer than "
                                           f"the committed version {state.version}")
-            check_finite(tensors, where=where)
         except (InvalidPayloadError, ProtocolError) as exc:
             self._quarantine(key, str(exc))
             return None
