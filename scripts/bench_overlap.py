@@ -26,7 +26,16 @@ queued or in flight = sends due so far - contributions uploaded) at the start
 and end of the window: a backlog that grows means the link cannot keep up, and
 blocking follows once it passes the queue size (4) + 1.
 
+Measured 2026-11-30 (2 shared cores, load 4-19 from other jobs, P=4 H=16 tau=2
+int4, one learner, ~33 kB per contribution): at 20 ms one-way, 1.25x blocked
+0.15% when steps took ~115 ms but 1.28% at ~100 ms/step; at 100 ms one-way,
+1.25x blocked 7.8% and 2x 23.8% with the link half idle. The uplink is
+latency-bound, not bandwidth-bound: one uploader thread sends one PUT at a
+time, and each PUT costs two round trips (botocore sends "Expect:
+100-continue") on top of its transfer.
+
     .venv/bin/python scripts/bench_overlap.py --json /tmp/overlap.json
+    .venv/bin/python scripts/bench_overlap.py --latency-ms 100 --multiples 1.25,2 --repeats 1 --json /tmp/overlap100.json
     .venv/bin/python scripts/bench_overlap.py --steps 240 --repeats 1 --multiples 1.25   # quick look
 """
 
