@@ -82,6 +82,7 @@ def init(
     merge: Annotated[str, typer.Option(help="rda (Radial-Directional Averaging) or mean")] = "rda",
     outer_lr: Annotated[float, typer.Option(help="Outer Nesterov learning rate")] = 0.7,
     outer_momentum: Annotated[float, typer.Option(help="Outer Nesterov momentum")] = 0.9,
+    outer_lr_scaling: Annotated[str, typer.Option(help="participation: a merge of m of M live learners uses lr*m/M; none")] = "participation",
     codec: Annotated[str, typer.Option(help="Outer-gradient codec: none, bf16, int8, int4")] = "int4",
     codec_block: Annotated[Optional[int], typer.Option(help="Quantization block size (default 64 for int4, 256 for int8)")] = None,
     publish_codec: Annotated[Optional[str], typer.Option(help="Codec of published fragment deltas (default: --codec)")] = None,
@@ -115,7 +116,7 @@ def init(
 
     spec = RunSpec(
         task=task, num_fragments=fragments, sync_every=sync_every, overlap_steps=overlap_steps, quorum=quorum,
-        alpha=alpha, keep_overlap_progress=keep_overlap_progress, merge=merge, outer_lr=outer_lr, outer_momentum=outer_momentum, codec=codec,
+        alpha=alpha, keep_overlap_progress=keep_overlap_progress, merge=merge, outer_lr=outer_lr, outer_momentum=outer_momentum, outer_lr_scaling=outer_lr_scaling, codec=codec,
         codec_block=codec_block, publish_codec=publish_codec, mode=mode, inner_lr=inner_lr,
         adam_betas=_pair(adam_betas, "--adam-betas"), weight_decay=weight_decay, warmup_steps=warmup_steps,
         lr_schedule=lr_schedule, total_steps=total_steps, grad_clip=grad_clip, batch_size=batch_size, seed=seed,

@@ -34,6 +34,7 @@ class RunSpec:
     merge: str = "rda"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_lr_scaling: str = "participation"
     codec: str = "int4"
     codec_block: int | None = None
     publish_codec: str | None = None
@@ -80,6 +81,8 @@ class RunSpec:
             raise bad("--merge", "use rda or mean")
         if self.outer_lr <= 0:
             raise bad("--outer-lr", "must be > 0")
+        if self.outer_lr_scaling not in ("none", "participation"):
+            raise bad("--outer-lr-scaling", "use none or participation")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise bad("--outer-momentum", "must be in [0, 1)")
         for flag, c in (("--codec", self.codec), ("--publish-codec", self.publish_codec or self.codec)):

@@ -293,6 +293,7 @@ class Syncer:
                 if grads:
                     merged = self._merge(grads, weights)
                     raw = {k: t.clone() for k, t in current.items()}
+                    outer.lr = float(m.get("outer_lr", self.run["outer_lr"]))
                     outer.step(raw, merged)
                 values[v] = reader.read(v, have=(v - 1, current))
                 for old in [u for u in values if u < v - int(self.run["max_staleness"]) - 1]:
@@ -325,6 +326,16 @@ class Syncer:
             return grads[0]
         mean_keys = {k for k in grads[0] if is_embedding_key(k)}
         return merge_outer_gradients(grads, weights, method=self.run["merge"], mean_keys=mean_keys)
+
+    def _outer_lr(self, num_merged: int) -> float:
+        """The outer learning rate of one merge. With outer_lr_scaling = "participation",
+        a merge of m out of M live learners steps with lr * m / M: learners out of phase
+        (each merged on its own) then move the fragment as far per cycle as one merge
+        of all of them, instead of M times as far."""
+        lr = float(self.run["outer_lr"])
+        if self.run.get("outer_lr_scaling", "none") == "participation" and self.live_learners:
+            lr *= min(1.0, num_merged / len(self.live_learners))
+        return lr
 
     def _base_value(self, state: FragmentState, version: int) -> Tensors:
         if version in state.history:
@@ -468,6 +479,7 @@ class Syncer:
         momentum_before = outer.state_tensors()
         steps_before = outer.num_steps
         raw = {k: t.clone() for k, t in state.value.items()}
+        outer.lr = self._outer_lr(len(contributions))
         outer.step(raw, merged)
         version = state.version + 1
         encoded = encode_version(
@@ -487,6 +499,7 @@ class Syncer:
             contributions=[c.ledger_entry(used=True) for c in contributions]
             + state.superseded,
             quorum_size=len(contributions), grace_s=grace_s, outer_steps=outer.num_steps, high_water=high_water,
+            outer_lr=outer.lr,
         )
         self.bytes_out += upload_payloads(self.store, encoded)
         # a pause (GC, SIGSTOP, preemption) since our last lease check may have let a standby take over
