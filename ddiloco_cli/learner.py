@@ -51,6 +51,7 @@ class LearnerOptions:
     shard: int | None = None
     num_shards: int | None = None
     upload_queue: int = 4
+    upload_workers: int = 2
     poll_s: float = 0.2
     log_every: int = 10
 
@@ -114,22 +115,46 @@ def _xla_mark_step() -> None:
     xm.mark_step()
 
 
-class Uploader(threading.Thread):
-    """Encodes and uploads contributions from a bounded queue, retrying with backoff."""
+class Uploader:
+    """Encodes and uploads contributions from a bounded queue with ``num_workers``
+    threads (several PUTs in flight hide round trips on long links), retrying with
+    backoff.
 
-    def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats):
-        super().__init__(name="ddiloco-uploader", daemon=True)
+    With ``newest_wins`` (decoupled mode) a contribution replaces a queued, not yet
+    started one of the same fragment instead of waiting behind it: the newer delta
+    already carries that fragment's progress. Lock-step never replaces (the learner
+    waits for the merge of exactly the contribution it sent)."""
+
+    def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats,
+                 num_workers: int = 2, newest_wins: bool = True):
         self.store, self.codec_name, self.block_size, self.stats = store, codec_name, block_size, stats
+        self.newest_wins = newest_wins
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.lock = threading.Lock()
         self.failed = 0
+        self.replaced = 0
+        self.threads = [threading.Thread(target=self._run, name=f"ddiloco-uploader-{i}", daemon=True)
+                        for i in range(num_workers)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
 
     def submit(self, key: str, delta: Tensors, header: dict[str, Any]) -> float:
         """Queue an upload; returns seconds spent blocked because the queue was full."""
+        item = (key, delta, header)
+        if self.newest_wins:
+            with self.queue.mutex:  # the queue's own lock: replace in place, nobody sees a gap
+                for i, queued in enumerate(self.queue.queue):
+                    if queued is not None and queued[2]["fragment"] == header["fragment"]:
+                        self.queue.queue[i] = item
+                        self.replaced += 1
+                        return 0.0
         t0 = time.monotonic()
-        self.queue.put((key, delta, header))
+        self.queue.put(item)
         return time.monotonic() - t0
 
-    def run(self) -> None:
+    def _run(self) -> None:
         while True:
             item = self.queue.get()
             try:
@@ -146,8 +171,9 @@ class Uploader(threading.Thread):
                 if not self.store.put_if_absent(key, data):
                     log.warning("contribution %s already exists with other content; dropped", key)
                     return
-                self.stats.bytes_up += len(data)
-                self.stats.num_contributions += 1
+                with self.lock:
+                    self.stats.bytes_up += len(data)
+                    self.stats.num_contributions += 1
                 return
             except Exception as exc:  # noqa: BLE001 - the network may be down for a while
                 delay = min(30.0, 0.5 * 2**attempt)
@@ -158,8 +184,10 @@ class Uploader(threading.Thread):
 
     def close(self) -> None:
         """Finish every queued upload, then stop."""
-        self.queue.put(None)
-        self.join()
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
 
 
 class Receiver(threading.Thread):
@@ -371,7 +399,8 @@ class Learner:
         uploader = receiver = heartbeat = None
         if self.io:
             uploader = Uploader(self.store, codec_name=run["codec"], block_size=int(run["codec_block"]),
-                                maxsize=opts.upload_queue, stats=self.stats)
+                                maxsize=opts.upload_queue, stats=self.stats, num_workers=opts.upload_workers,
+                                newest_wins=not lockstep)
             receiver = Receiver(self.store, self.readers, poll_s=opts.poll_s, stats=self.stats)
             heartbeat = HeartbeatWriter(self.store, self.hb_key, self._heartbeat_record, every_s=float(run["heartbeat_s"]))
             heartbeat.beat()  # announce ourselves before any contribution
