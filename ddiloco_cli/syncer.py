@@ -155,7 +155,7 @@ class Syncer:
                     infos = self.store.list(layout.epoch_key(owner.epoch))
                     age = self.store.now() - infos[0].mtime_s if infos else lease_s + 1
                 state = self._owner_state(owner.epoch)
-                if state == "serving" and age <= lease_s or state is None and age <= lease_s:
+                if state in ("serving", None) and age <= lease_s:  # a stopped owner frees the lease at once
                     if announced != owner.epoch:
                         log.info("standing by: epoch %d (%s) holds the lease (heartbeat %.1fs ago, lease %.0fs)",
                                  owner.epoch, owner.syncer_id, age, lease_s)
