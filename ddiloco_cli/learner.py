@@ -36,7 +36,7 @@ from ddiloco_cli.merge import alpha_merge
 from ddiloco_cli.published import FragmentReader
 from ddiloco_cli.schedule import FragmentCounters, fragments_due
 from ddiloco_cli.store.base import NotFound, Store
-from ddiloco_cli.tasks import load_task, to_device
+from ddiloco_cli.tasks import load_task, move_batch
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ class Learner:
             for worker in (uploader, receiver, heartbeat):
                 worker.start()
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if threading.current_thread() is threading.main_thread() else None
-        reason = "finished"
+        reason = "error"  # until the loop ends normally
         try:
             while True:
                 if self._agree([self.stop_reason is not None])[0]:  # every rank stops at the same step
@@ -422,7 +422,7 @@ class Learner:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 # forward / backward / update
-                batch = to_device(next(batches), self.device)
+                batch = move_batch(self.task, next(batches), self.device)
                 loss = self.task.loss(model, batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -455,7 +455,9 @@ class Learner:
                 # timing and logging
                 dt = time.perf_counter() - t0
                 s = self.stats
-                s.step, s.tokens, s.loss = step, tokens, float(loss.detach())
+                s.step, s.tokens = step, tokens
+                if step % opts.log_every == 0 or s.loss is None:  # .item() syncs an accelerator: not every step
+                    s.loss = float(loss.detach())
                 s.step_time_s = dt if s.step_time_s == 0 else 0.9 * s.step_time_s + 0.1 * dt
                 if self.on_progress is not None and self.io:
                     self.on_progress({"step": step, "loss": s.loss, "lr": lr, "step_time_s": s.step_time_s,
@@ -467,12 +469,10 @@ class Learner:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-            self.stats.state = "left" if reason == "left" else "finished" if reason == "finished" else "running"
+            self.stats.state = "finished" if reason == "finished" else "left"
             if self.io:
                 receiver.close()
                 uploader.close()  # finish the uploads in flight
-                if reason == "steps":
-                    self.stats.state = "left"
                 heartbeat.close()
         self.model = model
         return reason
