@@ -64,7 +64,7 @@ def run_demo(*, workdir: str, num_learners: int = 3, duration_s: float = 150.0, 
         shutil.rmtree(bucket)
     os.makedirs(logs, exist_ok=True)
     torch.set_num_threads(1)
-    init_args = ["init", bucket, "--task", DEMO_TASK, "-P", "4", "-H", "16", "--overlap-steps", "2", "-K", "1",
+    init_args = ["init", bucket, "--task", DEMO_TASK, "-P", "4", "-H", "16", "--overlap-steps", "6", "-K", "1",
                  "--codec", "int4", "--inner-lr", "2e-3", "--warmup-steps", "20", "--lr-schedule", "constant",
                  "--total-steps", "0", "--batch-size", "16", "--lease", "6", "--heartbeat", "1"]
     subprocess.run([sys.executable, "-m", "ddiloco_cli", *init_args], check=True, capture_output=True)
