@@ -116,6 +116,8 @@ def run_demo(*, workdir: str, num_learners: int = 3, duration_s: float = 150.0, 
                     fresh = b["age_s"] < 3 * float(run["heartbeat_s"]) and b["state"] == "running"
                     if b.get("loss") is not None and fresh and procs[lid].poll() is None:
                         trace.learner_loss.setdefault(lid, []).append((trace.now(), float(b["loss"])))
+                    elif lid in trace.learner_loss:  # a gap in the plot while it is gone
+                        trace.learner_loss[lid].append((trace.now(), float("nan")))
                 if victim and killed_at is None and trace.now() > duration_s / 2:
                     procs[victim].send_signal(signal.SIGKILL)
                     procs[victim].wait()
