@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from ddiloco_cli import layout, ledger, published, records
+from ddiloco_cli import layout, ledger, published
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import evaluate, load_task
 

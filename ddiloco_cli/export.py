@@ -20,8 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ddiloco_cli import ledger
-from ddiloco_cli.errors import ProtocolError, UsageError
-from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.errors import UsageError
 from ddiloco_cli.fragments import assemble_parameters  # noqa: F401 - re-exported
 from ddiloco_cli.published import read_global_params
 from ddiloco_cli.store.base import Store

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import DdilocoError, UsageError
-from ddiloco_cli.fragments import FragmentPlan, gather_fragment, scatter_fragment
+from ddiloco_cli.fragments import gather_fragment, scatter_fragment
 from ddiloco_cli.merge import alpha_merge
 from ddiloco_cli.published import FragmentReader
 from ddiloco_cli.schedule import FragmentCounters, fragments_due

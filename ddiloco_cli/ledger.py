@@ -19,11 +19,14 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ddiloco_cli import layout, records
 from ddiloco_cli.errors import DdilocoError, ProtocolError, UsageError
 from ddiloco_cli.store.base import NotFound, Store
+
+if TYPE_CHECKING:
+    from ddiloco_cli.fragments import FragmentPlan
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ import torch
 
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import FencedError, InvalidPayloadError, ProtocolError
-from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.merge import is_embedding_key, merge_outer_gradients, token_weight
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, encode_version, expected_shapes, upload_payloads

@@ -17,7 +17,6 @@ CPU cores without one learner's death speeding the others up.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import shutil
@@ -35,7 +34,7 @@ from ddiloco_cli.learner import lr_at
 from ddiloco_cli.published import load_global_model
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import NotFound
-from ddiloco_cli.tasks import evaluate, load_task
+from ddiloco_cli.tasks import evaluate
 from ddiloco_cli.tasks.gpt import tiny as _tiny
 
 BENCHLIB_PATH = os.path.abspath(__file__)

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import FencedError

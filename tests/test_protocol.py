@@ -11,7 +11,6 @@ test needs to act between two steps.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import threading

@@ -20,7 +20,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
