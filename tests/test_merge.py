@@ -146,3 +146,19 @@ def test_alpha_merge():
     assert torch.allclose(local.float(), torch.tensor([2.5, 2.0, 1.5]))
     with pytest.raises(UsageError, match="--alpha"):
         alpha_merge(local, g, 1.5)
+
+
+def test_tiny_weights_and_huge_values_stay_finite():
+    # found by hypothesis: weights near the float64 denormal range used to give 0/0 in fp32
+    z = torch.zeros(1)
+    ws = [3.384316008488882e-127, 2.225073858507203e-309]
+    for f in (rda, weighted_mean):
+        assert torch.equal(f([z, z], ws), z)
+        assert torch.equal(f([z, z], ws[::-1]), z)
+    v = torch.tensor([1.0, -2.0])
+    out = weighted_mean([v, 3 * v], [1e-300, 1e-300])
+    torch.testing.assert_close(out, 2 * v)
+    big = torch.tensor([1e38, -1e38])  # squares overflow fp32: the norm falls back to fp64
+    out = rda([big, big], [1.0, 2.0])
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, big)
