@@ -100,18 +100,26 @@ def _finish(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out.to(torch.float32).reshape(like.shape)
 
 
-def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum w v / sum w, fp32 result (zeros if all weights are 0)."""
+def _prepare(vectors: Sequence[torch.Tensor], weights: Sequence[float]):
+    """(canonical items, total weight, result if the merge is trivial else None):
+    no weight at all gives zeros; one weighted contribution passes through bit-exact."""
     assert vectors, "need at least one vector"
     ws = _check_weights(weights, len(vectors))
     items = _canonical(vectors, ws)
-    total = math.fsum(ws)
-    acc = torch.zeros(items[0][1].numel(), dtype=torch.float32)
-    if total == 0:
-        return _finish(acc, vectors[0])
     live = [item for item in items if item[0] > 0]
-    if len(live) == 1:  # one contribution (others weightless) passes through bit-exact
-        return _finish(live[0][1].clone(), vectors[0])
+    if not live:
+        return items, 0.0, _finish(torch.zeros(items[0][1].numel()), vectors[0])
+    if len(live) == 1:
+        return items, math.fsum(ws), _finish(live[0][1].clone(), vectors[0])
+    return items, math.fsum(ws), None
+
+
+def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum w v / sum w, fp32 result (zeros if all weights are 0)."""
+    items, total, trivial = _prepare(vectors, weights)
+    if trivial is not None:
+        return trivial
+    acc = torch.zeros(items[0][1].numel(), dtype=torch.float32)
     for w, v, _ in items:
         if w:
             acc.add_(v * (w / total))  # normalised in float64 first: tiny weights cannot underflow in fp32
@@ -122,16 +130,10 @@ def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tens
     """Radial-Directional Averaging: the weighted mean norm times the direction of
     the weighted mean of unit vectors. fp32 result; zeros if all weights are 0 or
     the directions cancel exactly. A single contribution comes back bit-exact."""
-    assert vectors, "need at least one vector"
-    ws = _check_weights(weights, len(vectors))
-    items = _canonical(vectors, ws)
-    total = math.fsum(ws)
+    items, total, trivial = _prepare(vectors, weights)
+    if trivial is not None:
+        return trivial
     direction = torch.zeros(items[0][1].numel(), dtype=torch.float32)
-    if total == 0:
-        return _finish(direction, vectors[0])
-    live = [item for item in items if item[0] > 0]
-    if len(live) == 1:  # one contribution (others weightless) passes through bit-exact
-        return _finish(live[0][1].clone(), vectors[0])
     radial = math.fsum(w * n for w, _, n in items) / total
     for w, v, n in items:
         if w and n > 0:
