@@ -24,7 +24,6 @@ scored on the same fixed validation batches (the whole val split).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -189,13 +188,7 @@ def main(argv=None) -> dict:
           f"{args.chaos_restart_s}s seed {args.seed}; {benchlib.load_text()}")
     out = {"settings": {k: v for k, v in vars(args).items() if k != "json_path"}, "results": results,
            "load_end": os.getloadavg()}
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    if not args.workdir:
-        import shutil
-        shutil.rmtree(workdir, ignore_errors=True)
-    return out
+    return benchlib.write_result(out, json_path=args.json_path, workdir=workdir, keep_workdir=bool(args.workdir))
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ lockstep chaos. Each measures tokens trained per learner-second over its window
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -174,12 +172,7 @@ def main(argv=None) -> dict:
           f"{args.mean_between_s}s/learner, restart after {args.restart_s}s, seed {args.seed}; {benchlib.load_text()}")
     out = {"settings": {k: v for k, v in vars(args).items() if k != "json_path"},
            "trace": [[f.t_s, f.learner, f.restart_delay_s] for f in trace], "results": results, "verdict": verdict}
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    if not args.workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return out
+    return benchlib.write_result(out, json_path=args.json_path, workdir=workdir, keep_workdir=bool(args.workdir))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ REPO = Path(__file__).resolve().parent.parent
 THIS = os.path.abspath(__file__)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
 
 from ddiloco_cli.tasks.gpt import GPTConfig, GPTTask  # noqa: E402
 
@@ -54,22 +56,11 @@ mid = GPTTask(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), default
 SYNCER_WIDTH_ENV = "DDILOCO_BENCH_OVERHEAD_WIDTH"
 
 
-class _Stack(torch.nn.Module):
-    def __init__(self, width: int, layers: int):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 class StackTask:
     """24 square Linear layers (one per fragment at P = 24): for the syncer memory test."""
 
     def build_model(self) -> torch.nn.Module:
-        return _Stack(int(os.environ.get(SYNCER_WIDTH_ENV, "1024")), 24)
+        return benchlib.LinearStack(int(os.environ.get(SYNCER_WIDTH_ENV, "1024")), 24)
 
     def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
         g = torch.Generator().manual_seed(seed * 1000 + shard)

@@ -42,31 +42,20 @@ from typing import Any, Callable
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
 TASK_ENV_WIDTH = "DDILOCO_BENCH_SYNCER_WIDTH"
 TASK_ENV_LAYERS = "DDILOCO_BENCH_SYNCER_LAYERS"
 
 
 # --------------------------------------------------------------------- the task
-class _Stack(torch.nn.Module):
-    """A few big square Linear layers (no biases, no embeddings: every tensor goes
-    through RDA, the expensive path)."""
-
-    def __init__(self, width: int, layers: int):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 class BenchTask:
     """Task used only to initialise the run (the syncer never trains). Size from the
     environment so the script can choose it: width x width x layers parameters."""
 
     def build_model(self) -> torch.nn.Module:
-        return _Stack(int(os.environ.get(TASK_ENV_WIDTH, "1024")), int(os.environ.get(TASK_ENV_LAYERS, "4")))
+        return benchlib.LinearStack(int(os.environ.get(TASK_ENV_WIDTH, "1024")), int(os.environ.get(TASK_ENV_LAYERS, "4")))
 
     def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
         width = int(os.environ.get(TASK_ENV_WIDTH, "1024"))

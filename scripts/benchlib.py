@@ -468,3 +468,29 @@ def read_record(store, key: str, record_type: str) -> dict[str, Any] | None:
         return records.loads(store.get(key), record_type, where=key)
     except (NotFound, Exception):  # noqa: BLE001 - a torn or absent record is "none yet"
         return None
+
+
+class LinearStack(torch.nn.Module):
+    """Square bias-free Linear layers with tanh: every tensor is a plain matrix, so every
+    tensor goes through RDA (the syncer's expensive path) and fragments are equal."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def write_result(out: dict, *, json_path: str | None, workdir: str, keep_workdir: bool) -> dict:
+    """Write a benchmark's JSON result (if asked) and remove its scratch directory."""
+    import json
+
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    if not keep_workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
