@@ -41,6 +41,7 @@ from typing import Any, Mapping
 import torch
 import zstandard
 
+from ddiloco_cli import records
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.merge import all_finite
 
@@ -51,6 +52,7 @@ DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64}
 _QMAX = {"int8": 127, "int4": 7}
 _MAX_HEADER_BYTES = 64 << 20
 _MAX_NDIM = 8
+_MAX_NUMEL = 1 << 40  # per payload, whatever the caller's bounds: 4 TB of fp32
 
 
 # --- quantization (vectorised, pure torch) ---------------------------------------
@@ -255,10 +257,8 @@ def _parse_safetensors(data: bytes, where: str) -> tuple[dict, int]:
     (hlen,) = struct.unpack("<Q", data[:8])
     if hlen > min(len(data) - 8, _MAX_HEADER_BYTES):
         raise bad(f"safetensors header length {hlen} exceeds the payload ({len(data)} bytes)")
-    try:
-        header = json.loads(data[8 : 8 + hlen])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"safetensors header is not JSON: {e}") from None
+    header = records.parse_json(data[8 : 8 + hlen], where=f"{where}: safetensors header",
+                                max_bytes=_MAX_HEADER_BYTES, error=InvalidPayloadError)
     if not isinstance(header, dict):
         raise bad("safetensors header is not a JSON object")
     return header, 8 + hlen
@@ -279,10 +279,19 @@ def decode_tensors(
     by the payload size plus the declared (and accepted) tensor sizes. Pass at least
     one of them for bytes from a bucket. Decoded values must be finite.
 
-    Raises InvalidPayloadError("<where>: what is wrong") on any problem.
+    Raises InvalidPayloadError("<where>: what is wrong") on any problem, whatever
+    the bytes (never RecursionError, ValueError, OverflowError, MemoryError).
     """
     where = where or "payload"
+    try:
+        return _decode_tensors(data, expected=expected, max_numel=max_numel, where=where)
+    except records.PARSE_ERRORS as exc:  # a bound this decoder does not know of; still just bad input
+        raise InvalidPayloadError(f"{where}: cannot decode ({type(exc).__name__}: {records.one_line(exc)})") from None
 
+
+def _decode_tensors(
+    data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str
+) -> tuple[dict[str, torch.Tensor], dict]:
     def bad(msg: str) -> InvalidPayloadError:
         return InvalidPayloadError(f"{where}: {msg}")
 
@@ -292,10 +301,7 @@ def decode_tensors(
     meta = header.get("__metadata__")
     if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
         raise bad(f"missing {METADATA_KEY!r} metadata: not a ddiloco payload")
-    try:
-        desc = json.loads(meta[METADATA_KEY])
-    except json.JSONDecodeError as e:
-        raise bad(f"{METADATA_KEY!r} metadata is not JSON: {e}") from None
+    desc = _parse_description(meta[METADATA_KEY], where)
     if not isinstance(desc, dict):
         raise bad(f"{METADATA_KEY!r} metadata is not a JSON object")
     fmt = desc.get("format")
@@ -323,6 +329,7 @@ def decode_tensors(
         raise bad(f"tensor keys differ from the expected ones (missing {missing}, extra {extra})")
     plan = []
     total_numel = 0
+    numel_limit = _MAX_NUMEL if max_numel is None else min(max_numel, _MAX_NUMEL)
     data_len = len(data) - data_start
     for key, ti in tinfo.items():
         shape = ti.get("shape") if isinstance(ti, dict) else None
@@ -336,8 +343,8 @@ def decode_tensors(
             raise bad(f"tensor {key!r}: shape {shape} but expected {list(expected[key])}")
         n = math.prod(shape)
         total_numel += n
-        if max_numel is not None and total_numel > max_numel:
-            raise bad(f"declares more than the allowed {max_numel} elements")
+        if total_numel > numel_limit:
+            raise bad(f"declares more than the allowed {numel_limit} elements")
         raw_n = _raw_nbytes(codec, n, block)
         if ti.get("raw_nbytes") != raw_n:
             raise bad(f"tensor {key!r}: raw_nbytes {ti.get('raw_nbytes')!r} != {raw_n} for shape {shape}")
@@ -389,10 +396,19 @@ def payload_codec(data: bytes, *, where: str = "") -> dict:
     """The 'ddiloco' header of a payload (codec, block size, tensors, metadata)
     without decoding any tensor; for `ddiloco inspect`."""
     header, _ = _parse_safetensors(data, where or "payload")
-    try:
-        return json.loads(header["__metadata__"][METADATA_KEY])
-    except (KeyError, TypeError, json.JSONDecodeError):
-        raise InvalidPayloadError(f"{where or 'payload'}: not a ddiloco payload") from None
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
+        raise InvalidPayloadError(f"{where or 'payload'}: not a ddiloco payload")
+    desc = _parse_description(meta[METADATA_KEY], where or "payload")
+    if not isinstance(desc, dict):
+        raise InvalidPayloadError(f"{where or 'payload'}: {METADATA_KEY!r} metadata is not a JSON object")
+    return desc
+
+
+def _parse_description(text: str, where: str) -> Any:
+    """The 'ddiloco' metadata entry, parsed within the bounds of every bucket read."""
+    return records.parse_json(text, where=f"{where}: {METADATA_KEY!r} metadata", max_bytes=_MAX_HEADER_BYTES,
+                              error=InvalidPayloadError)
 
 
 # --- syncer-side error feedback for published fragments --------------------------------

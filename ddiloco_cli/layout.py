@@ -12,7 +12,13 @@ PAD = 20
 RUN_CONFIG = "run.json"
 PLAN = "plan.json"
 
-_LEARNER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# The one definition of the learner-id grammar (the schemas refer to it as the
+# "ddiloco-learner-id" format). Always fullmatch: "$" would accept a trailing newline.
+LEARNER_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+_LEARNER_ID = re.compile(LEARNER_ID)
+_FRAG = r"p([0-9]{5})"  # [0-9], not \d: \d also matches non-ASCII digits
+_NUM = r"[0-9]{20}"
+_NONCE = r"[A-Za-z0-9]+"
 
 
 def num(n: int) -> str:
@@ -23,13 +29,13 @@ def num(n: int) -> str:
 def parse_num(s: str) -> int | None:
     """The integer encoded by a zero-padded name (extension stripped), or None."""
     stem = s.rsplit("/", 1)[-1].split(".", 1)[0].split("-", 1)[0]
-    if len(stem) != PAD or not stem.isdigit():
+    if len(stem) != PAD or not (stem.isascii() and stem.isdigit()):
         return None
     return int(stem)
 
 
 def valid_learner_id(learner_id: str) -> bool:
-    return bool(_LEARNER_ID.match(learner_id))
+    return isinstance(learner_id, str) and _LEARNER_ID.fullmatch(learner_id) is not None
 
 
 def frag(p: int) -> str:
@@ -72,7 +78,7 @@ def contribution_prefix(p: int) -> str:
 
 def parse_fragment_dir(key: str) -> int | None:
     """The fragment of a key under contributions/pNNNNN/..., or None."""
-    m = re.match(r"^contributions/p(\d{5})/", key)
+    m = re.match(rf"contributions/{_FRAG}/", key)
     return int(m.group(1)) if m else None
 
 
@@ -80,15 +86,30 @@ def contribution_key(p: int, learner_id: str, seq: int) -> str:
     return f"{contribution_prefix(p)}{learner_id}/{num(seq)}.safetensors"
 
 
+_CONTRIBUTION_KEY = re.compile(rf"contributions/{_FRAG}/([^/]+)/({_NUM})\.safetensors")
+
+
 def parse_contribution_key(key: str) -> tuple[int, str, int] | None:
-    m = re.match(r"^contributions/p(\d{5})/([^/]+)/(\d{20})\.safetensors$", key)
+    """(fragment, learner id, seq) of a contribution's name, or None. The learner id
+    is whatever the name holds: callers check it with ``valid_learner_id``."""
+    m = _CONTRIBUTION_KEY.fullmatch(key)
     if not m:
         return None
     return int(m.group(1)), m.group(2), int(m.group(3))
 
 
+QUARANTINE_PREFIX = "quarantine/"
+
+
 def quarantine_key(original_key: str) -> str:
-    return f"quarantine/{original_key}.json"
+    return f"{QUARANTINE_PREFIX}{original_key}.json"
+
+
+def parse_quarantine_key(key: str) -> str | None:
+    """The key a quarantine report is about, or None if ``key`` is not a report."""
+    if not key.startswith(QUARANTINE_PREFIX) or not key.endswith(".json") or len(key) <= len(QUARANTINE_PREFIX) + 5:
+        return None
+    return key[len(QUARANTINE_PREFIX) : -len(".json")]
 
 
 # -- syncer epochs (fencing) and heartbeats (lease) --
@@ -126,6 +147,44 @@ def checkpoint_prefix(p: int) -> str:
 
 def checkpoint_key(p: int, version: int, nonce: str) -> str:
     return f"{checkpoint_prefix(p)}{num(version)}-{nonce}.safetensors"
+
+
+_CHECKPOINT_KEY = re.compile(rf"checkpoints/{_FRAG}/({_NUM})-{_NONCE}\.safetensors")
+
+
+def parse_checkpoint_key(key: str) -> tuple[int, int] | None:
+    """(fragment, version) of a checkpoint's name, or None."""
+    m = _CHECKPOINT_KEY.fullmatch(key)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+# -- every name the protocol defines, by the category `ddiloco status` counts it in;
+# group 1, when present, is the fragment index
+_KEY_KINDS = [
+    (re.compile(rf"fragments/{_FRAG}/manifests/{_NUM}\.json"), "manifests"),
+    (re.compile(rf"fragments/{_FRAG}/payloads/{_NUM}-(?:full|delta)-{_NONCE}\.safetensors"), "payloads"),
+    (re.compile(rf"fragments/{_FRAG}/latest\.json"), "other"),
+    (re.compile(rf"contributions/{_FRAG}/{LEARNER_ID}/{_NUM}\.safetensors"), "contributions"),
+    (_CHECKPOINT_KEY, "checkpoints"),
+    (re.compile(rf"syncers/heartbeats/{_NUM}\.json"), "heartbeats"),
+    (re.compile(rf"learners/{LEARNER_ID}/heartbeat\.json"), "heartbeats"),
+    (re.compile(rf"syncers/epochs/{_NUM}\.json"), "other"),
+    (re.compile(rf"learners/{LEARNER_ID}/state\.json"), "other"),
+    (re.compile(r"quarantine/.+\.json", re.DOTALL), "other"),
+    (re.compile(r"tmp/.+", re.DOTALL), "other"),
+    (re.compile(r"(?:run|plan)\.json"), "other"),
+]
+
+
+def key_kind(key: str) -> tuple[str, int | None] | None:
+    """(category, fragment index or None) of a name the protocol defines; None for a
+    foreign name. Categories: manifests, payloads, contributions, checkpoints,
+    heartbeats, other."""
+    for pattern, kind in _KEY_KINDS:
+        m = pattern.fullmatch(key)
+        if m is not None:
+            return kind, (int(m.group(1)) if m.groups() else None)
+    return None
 
 
 # scratch area for store-clock probes and temp objects; safe to delete any time

@@ -16,7 +16,6 @@ Invariants (PROTOCOL.md sections in brackets):
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -115,14 +114,20 @@ def read_latest_hint(store: Store, fragment: int) -> int | None:
 
     Only a hint: it may lag, be missing or lie; callers confirm by reading that
     version's manifest and fall back to ``latest_version`` now and then."""
-    try:  # polled often: a plain parse, not a schema validation (a wrong hint only costs a read)
-        rec = json.loads(store.get(layout.latest_hint_key(fragment)))
-    except (NotFound, ValueError):
+    key = layout.latest_hint_key(fragment)
+    try:  # polled often: a bounded parse, not a schema validation (a wrong hint only costs a read)
+        rec = records.parse_json(store.get(key), where=key, max_bytes=_MAX_HINT_BYTES)
+    except (NotFound, ProtocolError):
         return None
-    version = rec.get("version") if isinstance(rec, dict) else None
-    if rec.get("fragment") != fragment or not isinstance(version, int) or isinstance(version, bool) or version < 0:
+    if not isinstance(rec, dict) or rec.get("fragment") != fragment:
+        return None
+    version = rec.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= records.MAX_SAFE_INT:
         return None
     return version
+
+
+_MAX_HINT_BYTES = 4096  # a hint is ~100 bytes
 
 
 def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | None = None) -> dict[str, Any]:
@@ -163,43 +168,76 @@ class Epoch:
     record: dict[str, Any]
 
 
-def list_epochs(store: Store, *, run_id: str) -> list[Epoch]:
-    """Every valid epoch claim, ascending. Invalid objects are skipped with a warning."""
-    epochs = []
+def _listed_epochs(store: Store) -> list[tuple[int, str]]:
+    """(number, key) of every object named like an epoch claim, ascending, valid or not.
+    Numbers above MAX_SAFE_INT are no epoch (the schema bounds them) and are left out."""
+    out = []
     for info in store.list(layout.EPOCH_PREFIX):
         n = layout.parse_num(info.key)
-        if n is None:
-            continue
-        try:
-            rec = records.loads(store.get(info.key), "epoch", where=f"{store.url}/{info.key}")
-        except (NotFound, ProtocolError) as exc:
-            log.warning("ignoring epoch object: %s", exc)
-            continue
-        if rec["epoch"] != n or rec["run_id"] != run_id:
-            log.warning("ignoring epoch object %s: wrong epoch number or run", info.key)
-            continue
-        epochs.append(Epoch(n, rec["syncer_id"], frozenset(rec["fragments"]), rec))
-    return epochs
+        if n is not None and n <= records.MAX_SAFE_INT and info.key == layout.epoch_key(n):
+            out.append((n, info.key))
+    return out
 
 
-def claim_epoch(store: Store, *, run_id: str, syncer_id: str, fragments: Iterable[int], created_s: float) -> Epoch:
-    """Claim the next epoch number for ``fragments`` (create-only; retried on conflict)."""
+def read_epoch(store: Store, n: int, *, run_id: str) -> Epoch | None:
+    """The valid claim of epoch ``n`` of this run, or None (skipped with a warning).
+
+    Raises NewerProtocolError when a newer ddiloco wrote it: this one must not serve next to it.
+    """
+    key = layout.epoch_key(n)
+    try:
+        rec = records.loads(store.get(key), "epoch", where=f"{store.url}/{key}")
+    except records.NewerProtocolError:
+        raise
+    except (NotFound, ProtocolError) as exc:
+        log.warning("ignoring epoch object: %s", exc)
+        return None
+    if rec["epoch"] != n or rec["run_id"] != run_id:
+        log.warning("ignoring epoch object %s: wrong epoch number or run", key)
+        return None
+    return Epoch(n, rec["syncer_id"], frozenset(rec["fragments"]), rec)
+
+
+def list_epochs(store: Store, *, run_id: str, above: int = -1) -> list[Epoch]:
+    """Every valid epoch claim numbered above ``above``, ascending. Invalid or foreign
+    objects are skipped with a warning; a newer protocol's raises NewerProtocolError."""
+    epochs = (read_epoch(store, n, run_id=run_id) for n, _ in _listed_epochs(store) if n > above)
+    return [e for e in epochs if e is not None]
+
+
+def claim_epoch(
+    store: Store, *, run_id: str, syncer_id: str, fragments: Iterable[int], created_s: float,
+    stop: Callable[[], bool] = lambda: False,
+) -> Epoch | None:
+    """Claim the next epoch for ``fragments``: one above the highest epoch key LISTED,
+    valid or not, so no object at a key can stall the claim [F4]. Create-only; on a
+    conflict it re-lists and tries again until ``stop()``, then returns None.
+
+    Raises NewerProtocolError when the conflicting claim is a newer ddiloco's.
+    """
     frags = sorted(set(fragments))
-    while True:
-        existing = list_epochs(store, run_id=run_id)
-        n = existing[-1].epoch + 1 if existing else 1
+    while not stop():
+        listed = _listed_epochs(store)
+        n = listed[-1][0] + 1 if listed else 1
+        if n > records.MAX_SAFE_INT:
+            raise ProtocolError(f"{store.url}/{listed[-1][1]}: no epoch number is left above it; "
+                                "remove objects under syncers/epochs/ that no syncer wrote")
         rec = records.make(
             "epoch", run_id=run_id, epoch=n, syncer_id=syncer_id, fragments=frags,
             nonce=records.new_nonce(), created_s=created_s,
         )
+        records.validate(rec, "epoch", where="new epoch claim")
         if store.put_if_absent(layout.epoch_key(n), records.dumps(rec)):
             return Epoch(n, syncer_id, frozenset(frags), rec)
+        read_epoch(store, n, run_id=run_id)  # raises NewerProtocolError for a newer ddiloco's claim
         log.info("epoch %d was claimed by someone else; retrying", n)
+    return None
 
 
 def fencing_epoch(store: Store, *, run_id: str, mine: Epoch) -> Epoch | None:
-    """The highest epoch above ``mine`` that overlaps its fragments, if any (then halt)."""
-    above = [e for e in list_epochs(store, run_id=run_id) if e.epoch > mine.epoch and e.fragments & mine.fragments]
+    """The highest valid epoch above ``mine`` that overlaps its fragments, if any (then halt).
+    Raises NewerProtocolError when a newer ddiloco claimed an epoch above ``mine``."""
+    above = [e for e in list_epochs(store, run_id=run_id, above=mine.epoch) if e.fragments & mine.fragments]
     return above[-1] if above else None
 
 

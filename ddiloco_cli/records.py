@@ -12,13 +12,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
+import re
 import uuid
 from importlib import resources
 from typing import Any
 
 import jsonschema
+import numpy as np
 
-from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli import layout
+from ddiloco_cli.errors import DdilocoError, ProtocolError
 
 PROTOCOL_VERSION = 1
 PROTOCOL_MINOR = 0
@@ -39,6 +43,85 @@ RECORD_TYPES = (
 )
 
 
+# Bounds of the one JSON parser every reader of bucket bytes uses (PROTOCOL.md [R7]).
+MAX_RECORD_BYTES = 16 << 20  # a JSON record; a manifest of 10k contributions is ~3 MB
+MAX_JSON_DEPTH = 32  # the deepest record (a manifest) nests 4 levels
+MAX_INT_DIGITS = 20  # sign included; every integer field is further bounded by its schema
+MAX_SAFE_INT = 2**53 - 1  # the schemas' "maximum" for integers: exact in every JSON reader
+
+# Errors that parsing or validating hostile bytes can raise besides our own: too deep
+# (RecursionError), too many digits or bad UTF-8 (ValueError), too large for a float
+# (OverflowError), an allocation that cannot be served (MemoryError).
+PARSE_ERRORS = (ValueError, RecursionError, OverflowError, MemoryError)
+
+# a JSON string, unrolled so the regex engine never backtracks
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class NewerProtocolError(ProtocolError):
+    """A record written by a newer ddiloco protocol: the message says to upgrade."""
+
+
+class _TooLarge(ValueError):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS:
+        raise _TooLarge(f"an integer with {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _TooLarge(f"number {text[:40]} is out of the float range")
+    return value
+
+
+def _parse_constant(text: str) -> float:
+    raise _TooLarge(f"{text} is not JSON")
+
+
+def json_depth(data: bytes) -> int:
+    """The nesting depth of JSON ``data`` without recursion: strings removed, then a
+    running sum over the brackets. Exact for valid JSON (invalid JSON fails to parse anyway)."""
+    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max())
+
+
+def parse_json(
+    data: bytes | str, *, where: str, max_bytes: int = MAX_RECORD_BYTES, error: type[DdilocoError] = ProtocolError
+) -> Any:
+    """Parse JSON read from the bucket within bounds: at most ``max_bytes`` bytes,
+    ``MAX_JSON_DEPTH`` levels, ``MAX_INT_DIGITS`` digits per integer, finite numbers only.
+
+    Raises ``error("<where>: what is wrong")``; never RecursionError, ValueError or
+    OverflowError, whatever the bytes.
+    """
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if len(raw) > max_bytes:
+        raise error(f"{where}: {len(raw)} bytes of JSON exceed the bound of {max_bytes}")
+    try:
+        depth = json_depth(raw)
+        if depth > MAX_JSON_DEPTH:
+            raise _TooLarge(f"nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+        return json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    except PARSE_ERRORS as exc:
+        raise error(f"{where}: not valid JSON ({one_line(exc)})") from None
+
+
+def one_line(value: object, limit: int = 200) -> str:
+    """``str(value)`` on one line, at most ``limit`` characters (for messages about bucket content)."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def new_nonce() -> str:
     return uuid.uuid4().hex
 
@@ -52,7 +135,12 @@ def _validator(record_type: str) -> jsonschema.protocols.Validator:
     text = resources.files("ddiloco_cli").joinpath(f"schemas/{record_type}.schema.json").read_text()
     schema = json.loads(text)
     cls = jsonschema.validators.validator_for(schema)
-    return cls(schema)
+    return cls(schema, format_checker=_FORMATS)
+
+
+# The schemas name the learner-id grammar by format; its one definition is in layout.
+_FORMATS = jsonschema.FormatChecker(formats=())
+_FORMATS.checks("ddiloco-learner-id")(lambda value: not isinstance(value, str) or layout.valid_learner_id(value))
 
 
 def make(record_type: str, **fields: Any) -> dict[str, Any]:
@@ -75,14 +163,14 @@ def validate(record: Any, record_type: str, *, where: str) -> dict[str, Any]:
         raise ProtocolError(f"{where}: expected a JSON object, got {type(record).__name__}")
     version = record.get("protocol_version")
     if isinstance(version, int) and version > PROTOCOL_VERSION:
-        raise ProtocolError(
+        raise NewerProtocolError(
             f"{where} was written with ddiloco protocol version {version}, this ddiloco "
             f"speaks version {PROTOCOL_VERSION}: upgrade ddiloco (pip install -U ddiloco)"
         )
     error = jsonschema.exceptions.best_match(_validator(record_type).iter_errors(record))
     if error is not None:
         path = "/".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise ProtocolError(f"{where}: not a valid {record_type} record at {path}: {error.message}")
+        raise ProtocolError(f"{where}: not a valid {record_type} record at {path}: {one_line(error.message)}")
     unknown = sorted(set(record.get("features") or ()) - KNOWN_FEATURES) if record_type == "run" else []
     if unknown:
         raise ProtocolError(f"{where} needs protocol features {unknown} that this ddiloco does not know: "
@@ -91,9 +179,6 @@ def validate(record: Any, record_type: str, *, where: str) -> dict[str, Any]:
 
 
 def loads(data: bytes, record_type: str, *, where: str) -> dict[str, Any]:
-    """Parse and validate a JSON record read from the bucket."""
-    try:
-        record = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"{where}: not valid JSON ({exc})") from exc
-    return validate(record, record_type, where=where)
+    """Parse (bounded: ``parse_json``) and validate a JSON record read from the bucket.
+    Raises ProtocolError (NewerProtocolError for a newer protocol version)."""
+    return validate(parse_json(data, where=where), record_type, where=where)

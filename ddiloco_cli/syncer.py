@@ -163,8 +163,10 @@ class Syncer:
                     continue
             self.epoch = ledger.claim_epoch(
                 self.store, run_id=self.run_id, syncer_id=self.syncer_id, fragments=self.fragments,
-                created_s=time.time(),
+                created_s=time.time(), stop=stop,
             )
+            if self.epoch is None:
+                return False
             self.heartbeat(force=True)
             log.info("claimed epoch %d for fragments %s", self.epoch.epoch, _spec(self.fragments))
             return True

@@ -164,7 +164,7 @@ def test_frame_without_content_size_is_capped():
     [
         (lambda d: d[:5], "too short"),
         (lambda d: struct.pack("<Q", 1 << 40) + d[8:], "header length"),
-        (lambda d: d[:8] + b"{" * (len(d) - 8), "not JSON"),
+        (lambda d: d[:8] + b"{" * (len(d) - 8), "not valid JSON"),
         (lambda d: rewrite(d, lambda h, m: m.update(codec="int2")), "unknown codec"),
         (lambda d: rewrite(d, lambda h, m: m.update(format=9)), "upgrade"),
         (lambda d: rewrite(d, lambda h, m: m.update(block_size=0)), "block_size"),
