@@ -133,9 +133,9 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
             _, learner_id, seq = parsed
             if seq <= high_water.get(learner_id, -1) and old(info):
                 drop(info)
-    for info in store.list("quarantine/"):
-        original = info.key[len("quarantine/"):-len(".json")]
-        if original.startswith(tuple(layout.contribution_prefix(p) for p in frags)) and old(info):
+    for info in store.list(layout.QUARANTINE_PREFIX):
+        original = layout.parse_quarantine_key(info.key)
+        if original is not None and original.startswith(tuple(layout.contribution_prefix(p) for p in frags)) and old(info):
             try:
                 for o in store.list(original):
                     if o.key == original:

@@ -213,12 +213,15 @@ def claim_epoch(
     valid or not, so no object at a key can stall the claim [F4]. Create-only; on a
     conflict it re-lists and tries again until ``stop()``, then returns None.
 
-    Raises NewerProtocolError when the conflicting claim is a newer ddiloco's.
+    Raises NewerProtocolError when the newest claim is a newer ddiloco's: this one
+    must not serve next to it.
     """
     frags = sorted(set(fragments))
     while not stop():
         listed = _listed_epochs(store)
         n = listed[-1][0] + 1 if listed else 1
+        if listed:  # the newest claim: a newer ddiloco's raises NewerProtocolError
+            read_epoch(store, listed[-1][0], run_id=run_id)
         if n > records.MAX_SAFE_INT:
             raise ProtocolError(f"{store.url}/{listed[-1][1]}: no epoch number is left above it; "
                                 "remove objects under syncers/epochs/ that no syncer wrote")
@@ -229,7 +232,6 @@ def claim_epoch(
         records.validate(rec, "epoch", where="new epoch claim")
         if store.put_if_absent(layout.epoch_key(n), records.dumps(rec)):
             return Epoch(n, syncer_id, frozenset(frags), rec)
-        read_epoch(store, n, run_id=run_id)  # raises NewerProtocolError for a newer ddiloco's claim
         log.info("epoch %d was claimed by someone else; retrying", n)
     return None
 

@@ -12,7 +12,6 @@ by the local clock.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,35 +28,13 @@ CATEGORIES = ("manifests", "payloads", "contributions", "checkpoints", "heartbea
 TOP_LEVEL = ("run.json", "plan.json", "fragments", "contributions", "checkpoints", "syncers", "learners",
              "quarantine", "tmp")
 
-_P, _N = r"p(\d{5})", r"\d{20}"
-# (pattern, category); group 1, when present, is the fragment index
-_KEY_PATTERNS = [
-    (re.compile(rf"^fragments/{_P}/manifests/{_N}\.json$"), "manifests"),
-    (re.compile(rf"^fragments/{_P}/payloads/{_N}-(?:full|delta)-[A-Za-z0-9]+\.safetensors$"), "payloads"),
-    (re.compile(rf"^fragments/{_P}/latest\.json$"), "other"),
-    (re.compile(rf"^contributions/{_P}/[A-Za-z0-9][A-Za-z0-9_.-]{{0,63}}/{_N}\.safetensors$"), "contributions"),
-    (re.compile(rf"^checkpoints/{_P}/{_N}-[A-Za-z0-9]+\.safetensors$"), "checkpoints"),
-    (re.compile(rf"^syncers/heartbeats/{_N}\.json$"), "heartbeats"),
-    (re.compile(r"^learners/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/heartbeat\.json$"), "heartbeats"),
-    (re.compile(rf"^syncers/epochs/{_N}\.json$"), "other"),
-    (re.compile(r"^learners/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/state\.json$"), "other"),
-    (re.compile(r"^quarantine/.+\.json$"), "other"),
-    (re.compile(r"^tmp/.+"), "other"),
-    (re.compile(r"^(?:run|plan)\.json$"), "other"),
-]
-
-
 def classify(key: str, *, num_fragments: int | None = None) -> str | None:
     """The category of a key (one of CATEGORIES), or None for a foreign object:
     a name the protocol does not define, or a fragment index outside the run."""
-    for pattern, category in _KEY_PATTERNS:
-        m = pattern.match(key)
-        if m is None:
-            continue
-        if m.groups() and num_fragments is not None and int(m.group(1)) >= num_fragments:
-            return None
-        return category
-    return None
+    kind = layout.key_kind(key)
+    if kind is None or (kind[1] is not None and num_fragments is not None and kind[1] >= num_fragments):
+        return None
+    return kind[0]
 
 
 # ---------------------------------------------------------------- bucket scan
@@ -79,7 +56,7 @@ class _Scan:
     def fragment_ids(self) -> list[int]:
         if self.run is not None:
             return list(range(int(self.run["num_fragments"])))
-        seen = {int(m.group(1)) for i in self.infos if (m := re.match(rf"^(?:fragments|contributions)/{_P}/", i.key))}
+        seen = {kind[1] for i in self.infos if (kind := layout.key_kind(i.key)) and kind[1] is not None}
         return sorted(seen)
 
     def under(self, prefix: str) -> list[ObjectInfo]:
@@ -143,7 +120,7 @@ def _quarantined(scan: _Scan) -> list[dict[str, Any]]:
     out = []
     for info in scan.under("quarantine/"):
         rec = scan.record(info.key, "quarantine")
-        original = info.key[len("quarantine/"):-len(".json")]
+        original = layout.parse_quarantine_key(info.key) or info.key
         out.append({"key": original, "reason": rec["reason"] if rec else "(unreadable quarantine record)",
                     "syncer_id": rec.get("syncer_id") if rec else None, "age_s": scan.now_s - info.mtime_s})
     return out
@@ -383,10 +360,10 @@ def _check_payloads(scan: _Scan, p: int, m: dict[str, Any], problems: list[str])
 
 def _verify_checkpoints(scan: _Scan, problems: list[str]) -> None:
     for info in scan.under("checkpoints/"):
-        m = re.match(rf"^checkpoints/{_P}/({_N})-[A-Za-z0-9]+\.safetensors$", info.key)
-        if m is None:
+        parsed = layout.parse_checkpoint_key(info.key)
+        if parsed is None:
             continue  # a foreign object: inspect lists it under orphans
-        p, v = int(m.group(1)), int(m.group(2))
+        p, v = parsed
         if scan.plan is None or p >= scan.plan.num_fragments:
             continue  # nothing to check the tensors against (already reported)
         shapes = expected_shapes(scan.plan, p)
@@ -430,7 +407,7 @@ def run_status(store: Store) -> dict[str, Any]:
     infos = store.list("")
     scan = _Scan(store, now_s, infos, run=run, plan=plan)
     lease_s = float(run["lease_s"])
-    qkeys = {i.key[len("quarantine/"):-len(".json")] for i in scan.under("quarantine/")}
+    qkeys = {layout.parse_quarantine_key(i.key) for i in scan.under(layout.QUARANTINE_PREFIX)}
     mtime = {i.key: i.mtime_s for i in infos}
 
     fragments = []

@@ -227,8 +227,9 @@ class Syncer:
     def restore(self) -> None:
         """Load every owned fragment: latest published value, momentum from the newest
         checkpoint plus replay of the manifests after it, and the merged high-water marks."""
-        for info in self.store.list("quarantine/"):
-            self.bad_keys.add(info.key[len("quarantine/"):-len(".json")])
+        for info in self.store.list(layout.QUARANTINE_PREFIX):
+            if (original := layout.parse_quarantine_key(info.key)) is not None:
+                self.bad_keys.add(original)
         for p in self.fragments:
             self.states[p] = self._restore_fragment(p)
             log.info("fragment %d at version %d (%d outer steps)", p, self.states[p].version, self.states[p].outer.num_steps)

@@ -1,0 +1,369 @@
+"""Hostile bucket content (issue 9, findings 1, 3 and 10; PROTOCOL.md [R7], [F4], [V2]).
+
+Whoever can write the bucket can put any bytes at any key. Nothing there may crash
+a reader with a traceback, stall a syncer, or stop it from committing the other
+fragments: every reader parses bucket JSON through ``records.parse_json`` (bounded
+bytes, depth and integer digits; finite numbers only) and reports a bad object as
+ProtocolError / InvalidPayloadError naming it.
+
+Part 1 builds each parser bomb by hand; part 2 is the epoch-claim loop; part 3
+learner ids; part 4 (``test_fuzz_*``) lets hypothesis write random bytes and
+mutated valid objects at every key a reader touches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddiloco_cli import cli, codec, layout, ledger, records
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.store import open_store
+from ddiloco_cli.syncer import Syncer, SyncerOptions
+from test_protocol import beat, contribution, live_syncer, make_run, step
+
+DEEP = 100_000  # far beyond Python's recursion limit
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """Run the CLI's real entry point in-process: (exit code, stdout + stderr). An
+    exception other than the clean exit propagates and fails the test with its traceback."""
+    monkeypatch.setattr(sys, "argv", ["ddiloco", *args])
+    monkeypatch.delenv("DDILOCO_TRACEBACK", raising=False)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # the CLI points logging at this test's captured stderr
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        root.handlers[:], root.level = handlers, level
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def one_error(output: str, *, naming: str) -> bool:
+    """One `error:` message (rich may wrap it over lines) that names ``naming``, no traceback."""
+    squeezed = "".join(output.split())
+    return output.count("error:") == 1 and naming in squeezed and "Traceback" not in output
+
+
+# ============================================================ 1. parser bombs
+BOMBS = {
+    "nested array": nested(DEEP).encode(),
+    "nested in a field": ('{"format":"ddiloco.epoch","x":' + nested(DEEP) + "}").encode(),
+    "nested objects": ('{"a":' * 5000 + "1" + "}" * 5000).encode(),
+    "5000-digit integer": ('{"epoch":' + "9" * 5000 + "}").encode(),
+    "float overflow": b'{"created_s":1e400}',
+    "NaN": b'{"created_s":NaN}',
+    "Infinity": b'{"created_s":-Infinity}',
+    "bad utf-8": b'{"a":"\xff\xfe"}',
+    "not json": b"\x00\x01garbage",
+}
+
+
+@pytest.mark.parametrize("name", BOMBS)
+def test_parse_json_turns_every_bomb_into_protocol_error_R7(name):
+    """[R7] the one bounded parser raises ProtocolError naming where, never RecursionError,
+    ValueError or OverflowError."""
+    with pytest.raises(ProtocolError, match=r"^bucket/some\.json: not valid JSON \(") as info:
+        records.parse_json(BOMBS[name], where="bucket/some.json")
+    assert "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
+def test_parse_json_bounds_are_exact_R7():
+    """[R7] depth MAX_JSON_DEPTH and MAX_INT_DIGITS digits parse; one more does not; brackets
+    inside strings do not count; the byte bound is checked before parsing."""
+    d = records.MAX_JSON_DEPTH
+    assert records.parse_json(nested(d), where="x") is not None
+    with pytest.raises(ProtocolError, match="nested"):
+        records.parse_json(nested(d + 1), where="x")
+    assert records.parse_json(json.dumps({"s": "[[[[{{{{" * 100 + '\\"]]'}), where="x")["s"].startswith("[[[[")
+    digits = "9" * records.MAX_INT_DIGITS
+    assert records.parse_json(digits, where="x") == int(digits)
+    with pytest.raises(ProtocolError, match="digits"):
+        records.parse_json(digits + "9", where="x")
+    with pytest.raises(ProtocolError, match="exceed the bound of 10"):
+        records.parse_json(b" " * 11, where="x", max_bytes=10)
+
+
+def test_schemas_bound_every_integer_R7():
+    """[R7] every integer field of every schema has a maximum (at most 2**53 - 1), so no
+    accepted number overflows a float; c_tokens**2 / c_steps stays finite."""
+    from importlib import resources
+
+    def integers(node, path):
+        if isinstance(node, dict):
+            types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+            if "integer" in types:
+                yield path, node
+            for k, v in node.items():
+                yield from integers(v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from integers(v, f"{path}/{i}")
+
+    found = 0
+    for record_type in records.RECORD_TYPES:
+        schema = json.loads(resources.files("ddiloco_cli").joinpath(f"schemas/{record_type}.schema.json").read_text())
+        for path, node in integers(schema, record_type):
+            found += 1
+            assert node.get("maximum", float("inf")) <= records.MAX_SAFE_INT, path
+    assert found > 50
+    c = json.loads(resources.files("ddiloco_cli").joinpath("schemas/contribution.schema.json").read_text())
+    max_tokens = c["properties"]["c_tokens"]["maximum"]
+    assert float(max_tokens) ** 2 / 1 < float("inf")
+
+
+def _payload_with_description(description: str) -> bytes:
+    """A payload whose 'ddiloco' metadata entry is ``description`` verbatim."""
+    data = codec.encode_tensors({"a": torch.zeros(4)}, codec="none", metadata={})
+    hlen = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + hlen])
+    header["__metadata__"]["ddiloco"] = description
+    hbytes = json.dumps(header).encode()
+    return len(hbytes).to_bytes(8, "little") + hbytes + data[8 + hlen:]
+
+
+def _payload_with_header_field(raw_json_value: str) -> bytes:
+    """A payload whose safetensors header gains a field holding ``raw_json_value`` verbatim."""
+    data = codec.encode_tensors({"a": torch.zeros(4)}, codec="none", metadata={})
+    hlen = int.from_bytes(data[:8], "little")
+    hbytes = data[8:8 + hlen].rstrip() [:-1] + b',"x":' + raw_json_value.encode() + b"}"
+    return len(hbytes).to_bytes(8, "little") + hbytes + data[8 + hlen:]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _payload_with_header_field(nested(DEEP)),
+    lambda: _payload_with_header_field("9" * 5000),
+    lambda: _payload_with_description(nested(DEEP)),
+    lambda: _payload_with_description('{"format":1,"codec":"none","tensors":{},"metadata":{"n":' + "1" * 5000 + "}}"),
+    lambda: _payload_with_description('{"format":1,"codec":"none","tensors":{},"metadata":{"n":1e999}}'),
+    lambda: _payload_with_description('{"format":1,"codec":"none","tensors":{"a":{"shape":[' + ",".join(["99999999999999999999"] * 8) + '],"raw_nbytes":1,"comp_nbytes":1}},"metadata":{}}'),
+])
+def test_payload_parser_bombs_are_invalid_payloads_R7(make):
+    """[R7] a nested or huge-integer safetensors header or 'ddiloco' metadata is an
+    InvalidPayloadError naming the payload, for decode and for `inspect`'s header read."""
+    data = make()
+    with pytest.raises(InvalidPayloadError, match=r"^contributions/x: "):
+        codec.decode_tensors(data, where="contributions/x")
+    if b"99999999999999999999" not in data:  # that one parses; only decoding it is refused
+        with pytest.raises(InvalidPayloadError, match=r"^contributions/x: "):
+            codec.payload_codec(data, where="contributions/x")
+
+
+@pytest.fixture
+def local_run(store_url):
+    store = open_store(store_url("local"))
+    make_run(store)
+    return store
+
+
+@pytest.mark.parametrize("c_tokens", [10**400, 10**200, 2**60], ids=["10**400", "10**200", "2**60"])
+def test_huge_counters_are_quarantined_and_others_commit_V2(local_run, c_tokens):
+    """[V2][R7] c_tokens = 10**400 (OverflowError before), 10**200 (an inf weight before)
+    or 2**60 (over the schema's bound): quarantined; the other fragment commits; a
+    restarted syncer serves."""
+    store = local_run
+    beat(store, "a")
+    s = live_syncer(store)
+    bad_key, _, _ = contribution(store, 0, "a", 1, c_tokens=c_tokens)
+    contribution(store, 1, "a", 2)
+    s.poll_contributions()
+    assert not s.maybe_merge(s.states[0])
+    assert s.maybe_merge(s.states[1])
+    report = records.loads(store.get(layout.quarantine_key(bad_key)), "quarantine", where="q")
+    assert "c_tokens" in report["reason"] or "digits" in report["reason"]
+    restarted = Syncer(store, options=SyncerOptions(syncer_id="again", gc=False))
+    restarted.restore()
+    assert restarted.states[1].version == 1 and restarted.states[0].version == 0
+
+
+@pytest.mark.parametrize("body", [
+    ('{"format":"ddiloco.learner_heartbeat","protocol_version":1,"learner_id":"b","state":"running",'
+     '"step":1,"tokens":1,"x":' + nested(DEEP) + "}"),
+    ('{"format":"ddiloco.learner_heartbeat","protocol_version":1,"learner_id":"b","state":"running",'
+     '"step":1,"tokens":' + "7" * 5000 + "}"),
+    ('{"format":"ddiloco.learner_heartbeat","protocol_version":1,"learner_id":"b","state":"running",'
+     '"step":1,"tokens":1,"step_time_s":1e400}'),
+])
+def test_hostile_learner_heartbeat_is_skipped_and_syncer_commits_R7(local_run, body):
+    """[R7] nested or huge-number JSON in a learner's heartbeat.json: the syncer skips that
+    heartbeat and keeps committing the other learners' contributions."""
+    store = local_run
+    beat(store, "a")
+    store.put(layout.learner_heartbeat_key("b"), body.encode())
+    s = live_syncer(store)
+    s._refresh_learners()
+    assert s.known_learners == {"a"}
+    contribution(store, 0, "a", 1)
+    assert step(s, 0)
+    beats = ledger.read_heartbeats(store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
+    assert [b.record["learner_id"] for b in beats] == ["a"]
+
+
+def test_hostile_latest_hint_is_ignored_R3(local_run):
+    """[R3][R7] a nested, huge or oversized latest hint is no hint (None), not a crash."""
+    store = local_run
+    for body in (nested(DEEP), '{"fragment":0,"version":' + "9" * 5000 + "}",
+                 '{"fragment":0,"version":9007199254740993}', " " * 10_000):
+        store.put(layout.latest_hint_key(0), body.encode())
+        assert ledger.read_latest_hint(store, 0) is None
+
+
+@pytest.mark.parametrize("key", [layout.RUN_CONFIG, layout.PLAN, layout.epoch_key(1)])
+@pytest.mark.parametrize("body", [nested(DEEP), '{"num_fragments":' + "1" * 5000 + "}"])
+def test_sync_status_inspect_report_hostile_run_files_in_one_line_R7(local_run, monkeypatch, capsys, key, body):
+    """[R7] nested or huge-integer run.json, plan.json or epoch file: `sync`, `status` and
+    `inspect` print one error line (or report the file), never a traceback."""
+    store = local_run
+    if key == layout.epoch_key(1):  # a syncer claimed epoch 1 and exited; then its claim was overwritten
+        store.put(layout.epoch_key(1), body.encode())
+    else:
+        os.replace(os.path.join(store.root, key), os.path.join(store.root, key + ".bak"))
+        store.put(key, body.encode())
+    url = store.url
+    code, out = run_cli(monkeypatch, capsys, "sync", url, "--max-runtime", "0.5", "--no-gc", "--poll", "0.05")
+    if key == layout.epoch_key(1):
+        assert code == 0, out  # the junk claim is skipped: the syncer claims epoch 2 and serves
+        assert ledger.list_epochs(store, run_id=ledger.read_run(store)["run_id"])[-1].epoch == 2
+    else:
+        assert code != 0 and one_error(out, naming=key), out
+    for command in (["status", url], ["inspect", url], ["inspect", url, "--verify"]):
+        code, out = run_cli(monkeypatch, capsys, *command)
+        assert "Traceback" not in out
+        assert key in "".join(out.split()), (command, out)
+
+
+# ============================================================ 2. the epoch claim
+EPOCH_BACKENDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
+
+
+def _junk_epochs(run_id: str) -> dict[str, bytes]:
+    foreign = records.make("epoch", run_id="another-run", epoch=1, syncer_id="x", fragments=[0], nonce="n")
+    wrong_number = records.make("epoch", run_id=run_id, epoch=99, syncer_id="x", fragments=[0], nonce="n")
+    return {"garbage": b"\x00not json", "nested": nested(DEEP).encode(), "foreign run": records.dumps(foreign),
+            "wrong number": records.dumps(wrong_number), "schema violation": b'{"format":"ddiloco.epoch"}'}
+
+
+@pytest.mark.parametrize("backend", EPOCH_BACKENDS)
+def test_junk_at_the_next_epoch_key_cannot_stall_the_claim_F4(store_url, backend):
+    """[F4] invalid, foreign or mis-numbered objects at the next epoch key (real bytes in a
+    local bucket and on S3): the claim goes above the highest listed key at once (it
+    looped forever before), and the junk never fences or owns anything."""
+    store = open_store(store_url(backend))
+    run_id = make_run(store)["run_id"]
+    for i, (name, body) in enumerate(_junk_epochs(run_id).items(), start=1):
+        assert store.put_if_absent(layout.epoch_key(2 * i - 1), body), name
+        got = ledger.claim_epoch(store, run_id=run_id, syncer_id=f"s{i}", fragments=[0], created_s=0.0)
+        assert got is not None and got.epoch == 2 * i, name
+    assert [e.epoch for e in ledger.list_epochs(store, run_id=run_id)] == [2, 4, 6, 8, 10]
+    assert ledger.current_owner(store, run_id=run_id, fragments=[0]).syncer_id == "s5"
+
+
+@pytest.mark.parametrize("backend", EPOCH_BACKENDS)
+def test_newer_protocol_epoch_says_upgrade_F4_R2(store_url, backend, monkeypatch, capsys):
+    """[F4][R2] a claim written by a newer protocol: `sync` exits with one "upgrade ddiloco"
+    line instead of looping or serving next to a newer syncer."""
+    store = open_store(store_url(backend))
+    run_id = make_run(store)["run_id"]
+    newer = {**records.make("epoch", run_id=run_id, epoch=1, syncer_id="new", fragments=[0, 1], nonce="n"),
+             "protocol_version": records.PROTOCOL_VERSION + 1}
+    assert store.put_if_absent(layout.epoch_key(1), records.dumps(newer))
+    with pytest.raises(records.NewerProtocolError, match="upgrade ddiloco"):
+        ledger.claim_epoch(store, run_id=run_id, syncer_id="old", fragments=[0], created_s=0.0)
+    code, out = run_cli(monkeypatch, capsys, "sync", store.url, "--max-runtime", "5", "--no-gc")
+    assert code == ProtocolError.exit_code and one_error(out, naming="upgradeddiloco"), out
+    assert [i.key for i in store.list(layout.EPOCH_PREFIX)] == [layout.epoch_key(1)]
+
+
+class _AlwaysTaken:
+    """A store whose every create finds the key taken although LIST does not show it:
+    the worst case for a claim loop."""
+
+    def __init__(self, inner):
+        self.inner, self.url, self.creates = inner, inner.url, 0
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self.creates += 1
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_claim_loop_honours_stop_F4(local_run):
+    """[F4] the claim retries only while stop() is false, then returns None; the syncer's
+    acquire passes its stop through and reports it did not claim."""
+    store = _AlwaysTaken(local_run)
+    run_id = ledger.read_run(local_run)["run_id"]
+    calls = iter(range(1000))
+    assert ledger.claim_epoch(store, run_id=run_id, syncer_id="s", fragments=[0], created_s=0.0,
+                              stop=lambda: next(calls) >= 3) is None
+    assert store.creates == 3
+    s = Syncer(store, options=SyncerOptions(syncer_id="s", gc=False))
+    deadline = time.monotonic() + 60
+    assert not s.acquire(stop=lambda: store.creates >= 5 or time.monotonic() > deadline)
+    assert store.creates == 5 and s.epoch is None
+
+
+def test_epoch_numbers_beyond_the_schema_are_not_epochs_F4(local_run):
+    """[F4] an object named like epoch 10**20 - 1 (above 2**53) is no epoch: the next claim
+    stays a 20-digit, schema-valid number; at 2**53 - 1 the claim stops with a message."""
+    store = local_run
+    run_id = ledger.read_run(store)["run_id"]
+    store.put(layout.epoch_key(10**20 - 1), b"{}")
+    assert ledger.claim_epoch(store, run_id=run_id, syncer_id="s", fragments=[0], created_s=0.0).epoch == 1
+    store.put(layout.epoch_key(records.MAX_SAFE_INT), b"{}")
+    with pytest.raises(ProtocolError, match="no epoch number is left"):
+        ledger.claim_epoch(store, run_id=run_id, syncer_id="s", fragments=[0], created_s=0.0)
+
+
+# ============================================================ 3. learner ids
+@pytest.mark.parametrize("learner_id", ["a\n", "a\n\n", "\na", "a/b", "", "-a", "a" * 65, "é", "a b", "a\x00"])
+def test_learner_id_is_fullmatched_everywhere_V2(learner_id):
+    """[V2] a trailing newline (accepted by `$` before), a slash, a space... is no learner id:
+    not for layout, not for the schemas, not as a contribution key the syncer would accept."""
+    assert not layout.valid_learner_id(learner_id)
+    rec = records.make("learner_heartbeat", run_id="r", learner_id=learner_id, state="running", step=0, tokens=0)
+    with pytest.raises(ProtocolError, match="learner_id"):
+        records.validate(rec, "learner_heartbeat", where="hb")
+    assert layout.key_kind(f"contributions/p00000/{learner_id}/{layout.num(1)}.safetensors") is None
+
+
+def test_learner_id_grammar_is_written_once():
+    """The learner-id regex lives in layout.py only: no schema or module repeats it."""
+    from pathlib import Path
+
+    root = Path(layout.__file__).parent
+    hits = [str(p.relative_to(root)) for p in root.rglob("*") if p.suffix in (".py", ".json")
+            and "A-Za-z0-9_.-" in p.read_text()]
+    assert hits == ["layout.py"], hits
+
+
+def test_key_grammar_parsers_roundtrip():
+    """layout's parse helpers invert its key builders and refuse near-misses (fullmatch, ASCII digits)."""
+    ck = layout.checkpoint_key(3, 12, "abc123")
+    assert layout.parse_checkpoint_key(ck) == (3, 12)
+    assert layout.parse_checkpoint_key(ck + "\n") is None
+    key = layout.contribution_key(2, "alice", 9)
+    assert layout.parse_contribution_key(key) == (2, "alice", 9)
+    assert layout.parse_quarantine_key(layout.quarantine_key(key)) == key
+    assert layout.parse_quarantine_key("quarantine/.json") is None
+    assert layout.parse_num("\u0661" * 20) is None  # Arabic-Indic digits: isdigit() but not ours
+    assert layout.key_kind(layout.manifest_key(7, 3)) == ("manifests", 7)
+    assert layout.key_kind(layout.syncer_heartbeat_key(3)) == ("heartbeats", None)
+    assert layout.key_kind("fragments/p00001/manifests/x.json") is None
