@@ -168,7 +168,7 @@ class Epoch:
     record: dict[str, Any]
 
 
-def _listed_epochs(store: Store) -> list[tuple[int, str]]:
+def listed_epochs(store: Store) -> list[tuple[int, str]]:
     """(number, key) of every object named like an epoch claim, ascending, valid or not.
     Numbers above MAX_SAFE_INT are no epoch (the schema bounds them) and are left out."""
     out = []
@@ -201,7 +201,7 @@ def read_epoch(store: Store, n: int, *, run_id: str) -> Epoch | None:
 def list_epochs(store: Store, *, run_id: str, above: int = -1) -> list[Epoch]:
     """Every valid epoch claim numbered above ``above``, ascending. Invalid or foreign
     objects are skipped with a warning; a newer protocol's raises NewerProtocolError."""
-    epochs = (read_epoch(store, n, run_id=run_id) for n, _ in _listed_epochs(store) if n > above)
+    epochs = (read_epoch(store, n, run_id=run_id) for n, _ in listed_epochs(store) if n > above)
     return [e for e in epochs if e is not None]
 
 
@@ -218,7 +218,7 @@ def claim_epoch(
     """
     frags = sorted(set(fragments))
     while not stop():
-        listed = _listed_epochs(store)
+        listed = listed_epochs(store)
         n = listed[-1][0] + 1 if listed else 1
         if listed:  # the newest claim: a newer ddiloco's raises NewerProtocolError
             read_epoch(store, listed[-1][0], run_id=run_id)

@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 
 from ddiloco_cli import codec, layout, ledger, records
-from ddiloco_cli.errors import FencedError, InvalidPayloadError, ProtocolError
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.fence import FencedStore, fence_interval_s
 from ddiloco_cli.merge import is_embedding_key, merge_outer_gradients, token_weight
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, encode_version, expected_shapes, upload_payloads
@@ -139,7 +140,6 @@ class Syncer:
         self._last_learners_t = 0.0
         self._last_fence_check_t = 0.0
         self._last_gc_t = time.monotonic()
-        self._known_epoch_keys: set[str] = set()
 
     # ------------------------------------------------------------------ lease
     def acquire(self, *, stop: Callable[[], bool] = lambda: False) -> bool:
@@ -167,6 +167,8 @@ class Syncer:
             )
             if self.epoch is None:
                 return False
+            # the one place the syncer's store is wrapped: from here on every write checks the fence
+            self.store = FencedStore(self.store, run_id=self.run_id, epoch=self.epoch, interval_s=fence_interval_s(lease_s))
             self.heartbeat(force=True)
             log.info("claimed epoch %d for fragments %s", self.epoch.epoch, _spec(self.fragments))
             return True
@@ -181,20 +183,8 @@ class Syncer:
 
     def check_fence(self) -> None:
         """Raise FencedError if a higher epoch overlapping our fragments exists."""
-        assert self.epoch is not None
-        for info in self.store.list(layout.EPOCH_PREFIX):
-            n = layout.parse_num(info.key)
-            if n is None or n <= self.epoch.epoch or info.key in self._known_epoch_keys:
-                continue
-            try:
-                rec = records.loads(self.store.get(info.key), "epoch", where=info.key)
-            except (NotFound, ProtocolError):
-                self._known_epoch_keys.add(info.key)
-                continue
-            if rec["run_id"] == self.run_id and set(rec["fragments"]) & self.epoch.fragments:
-                raise FencedError(f"epoch {n} ({rec['syncer_id']}) took over fragments "
-                                  f"{sorted(set(rec['fragments']) & self.epoch.fragments)}; this syncer (epoch {self.epoch.epoch}) stops")
-            self._known_epoch_keys.add(info.key)
+        assert isinstance(self.store, FencedStore)
+        self.store.check_fence()
         self._last_fence_check_t = time.monotonic()
 
     def heartbeat(self, *, force: bool = False, state: str = "serving") -> None:

@@ -1,0 +1,115 @@
+"""Fencing of every write a syncer makes (PROTOCOL.md, "Fencing and leases", [F5]).
+
+A syncer paused past its lease (GC, SIGSTOP, a suspended VM) may resume after a
+standby claimed a higher epoch for its fragments. ``FencedStore`` wraps the
+store a syncer writes through. Before every write of any kind (``put``,
+``put_if_absent``, ``delete``) it checks the fence: is there an epoch above its
+own whose fragments overlap its own? It checks at most every ``interval_s``
+(monotonic clock) and always right before creating a manifest. Once fenced it
+raises ``FencedError`` for every later write without touching the bucket, so a
+fenced syncer writes nothing: no quarantine report, heartbeat, checkpoint or
+manifest.
+
+Why an interval below the lease is enough: a standby claims only after the
+owner's heartbeat is ``lease_s`` old by the store's clock, and the owner writes
+that heartbeat through this wrapper. So any pause long enough to lose the lease
+also exceeds ``interval_s``, and the first write after it checks the fence. The
+only write that can slip through is one whose check passed just before a pause
+(the known window, PROTOCOL.md "Known limitations").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from ddiloco_cli import layout, ledger
+from ddiloco_cli.errors import FencedError
+from ddiloco_cli.records import NewerProtocolError
+from ddiloco_cli.store.base import ObjectInfo, Store
+
+log = logging.getLogger(__name__)
+
+
+def fence_interval_s(lease_s: float) -> float:
+    """How often (at most) a serving syncer re-checks the fence before a write: well
+    inside its lease, and at least once a second."""
+    return min(1.0, lease_s / 4)
+
+
+class FencedStore:
+    """A Store that checks the fence of ``epoch`` before each write (see module doc).
+    Reads pass through unchecked."""
+
+    def __init__(self, inner: Store, *, run_id: str, epoch: ledger.Epoch, interval_s: float):
+        self.inner = inner
+        self.url = inner.url
+        self.run_id = run_id
+        self.epoch = epoch
+        self.interval_s = interval_s
+        self._checked_t = -math.inf
+        self._fenced: FencedError | None = None
+        self._harmless: set[int] = set()  # epochs above ours that are invalid, foreign or disjoint
+
+    # -------------------------------------------------------------- the fence
+    def check_fence(self) -> None:
+        """Raise FencedError if an epoch above ours overlaps our fragments (then for good).
+
+        One LIST of the epochs, plus one GET per epoch key above ours not seen before.
+        A claim above ours written by a newer protocol fences too: a newer syncer runs.
+        """
+        if self._fenced is not None:
+            raise self._fenced
+        mine = self.epoch
+        for n, _ in ledger.listed_epochs(self.inner):
+            if n <= mine.epoch or n in self._harmless:
+                continue
+            try:
+                other = ledger.read_epoch(self.inner, n, run_id=self.run_id)
+            except NewerProtocolError as exc:
+                self._fence(f"epoch {n} was claimed by a newer ddiloco ({exc}); this syncer (epoch {mine.epoch}) stops")
+            if other is None or not other.fragments & mine.fragments:
+                self._harmless.add(n)
+                continue
+            self._fence(f"epoch {n} ({other.syncer_id}) took over fragments {sorted(other.fragments & mine.fragments)}; "
+                        f"this syncer (epoch {mine.epoch}) stops")
+        self._checked_t = time.monotonic()
+
+    @property
+    def fenced(self) -> bool:
+        return self._fenced is not None
+
+    def _fence(self, message: str) -> None:
+        self._fenced = FencedError(message)
+        log.error("%s", message)
+        raise self._fenced
+
+    def _before_write(self, key: str) -> None:
+        if self._fenced is not None:
+            raise self._fenced
+        kind = layout.key_kind(key)
+        if (kind is not None and kind[0] == "manifests") or time.monotonic() - self._checked_t >= self.interval_s:
+            self.check_fence()
+
+    # ------------------------------------------------------------ the Store API
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self._before_write(key)
+        return self.inner.put_if_absent(key, data)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._before_write(key)
+        self.inner.put(key, data)
+
+    def delete(self, key: str) -> None:
+        self._before_write(key)
+        self.inner.delete(key)
+
+    def get(self, key: str, **kwargs) -> bytes:
+        return self.inner.get(key, **kwargs)
+
+    def list(self, prefix: str = "", **kwargs) -> list[ObjectInfo]:
+        return self.inner.list(prefix, **kwargs)
+
+    def now(self) -> float:
+        return self.inner.now()
