@@ -7,18 +7,48 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
+from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterLrScaling, RunConfig
 from ddiloco_cli.store.base import TransientStoreError
+
+
+class _Commands(TyperGroup):
+    """Runs a command and turns the errors a user can cause or must act on into one
+    line on stderr and the error's exit code (2 usage, 3 bucket, 4 protocol, ...).
+    DDILOCO_TRACEBACK=1 shows the traceback instead."""
+
+    def invoke(self, ctx: typer.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except DdilocoError as exc:
+            _fail(str(exc), exc.exit_code)
+        except TransientStoreError as exc:
+            _fail(f"the bucket kept failing after retries: {exc}", 3)
+        except KeyboardInterrupt:
+            console.print("interrupted")
+            raise typer.Exit(130) from None
+
+
+def _fail(message: str, exit_code: int) -> None:
+    if os.environ.get("DDILOCO_TRACEBACK"):
+        raise
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(exit_code)
+
 
 app = typer.Typer(
     name="ddiloco",
+    cls=_Commands,
     help="Decoupled DiLoCo: asynchronous, fault-tolerant, low-communication training over a shared bucket.",
     no_args_is_help=True,
     add_completion=False,
@@ -27,11 +57,56 @@ app = typer.Typer(
 console = Console(stderr=True)
 out = Console(width=None if sys.stdout.isatty() else 160)  # tables stay readable when piped
 
-StorageOpts = Annotated[
-    Optional[list[str]],
-    typer.Option("--storage-option", "-o", help="Backend option key=value (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000"),
-]
-Url = Annotated[str, typer.Argument(help="Run location: a local path, file://, s3://bucket/prefix or gs://bucket/prefix")]
+# -- options several commands share; each can come from a DDILOCO_* environment variable --
+Url = Annotated[str, typer.Argument(
+    metavar="URL", envvar="DDILOCO_URL", show_envvar=True,
+    help="Run location: a local path, file://, s3://bucket/prefix or gs://bucket/prefix")]
+StorageOpts = Annotated[Optional[list[str]], typer.Option(
+    "--storage-option", "-o", metavar="KEY=VALUE", envvar="DDILOCO_STORAGE_OPTIONS", show_envvar=True,
+    help="Backend option (repeatable; in the variable: space-separated), e.g. -o endpoint_url=http://127.0.0.1:9000")]
+JsonOut = Annotated[bool, typer.Option("--json", metavar="", help="Machine-readable output")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Debug logging")]
+
+
+def _seconds(flag: str, *, positive: bool = False):
+    """A parser for a duration flag: a finite number >= 0 (> 0 when ``positive``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise typer.BadParameter(f"{text!r} is not a number of seconds", param_hint=flag) from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise typer.BadParameter(f"must be a finite number {'>' if positive else '>='} 0, got {text}",
+                                     param_hint=flag)
+        return value
+
+    return parse
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ddiloco {_installed_version()}")
+        raise typer.Exit()
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ddiloco_cli import __version__
+
+    try:
+        return version("ddiloco")
+    except PackageNotFoundError:  # running from a source tree
+        return __version__
+
+
+@app.callback()
+def _main(
+    _: Annotated[bool, typer.Option("--version", metavar="", callback=_version, is_eager=True,
+                                    help="Print the version and exit")] = False,
+) -> None:
+    """Decoupled DiLoCo: asynchronous, fault-tolerant, low-communication training over a shared bucket."""
 
 
 def _store(url: str, opts: list[str] | None):
@@ -59,103 +134,169 @@ def _setup_logging(verbose: bool) -> None:
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs a traceback per exhausted retry
 
 
-def _pair(text: str, flag: str) -> tuple[float, float]:
-    try:
-        a, b = (float(x) for x in text.split(","))
-        return a, b
-    except ValueError:
-        raise UsageError(f"{flag}: give two comma-separated numbers, e.g. 0.9,0.95") from None
+# ------------------------------------------------------------------------ init
+_TASK, _SCHED, _MERGE, _INNER, _CODEC, _FT = PANELS
+_D = RunConfig  # a dataclass's class attributes are its field defaults
 
 
 @app.command()
 def init(
-    url: Url,
-    task: Annotated[str, typer.Option(help="module:object (or path.py:object) giving the model, data and loss")] = "ddiloco_cli.tasks.gpt:tiny",
-    fragments: Annotated[int, typer.Option("--fragments", "-P", help="Number of fragments P")] = 4,
-    sync_every: Annotated[int, typer.Option("--sync-every", "-H", help="Inner steps between two syncs of a fragment (H)")] = 24,
-    overlap_steps: Annotated[int, typer.Option("--overlap-steps", help="Steps a fragment's sync overlaps with compute (tau)")] = 2,
-    quorum: Annotated[int, typer.Option("--quorum", "-K", help="Minimum distinct learners per merge (K)")] = 1,
-    alpha: Annotated[float, typer.Option(help="Learner-side merge: theta <- alpha*theta + (1-alpha)*global")] = 0.0,
+    ctx: typer.Context,
+    url: Annotated[Optional[str], typer.Argument(
+        metavar="URL", envvar="DDILOCO_URL", show_envvar=True,
+        help="Run location: a local path, file://, s3://bucket/prefix or gs://bucket/prefix")] = None,
+    config: Annotated[Optional[str], typer.Option(
+        "--config", metavar="FILE", help="TOML (or YAML) file of settings keyed by these flags' names; "
+        "flags given here override it")] = None,
+    print_config: Annotated[bool, typer.Option(
+        "--print-config", metavar="", help="Print the default settings as a --config file and exit")] = False,
+    force_clean: Annotated[bool, typer.Option(
+        "--force-clean", metavar="", help="Remove an interrupted init (plan.json without run.json) first, "
+        "instead of resuming it; only while no other init runs there")] = False,
+    task: Annotated[str, typer.Option(
+        metavar="MODULE:OBJECT", rich_help_panel=_TASK,
+        help="module:object (or path.py:object) giving the model, data and loss")] = _D.task,
+    fragments: Annotated[int, typer.Option("--fragments", "-P", metavar="P", rich_help_panel=_TASK,
+                                           help="Number of fragments P")] = _D.num_fragments,
+    seed: Annotated[int, typer.Option(metavar="N", rich_help_panel=_TASK, help="Seed of the initial model")] = _D.seed,
+    sync_every: Annotated[int, typer.Option("--sync-every", "-H", metavar="H", rich_help_panel=_SCHED,
+                                            help="Inner steps between two syncs of a fragment (H)")] = _D.sync_every,
+    overlap_steps: Annotated[int, typer.Option(metavar="TAU", rich_help_panel=_SCHED,
+                                               help="Steps a fragment's sync overlaps with compute (tau)")] = _D.overlap_steps,
+    mode: Annotated[Mode, typer.Option(rich_help_panel=_SCHED,
+                                       help="decoupled, or lockstep (the streaming-DiLoCo baseline)")] = Mode(_D.mode),
+    quorum: Annotated[int, typer.Option("--quorum", "-K", metavar="K", rich_help_panel=_MERGE,
+                                        help="Minimum distinct learners per merge (K)")] = _D.quorum,
+    alpha: Annotated[float, typer.Option(metavar="X", rich_help_panel=_MERGE,
+                                         help="Learner-side merge: theta <- alpha*theta + (1-alpha)*global")] = _D.alpha,
     keep_overlap_progress: Annotated[bool, typer.Option(
-        "--keep-overlap-progress/--discard-overlap-progress",
-        help="On receive, keep the steps trained since the send (theta <- Theta_new + progress) or overwrite them")] = True,
-    merge: Annotated[str, typer.Option(help="rda (Radial-Directional Averaging) or mean")] = "rda",
-    outer_lr: Annotated[float, typer.Option(help="Outer Nesterov learning rate")] = 0.7,
-    outer_momentum: Annotated[float, typer.Option(help="Outer Nesterov momentum")] = 0.9,
-    outer_lr_scaling: Annotated[str, typer.Option(help="participation: a merge of m of M live learners uses lr*m/M; none")] = "participation",
-    codec: Annotated[str, typer.Option(help="Outer-gradient codec: none, bf16, int8, int4")] = "int4",
-    codec_block: Annotated[Optional[int], typer.Option(help="Quantization block size (default 64 for int4, 256 for int8)")] = None,
-    publish_codec: Annotated[Optional[str], typer.Option(help="Codec of published fragment deltas (default: --codec)")] = None,
-    mode: Annotated[str, typer.Option(help="decoupled, or lockstep (the streaming-DiLoCo baseline)")] = "decoupled",
-    inner_lr: Annotated[float, typer.Option(help="Inner AdamW peak learning rate")] = 1e-3,
-    adam_betas: Annotated[str, typer.Option(help="Inner AdamW betas B1,B2")] = "0.9,0.95",
-    weight_decay: Annotated[float, typer.Option(help="Inner AdamW weight decay")] = 0.1,
-    warmup_steps: Annotated[int, typer.Option(help="Inner LR warmup steps")] = 20,
-    lr_schedule: Annotated[str, typer.Option(help="constant or cosine")] = "cosine",
-    total_steps: Annotated[int, typer.Option(help="Inner steps per learner (schedule length; 0: unlimited)")] = 1000,
-    grad_clip: Annotated[float, typer.Option(help="Gradient-norm clip (0 disables)")] = 1.0,
-    batch_size: Annotated[int, typer.Option(help="Inner batch size per learner")] = 16,
-    seed: Annotated[int, typer.Option(help="Seed of the initial model")] = 0,
-    grace_gamma: Annotated[float, typer.Option(help="Grace window = gamma * slack of the overlap window")] = 0.5,
-    grace_max: Annotated[float, typer.Option("--grace-max", help="Upper bound of the grace window, seconds")] = 5.0,
-    max_staleness: Annotated[int, typer.Option(help="Oldest base version accepted, in versions behind")] = 8,
-    checkpoint_every: Annotated[int, typer.Option(help="Outer-state checkpoint every N versions")] = 10,
-    keyframe_every: Annotated[int, typer.Option(help="Full (exact) payload every N versions")] = 8,
-    lease: Annotated[float, typer.Option("--lease", help="Syncer lease, seconds")] = 10.0,
-    heartbeat: Annotated[float, typer.Option("--heartbeat", help="Heartbeat interval, seconds")] = 2.0,
-    retain_versions: Annotated[int, typer.Option(help="Versions kept per fragment by GC")] = 16,
-    gc_grace: Annotated[float, typer.Option("--gc-grace", help="Seconds before orphans may be deleted")] = 300.0,
+        "--keep-overlap-progress/--discard-overlap-progress", metavar="", rich_help_panel=_MERGE,
+        help="On receive, keep the steps trained since the send (theta <- Theta_new + progress) or overwrite them")
+    ] = _D.keep_overlap_progress,
+    merge: Annotated[Merge, typer.Option(rich_help_panel=_MERGE,
+                                         help="Radial-Directional Averaging or a token-weighted mean")] = Merge(_D.merge),
+    outer_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_MERGE,
+                                            help="Outer Nesterov learning rate")] = _D.outer_lr,
+    outer_momentum: Annotated[float, typer.Option(metavar="X", rich_help_panel=_MERGE,
+                                                  help="Outer Nesterov momentum")] = _D.outer_momentum,
+    outer_lr_scaling: Annotated[OuterLrScaling, typer.Option(
+        rich_help_panel=_MERGE, help="participation: a merge of m of M live learners uses lr*m/M")
+    ] = OuterLrScaling(_D.outer_lr_scaling),
+    inner_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_INNER,
+                                            help="Inner AdamW peak learning rate")] = _D.inner_lr,
+    adam_betas: Annotated[str, typer.Option(metavar="B1,B2", rich_help_panel=_INNER,
+                                            help="Inner AdamW betas")] = ",".join(map(str, _D.adam_betas)),
+    weight_decay: Annotated[float, typer.Option(metavar="X", rich_help_panel=_INNER,
+                                                help="Inner AdamW weight decay")] = _D.weight_decay,
+    warmup_steps: Annotated[int, typer.Option(metavar="N", rich_help_panel=_INNER,
+                                              help="Inner LR warmup steps")] = _D.warmup_steps,
+    lr_schedule: Annotated[LrSchedule, typer.Option(rich_help_panel=_INNER,
+                                                    help="Inner LR schedule after warmup")] = LrSchedule(_D.lr_schedule),
+    total_steps: Annotated[int, typer.Option(metavar="N", rich_help_panel=_INNER,
+                                             help="Inner steps per learner (schedule length; 0: unlimited)")] = _D.total_steps,
+    grad_clip: Annotated[float, typer.Option(metavar="NORM", rich_help_panel=_INNER,
+                                             help="Gradient-norm clip (0 disables)")] = _D.grad_clip,
+    batch_size: Annotated[int, typer.Option(metavar="N", rich_help_panel=_INNER,
+                                            help="Inner batch size per learner")] = _D.batch_size,
+    codec: Annotated[Codec, typer.Option(rich_help_panel=_CODEC, help="Outer-gradient codec")] = Codec(_D.codec),
+    codec_block: Annotated[Optional[int], typer.Option(
+        metavar="N", rich_help_panel=_CODEC, help="Quantization block size (default 64 for int4, 256 for int8)")] = None,
+    publish_codec: Annotated[Optional[Codec], typer.Option(
+        rich_help_panel=_CODEC, help="Codec of published fragment deltas (default: --codec)")] = None,
+    keyframe_every: Annotated[int, typer.Option(metavar="N", rich_help_panel=_CODEC,
+                                                help="Full (exact) payload every N versions")] = _D.keyframe_every,
+    grace_gamma: Annotated[float, typer.Option(metavar="X", rich_help_panel=_FT,
+                                               help="Grace window = gamma * slack of the overlap window")] = _D.grace_gamma,
+    grace_max: Annotated[float, typer.Option("--grace-max", metavar="SECONDS", rich_help_panel=_FT,
+                                             help="Upper bound of the grace window")] = _D.grace_max_s,
+    max_staleness: Annotated[int, typer.Option(metavar="N", rich_help_panel=_FT,
+                                               help="Oldest base version accepted, in versions behind")] = _D.max_staleness,
+    checkpoint_every: Annotated[int, typer.Option(metavar="N", rich_help_panel=_FT,
+                                                  help="Outer-state checkpoint every N versions")] = _D.checkpoint_every,
+    lease: Annotated[float, typer.Option("--lease", metavar="SECONDS", rich_help_panel=_FT,
+                                         help="Syncer lease")] = _D.lease_s,
+    heartbeat: Annotated[float, typer.Option("--heartbeat", metavar="SECONDS", rich_help_panel=_FT,
+                                             help="Heartbeat interval")] = _D.heartbeat_s,
+    retain_versions: Annotated[int, typer.Option(metavar="N", rich_help_panel=_FT,
+                                                 help="Versions kept per fragment by GC")] = _D.retain_versions,
+    gc_grace: Annotated[float, typer.Option("--gc-grace", metavar="SECONDS", rich_help_panel=_FT,
+                                            help="Age before GC may delete an orphan (> 0)")] = _D.gc_grace_s,
     storage_option: StorageOpts = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the run config as JSON")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print the run config as JSON")] = False,
 ) -> None:
-    """Create a run: write its config, fragment plan and version 0 of every fragment.
+    """Create a run: write its fragment plan, version 0 of every fragment, then its config.
 
-    Refuses to touch an existing run.
+    Every setting is checked before the first write. Refuses to touch an existing
+    run; resumes an interrupted init with the same settings (or removes it with
+    --force-clean).
     """
-    from ddiloco_cli.runinit import RunSpec, init_run
+    from ddiloco_cli.runconfig import default_config_toml, hyperparameters, load_config_file
+    from ddiloco_cli.runinit import init_run
 
-    spec = RunSpec(
-        task=task, num_fragments=fragments, sync_every=sync_every, overlap_steps=overlap_steps, quorum=quorum,
-        alpha=alpha, keep_overlap_progress=keep_overlap_progress, merge=merge, outer_lr=outer_lr, outer_momentum=outer_momentum, outer_lr_scaling=outer_lr_scaling, codec=codec,
-        codec_block=codec_block, publish_codec=publish_codec, mode=mode, inner_lr=inner_lr,
-        adam_betas=_pair(adam_betas, "--adam-betas"), weight_decay=weight_decay, warmup_steps=warmup_steps,
-        lr_schedule=lr_schedule, total_steps=total_steps, grad_clip=grad_clip, batch_size=batch_size, seed=seed,
-        grace_gamma=grace_gamma, grace_max_s=grace_max, max_staleness=max_staleness,
-        checkpoint_every=checkpoint_every, keyframe_every=keyframe_every, lease_s=lease, heartbeat_s=heartbeat,
-        retain_versions=retain_versions, gc_grace_s=gc_grace,
-    )
-    spec.check()
-    config = init_run(_store(url, storage_option), spec)
+    if print_config:
+        typer.echo(default_config_toml(), nl=False)
+        return
+    if url is None:
+        raise UsageError("give the run URL (or set DDILOCO_URL)")
+    keys = {f.metadata["flag"].replace("-", "_") for f in hyperparameters()}
+    values = {k: v for k, v in ctx.params.items() if k in keys}
+    if config is not None:  # the file fills in what the command line left at its default
+        for key, value in load_config_file(config).items():
+            if getattr(ctx.get_parameter_source(key), "name", "DEFAULT") == "DEFAULT":
+                values[key] = value
+    spec = RunConfig.from_flags(values)
+    run = init_run(_store(url, storage_option), spec, force_clean=force_clean,
+                   note=lambda line: console.print(line, highlight=False, soft_wrap=True))
     if json_out:
-        out.print_json(json.dumps(config))
+        out.print_json(json.dumps(run))
     else:
-        console.print(f"[green]created run {config['run_id']}[/] at {url}: P={fragments} H={sync_every} "
-                      f"tau={overlap_steps} K={quorum} codec={config['codec']} mode={mode}")
+        console.print(f"[green]created run {run['run_id']}[/] at {url}: P={spec.num_fragments} H={spec.sync_every} "
+                      f"tau={spec.overlap_steps} K={spec.quorum} codec={spec.codec} mode={spec.mode}",
+                      highlight=False, soft_wrap=True)
 
 
+# ----------------------------------------------------------------------- learn
 @app.command()
 def learn(
     url: Url,
-    learner_id: Annotated[str, typer.Option("--learner-id", help="Stable name of this learner (reuse it to rejoin)")],
-    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or xla")] = "cpu",
-    steps: Annotated[Optional[int], typer.Option(help="Inner steps to run in this session (default: to the run's total)")] = None,
-    shard: Annotated[Optional[int], typer.Option(help="Data shard index (default: a stream seeded by the learner id)")] = None,
-    num_shards: Annotated[Optional[int], typer.Option(help="Number of data shards")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads")] = None,
-    poll: Annotated[float, typer.Option("--poll", help="Seconds between polls for a new version of a fragment it waits for")] = 0.2,
+    learner_id: Annotated[str, typer.Option(
+        "--learner-id", metavar="ID", envvar="DDILOCO_LEARNER_ID", show_envvar=True,
+        help="Stable name of this learner (reuse it to rejoin)")],
+    device: Annotated[str, typer.Option(metavar="cpu|cuda[:N]|xla", envvar="DDILOCO_DEVICE", show_envvar=True,
+                                        help="Device to train on")] = "cpu",
+    steps: Annotated[Optional[int], typer.Option(
+        metavar="N", min=1, help="Inner steps to run in this session (default: to the run's total)")] = None,
+    shard: Annotated[Optional[int], typer.Option(
+        metavar="I", min=0, help="Data shard index (default: a stream seeded by the learner id)")] = None,
+    num_shards: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Number of data shards")] = None,
+    threads: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="torch CPU threads")] = None,
+    poll: Annotated[float, typer.Option(
+        "--poll", metavar="SECONDS", parser=_seconds("--poll"),
+        help="Seconds between polls for a new version of a fragment it waits for")] = 0.2,
+    wait_for_run: Annotated[Optional[float], typer.Option(
+        "--wait-for-run", metavar="SECONDS", parser=_seconds("--wait-for-run"),
+        help="Wait up to SECONDS (inf: forever) for the run to be created, polling with backoff, "
+             "instead of exiting at once")] = None,
     storage_option: StorageOpts = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Run one learner (one island): inner AdamW steps, background fragment uploads,
     non-blocking receives. SIGTERM leaves cleanly; after kill -9 the same command rejoins."""
     _setup_logging(verbose)
     from ddiloco_cli.learner import Learner, LearnerOptions
     from ddiloco_cli.live import learner_view
+    from ddiloco_cli.runconfig import wait_for_run_config
 
     if shard is not None and num_shards is None or num_shards is not None and shard is None:
         raise UsageError("--shard and --num-shards go together")
     if shard is not None and not 0 <= shard < num_shards:
         raise UsageError(f"--shard must be in [0, {num_shards})")
+    log = logging.getLogger("ddiloco")
+    store = _store(url, storage_option)
+    if wait_for_run is not None:
+        wait_for_run_config(store, timeout_s=wait_for_run, on_wait=lambda waited_s: log.info(
+            "no run at %s yet (waited %.0f s of %s): waiting for `ddiloco init`", store.url, waited_s,
+            "no limit" if math.isinf(wait_for_run) else f"{wait_for_run:g} s"))
     if threads:
         import torch
 
@@ -164,8 +305,8 @@ def learn(
     opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards,
                           poll_s=poll)
     with learner_view(console, learner_id) as on_progress:
-        reason = Learner(_store(url, storage_option), options=opts, on_progress=on_progress).train()
-    logging.getLogger("ddiloco").info("learner %s: %s", learner_id, reason)
+        reason = Learner(store, options=opts, on_progress=on_progress).train()
+    log.info("learner %s: %s", learner_id, reason)
 
 
 def _maybe_init_distributed(device: str) -> None:
@@ -179,69 +320,92 @@ def _maybe_init_distributed(device: str) -> None:
         dist.init_process_group(backend)
 
 
+# ------------------------------------------------------------------------ sync
 @app.command()
 def sync(
     url: Url,
-    fragments: Annotated[Optional[str], typer.Option(help="Fragments this syncer serves, e.g. 0-11 or 0,2,4 (default: all)")] = None,
-    syncer_id: Annotated[Optional[str], typer.Option(help="Name shown in heartbeats and the ledger")] = None,
-    poll: Annotated[float, typer.Option("--poll", help="Seconds between polls of the bucket")] = 0.2,
-    no_gc: Annotated[bool, typer.Option("--no-gc", help="Do not collect garbage while serving")] = False,
-    max_versions: Annotated[Optional[int], typer.Option(help="Stop after committing this many versions")] = None,
-    max_runtime: Annotated[Optional[float], typer.Option("--max-runtime", help="Stop after this many seconds")] = None,
+    fragments: Annotated[Optional[str], typer.Option(
+        metavar="SPEC", help="Fragments this syncer serves, e.g. 0-11 or 0,2,4 (default: all)")] = None,
+    syncer_id: Annotated[Optional[str], typer.Option(
+        metavar="NAME", envvar="DDILOCO_SYNCER_ID", show_envvar=True,
+        help="Name shown in heartbeats and the ledger (default: host and pid)")] = None,
+    poll: Annotated[float, typer.Option("--poll", metavar="SECONDS", parser=_seconds("--poll"),
+                                        help="Seconds between polls of the bucket")] = 0.2,
+    no_gc: Annotated[bool, typer.Option("--no-gc", metavar="", help="Do not collect garbage while serving")] = False,
+    max_versions: Annotated[Optional[int], typer.Option(metavar="N", min=1,
+                                                        help="Stop after committing this many versions")] = None,
+    max_runtime: Annotated[Optional[float], typer.Option(
+        "--max-runtime", metavar="SECONDS", parser=_seconds("--max-runtime", positive=True),
+        help="Stop after this many seconds")] = None,
     storage_option: StorageOpts = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Serve fragments: claim the lease (or stand by), merge contributions at quorum plus
     grace (token-weighted RDA), take outer Nesterov steps and commit new versions."""
-    _setup_logging(verbose)
     import signal
 
+    from ddiloco_cli.fragspec import parse_fragment_spec
     from ddiloco_cli.live import syncer_view
-    from ddiloco_cli.syncer import Syncer, SyncerOptions, parse_fragment_spec
+    from ddiloco_cli.syncer import Syncer, SyncerOptions
 
+    frags = parse_fragment_spec(fragments)  # before any logging or bucket access: a typo fails fast
+    _setup_logging(verbose)
     stopping = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
-    opts = SyncerOptions(fragments=parse_fragment_spec(fragments), syncer_id=syncer_id or "", poll_s=poll,
+    opts = SyncerOptions(fragments=frags, syncer_id=syncer_id or "", poll_s=poll,
                          gc=not no_gc, max_versions=max_versions, max_runtime_s=max_runtime)
     with syncer_view(console) as on_progress:
         reason = Syncer(_store(url, storage_option), options=opts, on_progress=on_progress).serve(stop=lambda: stopping["flag"])
     logging.getLogger("ddiloco").info("syncer: %s", reason)
 
 
+# -------------------------------------------------------------------- observe
 @app.command()
 def status(
     url: Url,
-    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="Live view, refreshed every --interval seconds")] = False,
-    interval: Annotated[float, typer.Option(help="Refresh interval for --watch")] = 2.0,
+    json_out: JsonOut = False,
+    watch: Annotated[bool, typer.Option("--watch", metavar="", help="Refresh every --interval seconds (a live "
+                                        "view on a terminal, one plain line per refresh otherwise)")] = False,
+    interval: Annotated[float, typer.Option(metavar="SECONDS", parser=_seconds("--interval", positive=True),
+                                            help="Refresh interval for --watch")] = 2.0,
+    check: Annotated[bool, typer.Option("--check", metavar="", help="For monitors: print the alerts (no syncer "
+                                        "alive, contributions piling up) and exit 1 if there are any")] = False,
     storage_option: StorageOpts = None,
 ) -> None:
-    """Learners, syncers, fragment versions, goodput and bytes moved. Read-only."""
-    from ddiloco_cli.render import render_status, watch_status
+    """Learners, syncers, fragment versions, throughput, ETA, goodput, bytes moved and alerts. Read-only."""
     from ddiloco_cli.observe import run_status
+    from ddiloco_cli.render import render_status, status_line, watch_status
 
     store = _store(url, storage_option)
     if watch:
-        watch_status(out, lambda: run_status(store), interval_s=interval)
-    elif json_out:
-        out.print_json(json.dumps(run_status(store)))
+        watch_status(out, lambda: run_status(store), interval_s=interval, live=sys.stdout.isatty())
+        return
+    status_ = run_status(store)
+    if json_out:
+        out.print_json(json.dumps(status_))
+    elif check:
+        out.print(status_line(status_), highlight=False, soft_wrap=True)
     else:
-        out.print(render_status(run_status(store)))
+        out.print(render_status(status_))
+    if check and status_["alerts"]:
+        for alert in status_["alerts"]:
+            console.print(f"[bold red]alert:[/] {alert}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command()
 def inspect(
     url: Url,
-    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="Check every manifest, payload size/sha256 and version contiguity")] = False,
+    json_out: JsonOut = False,
+    verify: Annotated[bool, typer.Option("--verify", metavar="", help="Check every manifest, payload size/sha256 "
+                                         "and version contiguity; exit 1 on any problem")] = False,
     storage_option: StorageOpts = None,
 ) -> None:
     """Show the bucket by meaning: run config, fragments and versions, pending contributions,
     epochs, heartbeats, sizes, orphans. With --verify, exit 1 on any inconsistency."""
-    from ddiloco_cli.render import render_inspect
-    from ddiloco_cli.observe import inspect_run, verify_run
-
     from ddiloco_cli import ledger
+    from ddiloco_cli.observe import inspect_run, verify_run
+    from ddiloco_cli.render import render_inspect
 
     store = _store(url, storage_option)
     if not ledger.run_exists(store):
@@ -256,16 +420,17 @@ def inspect(
         out.print(render_inspect(report))
         if verify:
             for problem in problems:
-                console.print(f"[red]problem:[/] {problem}")
+                console.print(f"[red]problem:[/] {problem}", highlight=False, soft_wrap=True)
             console.print("[green]verify: consistent[/]" if not problems else f"[red]verify: {len(problems)} problem(s)[/]")
     if problems:
         raise typer.Exit(1)
 
 
+# ----------------------------------------------------------------- maintenance
 @app.command()
 def gc(
     url: Url,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="List what would be deleted")] = False,
     storage_option: StorageOpts = None,
 ) -> None:
     """Delete merged contributions, old versions and orphans beyond the run's retention."""
@@ -284,22 +449,35 @@ def gc(
 @app.command()
 def export(
     url: Url,
-    output: Annotated[str, typer.Argument(help="Output .safetensors file")],
+    output: Annotated[str, typer.Argument(metavar="OUT.safetensors", help="Output file (replaced if it exists)")],
     storage_option: StorageOpts = None,
 ) -> None:
     """Assemble the latest global model into one safetensors file (run config in its metadata)."""
     from ddiloco_cli.export import export_model
 
+    _check_output_file(output)
     info = export_model(_store(url, storage_option), output)
     console.print(f"wrote {output}: {info['num_params']:,} parameters, versions {info['versions']}")
 
 
+def _check_output_file(path: str) -> None:
+    """A file we may write: not a directory, in an existing directory."""
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a directory; give a file name, e.g. {os.path.join(path, 'model.safetensors')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{parent} does not exist (or is not a directory); create it first")
+
+
+# ----------------------------------------------------------------------- tools
 @app.command()
 def demo(
-    workdir: Annotated[str, typer.Option(help="Directory for the bucket, logs and plot")] = "runs/demo",
-    learners: Annotated[int, typer.Option(help="Number of learners")] = 3,
-    duration: Annotated[float, typer.Option(help="Approximate training time, seconds")] = 150.0,
-    kill: Annotated[bool, typer.Option(help="kill -9 one learner half-way and restart it")] = True,
+    workdir: Annotated[str, typer.Option(metavar="DIR", help="Directory for the bucket, logs and plot")] = "runs/demo",
+    learners: Annotated[int, typer.Option(metavar="N", min=1, help="Number of learners")] = 3,
+    duration: Annotated[float, typer.Option(metavar="SECONDS", parser=_seconds("--duration", positive=True),
+                                            help="Approximate training time")] = 150.0,
+    kill: Annotated[bool, typer.Option("--kill/--no-kill", metavar="",
+                                       help="kill -9 one learner half-way and restart it")] = True,
 ) -> None:
     """A real run on a local-directory bucket: init, one syncer and several learners as
     subprocesses on the built-in GPT and Shakespeare; ends with a summary and a plot."""
@@ -308,43 +486,36 @@ def demo(
     run_demo(workdir=workdir, num_learners=learners, duration_s=duration, kill=kill, console=console)
 
 
+class SimMode(str, Enum):
+    data_parallel = "data-parallel"
+    elastic_data_parallel = "elastic-data-parallel"
+    decoupled = "decoupled"
+
+
 @app.command()
 def simulate(
-    mode: Annotated[str, typer.Option(help="data-parallel, elastic-data-parallel or decoupled")] = "decoupled",
-    chips: Annotated[int, typer.Option(help="Number of chips")] = 1_200_000,
-    learners: Annotated[int, typer.Option(help="Learners M (decoupled only)")] = 8,
-    mtbi_years: Annotated[float, typer.Option(help="Mean time between interruptions per chip, years")] = 1.0,
-    quorum: Annotated[int, typer.Option(help="Quorum K (decoupled)")] = 1,
-    seed: Annotated[int, typer.Option()] = 0,
-    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+    mode: Annotated[SimMode, typer.Option(help="Training scheme to simulate")] = SimMode.decoupled,
+    chips: Annotated[int, typer.Option(metavar="N", min=1, help="Number of chips")] = 1_200_000,
+    learners: Annotated[int, typer.Option(metavar="M", min=1, help="Learners M (decoupled only)")] = 8,
+    mtbi_years: Annotated[float, typer.Option(metavar="YEARS", parser=_seconds("--mtbi-years", positive=True),
+                                              help="Mean time between interruptions per chip, years")] = 1.0,
+    quorum: Annotated[int, typer.Option(metavar="K", min=1, help="Quorum K (decoupled)")] = 1,
+    seed: Annotated[int, typer.Option(metavar="N", min=0)] = 0,
+    json_out: JsonOut = False,
 ) -> None:
     """Discrete-event goodput simulator of training at scale (see docs/simulator.md)."""
     from ddiloco_cli.simulate import simulate as run_sim
 
-    result = run_sim(mode=mode, chips=chips, learners=learners if mode == "decoupled" else 1,
+    result = run_sim(mode=mode.value, chips=chips, learners=learners if mode is SimMode.decoupled else 1,
                      mtbi_years=mtbi_years, quorum=quorum, seed=seed)
     if json_out:
         out.print_json(json.dumps(result))
     else:
-        out.print(f"{mode}: goodput {result['goodput']:.1%}, uptime {result['uptime']:.1%}")
+        out.print(f"{mode.value}: goodput {result['goodput']:.1%}, uptime {result['uptime']:.1%}")
 
 
 def main() -> None:
-    try:
-        app()
-    except DdilocoError as exc:
-        if os.environ.get("DDILOCO_TRACEBACK"):
-            raise
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
-        sys.exit(exc.exit_code)
-    except TransientStoreError as exc:
-        if os.environ.get("DDILOCO_TRACEBACK"):
-            raise
-        console.print(f"[bold red]error:[/] the bucket kept failing after retries: {exc}", highlight=False)
-        sys.exit(3)
-    except KeyboardInterrupt:
-        console.print("interrupted")
-        sys.exit(130)
+    app()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ import torch
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.fragspec import format_fragment_spec
 from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
 CATEGORIES = ("manifests", "payloads", "contributions", "checkpoints", "heartbeats", "other")
@@ -45,17 +47,17 @@ class _Scan:
     store: Store
     now_s: float
     infos: list[ObjectInfo]
-    run: dict[str, Any] | None = None
+    run: RunConfig | None = None
     plan: FragmentPlan | None = None
     errors: list[str] = field(default_factory=list)
 
     @property
     def run_id(self) -> str | None:
-        return self.run["run_id"] if self.run else None
+        return self.run.run_id if self.run else None
 
     def fragment_ids(self) -> list[int]:
         if self.run is not None:
-            return list(range(int(self.run["num_fragments"])))
+            return list(range(self.run.num_fragments))
         seen = {kind[1] for i in self.infos if (kind := layout.key_kind(i.key)) and kind[1] is not None}
         return sorted(seen)
 
@@ -79,8 +81,13 @@ def _scan(store: Store) -> _Scan:
     if layout.RUN_CONFIG not in keys:
         scan.errors.append(f"{layout.RUN_CONFIG}: missing: no ddiloco run at {store.url}")
         return scan
-    scan.run = scan.record(layout.RUN_CONFIG, "run")
-    if scan.run is None:
+    record = scan.record(layout.RUN_CONFIG, "run")
+    if record is None:
+        return scan
+    try:
+        scan.run = RunConfig.from_record(record, where=layout.RUN_CONFIG)
+    except ProtocolError as exc:
+        scan.errors.append(str(exc))
         return scan
     if layout.PLAN not in keys:
         scan.errors.append(f"{layout.PLAN}: missing")
@@ -223,7 +230,7 @@ def inspect_run(store: Store) -> dict[str, Any]:
     learners = [{"learner_id": r["learner_id"], "state": r["state"], "step": r["step"], "tokens": r["tokens"],
                  "age_s": age} for r, age in _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")]
 
-    num_frags = int(scan.run["num_fragments"]) if scan.run else None
+    num_frags = scan.run.num_fragments if scan.run else None
     objects = {c: {"count": 0, "bytes": 0} for c in CATEGORIES}
     orphans = []
     for info in scan.infos:
@@ -246,7 +253,7 @@ def inspect_run(store: Store) -> dict[str, Any]:
         keys = ("run_id", "task", "mode", "num_fragments", "sync_every", "overlap_steps", "quorum", "alpha", "merge",
                 "outer_lr", "outer_momentum", "codec", "codec_block", "publish_codec", "keyframe_every",
                 "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
-        run_summary = {k: scan.run.get(k) for k in keys}
+        run_summary: dict[str, Any] = {k: getattr(scan.run, k) for k in keys}
         run_summary["num_params"] = scan.plan.total_numel() if scan.plan else None
     return {
         "url": store.url, "now_s": scan.now_s, "run": run_summary, "fragments": fragments, "epochs": _epochs(scan),
@@ -384,29 +391,38 @@ def _verify_checkpoints(scan: _Scan, problems: list[str]) -> None:
 
 
 # --------------------------------------------------------------------- status
+PILE_UP = 3  # pending contributions of one learner on one fragment that mean nothing is merging them
+
+
 def run_status(store: Store) -> dict[str, Any]:
     """Live state of a run, for ``ddiloco status``. Raises RunNotFoundError /
     ProtocolError when there is no valid run.json or plan.json.
 
-    * ``fragments``: [{fragment, version, quorum_size, epoch, syncer_id, age_s, pending}]
-      (age_s: since the newest manifest was written; pending: contributions above its
-      high-water mark, not quarantined).
+    * ``fragments``: [{fragment, version, quorum_size, epoch, syncer_id, age_s, pending,
+      max_pending_per_learner}] (age_s: since the newest manifest was written; pending:
+      contributions above its high-water mark, not quarantined).
     * ``learners``: [{learner_id, alive, state, step, tokens, tokens_per_s, loss,
-      last_contribution_age_s, bytes_up, bytes_down, blocked_s, heartbeat_age_s}];
-      alive = state "running" and heartbeat age <= the run's lease_s.
+      last_contribution_age_s, versions_behind, eta_s, bytes_up, bytes_down, blocked_s,
+      heartbeat_age_s}]; alive = state "running" and heartbeat age <= the run's lease_s;
+      versions_behind = the most versions any fragment it holds is behind the newest
+      (from its heartbeat); eta_s = its remaining steps to total_steps at its step time.
     * ``syncers``: the epochs that own a fragment or still beat: [{epoch, syncer_id,
       alive, state, fragments (owned), heartbeat_age_s, lag_versions, backlog}];
       lag_versions = how many versions the newest committed ones are ahead of what
       its last heartbeat reported (0 for a healthy owner); backlog = pending
       contributions on its fragments.
-    * ``goodput`` (see ``goodput``) and ``bytes`` (see ``bytes_moved``).
+    * ``throughput``: {tokens_per_s of the live learners together, eta_s: until every
+      live learner reaches total_steps (None when unlimited or none is live)}.
+    * ``training_age_s``: since the first learner started (store clock), the window of
+      ``goodput`` (see ``goodput``); ``bytes`` (see ``bytes_moved``).
+    * ``alerts``: one line per condition a monitor should page on (``alerts``).
     """
     now_s = store.now()
-    run = ledger.read_run(store)
-    plan = ledger.read_plan(store, run_id=run["run_id"])
+    run = RunConfig.from_record(ledger.read_run(store), where=f"{store.url}/{layout.RUN_CONFIG}")
+    plan = ledger.read_plan(store, run_id=run.run_id)
     infos = store.list("")
     scan = _Scan(store, now_s, infos, run=run, plan=plan)
-    lease_s = float(run["lease_s"])
+    lease_s = run.lease_s
     qkeys = {layout.parse_quarantine_key(i.key) for i in scan.under(layout.QUARANTINE_PREFIX)}
     mtime = {i.key: i.mtime_s for i in infos}
 
@@ -415,7 +431,7 @@ def run_status(store: Store) -> dict[str, Any]:
         versions = [v for i in scan.under(layout.manifest_prefix(p))
                     if (v := layout.parse_num(i.key)) is not None and i.key == layout.manifest_key(p, v)]
         entry: dict[str, Any] = {"fragment": p, "version": None, "quorum_size": None, "epoch": None,
-                                 "syncer_id": None, "age_s": None, "pending": 0}
+                                 "syncer_id": None, "age_s": None, "pending": 0, "max_pending_per_learner": 0}
         if versions:
             v = max(versions)
             m = scan.record(layout.manifest_key(p, v), "manifest")
@@ -423,39 +439,103 @@ def run_status(store: Store) -> dict[str, Any]:
             if m is not None:
                 entry.update(quorum_size=m.get("quorum_size", len(m["contributions"])), epoch=m["epoch"],
                              syncer_id=m["syncer_id"])
-                entry["pending"] = _contributions(scan, p, m["high_water"], qkeys)["num_pending"]
+                pending = _contributions(scan, p, m["high_water"], qkeys)
+                entry.update(pending=pending["num_pending"],
+                             max_pending_per_learner=max(pending["pending"].values(), default=0))
         fragments.append(entry)
+    newest = {f["fragment"]: f["version"] for f in fragments if f["version"] is not None}
 
     last_contribution: dict[str, float] = {}
     for info in scan.under("contributions/"):
         parsed = layout.parse_contribution_key(info.key)
         if parsed is not None:
             last_contribution[parsed[1]] = max(last_contribution.get(parsed[1], 0.0), info.mtime_s)
-    learners = []
+    learners, starts = [], []
     for rec, age in _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
         lid, step, tokens = rec["learner_id"], int(rec["step"]), int(rec["tokens"])
         step_time_s = float(rec.get("step_time_s") or 0.0)
+        alive = rec["state"] == "running" and age <= lease_s
+        held = {int(p): int(v) for p, v in (rec.get("versions") or {}).items() if str(p).isdigit()}
+        behind = [newest[p] - v for p, v in held.items() if p in newest]
+        remaining = max(0, run.total_steps - step) if run.total_steps else None
         learners.append({
-            "learner_id": lid, "alive": rec["state"] == "running" and age <= lease_s, "state": rec["state"],
+            "learner_id": lid, "alive": alive, "state": rec["state"],
             "step": step, "tokens": tokens,
             "tokens_per_s": tokens / step / step_time_s if step and step_time_s > 0 else None,
             "step_time_s": step_time_s or None, "loss": rec.get("loss"),
             "last_contribution_age_s": now_s - last_contribution[lid] if lid in last_contribution else None,
+            "versions_behind": max(0, max(behind)) if behind else None,
+            "eta_s": remaining * step_time_s if alive and remaining is not None and step_time_s > 0 else None,
             "bytes_up": int(rec.get("bytes_up", 0)), "bytes_down": int(rec.get("bytes_down", 0)),
             "blocked_s": float(rec.get("blocked_s", 0.0)), "heartbeat_age_s": age,
         })
+        start = _session_start_store_clock(rec, now_s=now_s, age_s=age)
+        if start is not None:
+            starts.append(start)
     learners.sort(key=lambda r: r["learner_id"])
+    live = [r for r in learners if r["alive"]]
+    etas = [r["eta_s"] for r in live if r["eta_s"] is not None]
+    throughput = {"tokens_per_s": sum(r["tokens_per_s"] or 0.0 for r in live) if live else None,
+                  "eta_s": max(etas) if etas and len(etas) == len(live) else None}
 
-    run_start_s = mtime.get(layout.RUN_CONFIG, now_s)
+    # goodput's window opens when the first learner started, not at init (a run may wait for its fleet)
+    training_start_s = min(starts, default=mtime.get(layout.RUN_CONFIG, now_s))
+    syncers = _syncer_status(scan, fragments, lease_s)
     return {
-        "url": store.url, "run_id": run["run_id"], "task": run["task"], "mode": run["mode"], "now_s": now_s,
-        "run_age_s": now_s - run_start_s, "num_params": plan.total_numel(), "num_fragments": plan.num_fragments,
-        "quorum": run["quorum"], "lease_s": lease_s,
-        "fragments": fragments, "learners": learners, "syncers": _syncer_status(scan, fragments, lease_s),
-        "goodput": goodput(learners, run_age_s=now_s - run_start_s),
+        "url": store.url, "run_id": run.run_id, "task": run.task, "mode": run.mode, "now_s": now_s,
+        "run_age_s": now_s - mtime.get(layout.RUN_CONFIG, now_s), "training_age_s": now_s - training_start_s,
+        "num_params": plan.total_numel(), "num_fragments": plan.num_fragments,
+        "quorum": run.quorum, "lease_s": lease_s, "total_steps": run.total_steps,
+        "fragments": fragments, "learners": learners, "syncers": syncers, "throughput": throughput,
+        "goodput": goodput(learners, run_age_s=now_s - training_start_s),
         "bytes": bytes_moved(learners, num_params=plan.total_numel()),
+        "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
         "errors": scan.errors,
     }
+
+
+def _session_start_store_clock(rec: dict[str, Any], *, now_s: float, age_s: float) -> float | None:
+    """When a learner started, by the store's clock: its heartbeat's ``first_started_s``
+    (its first session) or ``started_s`` (this session), written by its own clock, moved
+    by the offset between that clock and the store's (``time_s`` was written at the
+    heartbeat's mtime, ``now_s - age_s``)."""
+    started = rec.get("first_started_s", rec.get("started_s"))
+    written = rec.get("time_s")
+    if not isinstance(started, (int, float)) or not isinstance(written, (int, float)) or started > written:
+        return None
+    return (now_s - age_s) - (written - started)
+
+
+def alerts(*, fragments: list[dict[str, Any]], syncers: list[dict[str, Any]],
+           learners: list[dict[str, Any]]) -> list[str]:
+    """Conditions that stop a run from making progress, one line each ([] when healthy):
+
+    * no syncer is alive (nothing is merged; learners train on stale fragments), or
+      some fragments have no live owner;
+    * contributions piling up: one learner has ``PILE_UP`` or more pending
+      contributions on a fragment, which a merging syncer never lets happen (it
+      merges or supersedes them every sync period).
+    """
+    out = []
+    alive = [s for s in syncers if s["alive"]]
+    if not alive:
+        beats = [s["heartbeat_age_s"] for s in syncers if s["heartbeat_age_s"] is not None]
+        last = f"last heartbeat {min(beats):.0f} s ago" if beats else "none has ever served"
+        out.append(f"no syncer alive ({last}): nothing is merged; start `ddiloco sync`")
+    else:
+        served = {p for s in alive for p in s["fragments"]}
+        orphaned = [f["fragment"] for f in fragments if f["fragment"] not in served]
+        if orphaned:
+            spec = format_fragment_spec(orphaned)
+            out.append(f"fragments {spec} have no live syncer: start `ddiloco sync --fragments {spec}`")
+    piled = [f for f in fragments if f["max_pending_per_learner"] >= PILE_UP]
+    if piled:
+        worst = max(f["max_pending_per_learner"] for f in piled)
+        live = sum(1 for r in learners if r["alive"])
+        spec = format_fragment_spec([f["fragment"] for f in piled])
+        out.append(f"contributions piling up on fragments {spec} (up to {worst} pending from one learner; "
+                   f"{live} learner(s) alive): no syncer is merging them, or the quorum cannot be reached")
+    return out
 
 
 def _syncer_status(scan: _Scan, fragments: list[dict[str, Any]], lease_s: float) -> list[dict[str, Any]]:
@@ -492,8 +572,9 @@ def goodput(learners: list[dict[str, Any]], *, run_age_s: float) -> dict[str, An
 
     For every learner ever seen (one heartbeat object per learner id), the
     possible tokens are its observed rate (tokens per step / step time, from its
-    latest heartbeat) times its window: from run creation (run.json's mtime, store
-    clock) to now, or to its last heartbeat if it left or finished on purpose. A
+    latest heartbeat) times its window: ``run_age_s`` (from the first learner's
+    start, see ``run_status``) up to now, or to its last heartbeat if it left or
+    finished on purpose. A
     learner that died (state still "running", heartbeat stale) keeps losing
     goodput until it comes back. Late joins count as lost time. Learners without
     a measured rate yet are left out of both sums (``num_unrated``). The tokens
@@ -526,4 +607,5 @@ def bytes_moved(learners: list[dict[str, Any]], *, num_params: int) -> dict[str,
             "reduction": dp / total if total else None}
 
 
-__all__ = ["CATEGORIES", "classify", "inspect_run", "verify_run", "run_status", "goodput", "bytes_moved"]
+__all__ = ["CATEGORIES", "PILE_UP", "alerts", "classify", "inspect_run", "verify_run", "run_status", "goodput",
+           "bytes_moved"]

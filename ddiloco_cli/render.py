@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.fragspec import format_fragment_spec
 
 MAX_ROWS = 20  # longer lists are cut, with a "... N more" row
 COMPACT_FRAGMENTS = 12  # above this many fragments, status shows a summary instead of one row each
@@ -46,16 +47,8 @@ def fmt_num(x: float | int | None, spec: str = ",.0f") -> str:
 
 
 def fmt_fragments(frags: Iterable[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    frags = sorted(frags)
-    parts, i = [], 0
-    while i < len(frags):
-        j = i
-        while j + 1 < len(frags) and frags[j + 1] == frags[j] + 1:
-            j += 1
-        parts.append(str(frags[i]) if i == j else f"{frags[i]}-{frags[j]}")
-        i = j + 1
-    return ",".join(parts) or "-"
+    """[0, 1, 2, 5] -> '0-2,5'; '-' for none."""
+    return format_fragment_spec(frags) or "-"
 
 
 def _alive(alive: bool, state: str = "running") -> Text:
@@ -93,27 +86,33 @@ def _stack(parts: list[RenderableType]) -> Group:
 
 # ------------------------------------------------------------------------ status
 def render_status(status: dict[str, Any]) -> RenderableType:
-    """Header line, fragments (a table, or a summary when there are many), learners, syncers."""
-    g, b = status["goodput"], status["bytes"]
+    """Header lines, alerts (red), fragments (a table, or a summary when there are many),
+    learners, syncers."""
+    g, b, t = status["goodput"], status["bytes"], status["throughput"]
     header = Text.assemble(
         ("run ", "bold"), (status["run_id"][:12], "cyan"),
         f"  {status['task']}  {status['mode']}  P={status['num_fragments']} K={status['quorum']}"
         f"  {status['num_params']:,} params  age {fmt_age(status['run_age_s'])}\n",
+        ("throughput ", "bold"), f"{fmt_num(t['tokens_per_s'])} tok/s",
+        f"  ETA to {status['total_steps']:,} steps {fmt_age(t['eta_s'])}   " if status["total_steps"] else "   ",
         ("goodput ", "bold"), "-" if g["goodput"] is None else f"{g['goodput']:.1%}",
-        f" ({g['tokens']:,} of {g['possible_tokens']:,} tokens)   ",
+        f" ({g['tokens']:,} of {g['possible_tokens']:,} tokens in {fmt_age(status['training_age_s'])} of training)\n",
         ("bytes ", "bold"), f"up {fmt_bytes(b['bytes_up'])} down {fmt_bytes(b['bytes_down'])}"
         f"  vs data-parallel {fmt_bytes(b['data_parallel_bytes'])}",
         "" if b["reduction"] is None else f" ({b['reduction']:,.0f}x less)",
     )
-    parts: list[RenderableType] = [header, _fragments_view(status["fragments"])]
+    parts: list[RenderableType] = [header]
+    parts += [Text(f"ALERT: {alert}", style="bold red") for alert in status["alerts"]]
+    parts.append(_fragments_view(status["fragments"]))
 
-    learners = _table("learners", "learner", "", "state", "step", "tokens", "tok/s", "loss", "last contrib",
-                      "up", "down", "blocked", "beat")
+    learners = _table("learners", "learner", "", "state", "step", "tokens", "tok/s", "loss", "behind",
+                      "last contrib", "eta", "up", "down", "blocked", "beat")
     rows = [(r["learner_id"], _alive(r["alive"], r["state"]), r["state"], fmt_num(r["step"]), fmt_num(r["tokens"]),
-             fmt_num(r["tokens_per_s"]), fmt_num(r["loss"], ".3f"), fmt_age(r["last_contribution_age_s"]),
-             fmt_bytes(r["bytes_up"]), fmt_bytes(r["bytes_down"]), fmt_age(r["blocked_s"]),
-             fmt_age(r["heartbeat_age_s"])) for r in status["learners"]]
-    parts.append(_cut(learners, rows, 12) if rows else Text("learners: none yet", style="dim"))
+             fmt_num(r["tokens_per_s"]), fmt_num(r["loss"], ".3f"), fmt_num(r["versions_behind"]),
+             fmt_age(r["last_contribution_age_s"]), fmt_age(r["eta_s"]), fmt_bytes(r["bytes_up"]),
+             fmt_bytes(r["bytes_down"]), fmt_age(r["blocked_s"]), fmt_age(r["heartbeat_age_s"]))
+            for r in status["learners"]]
+    parts.append(_cut(learners, rows, 14) if rows else Text("learners: none yet", style="dim"))
 
     syncers = _table("syncers", "epoch", "syncer", "", "state", "fragments", "beat", "lag", "backlog", "merges")
     rows = [(str(s["epoch"]), s["syncer_id"], _alive(s["alive"], s["state"]), s["state"], fmt_fragments(s["fragments"]),
@@ -123,6 +122,22 @@ def render_status(status: dict[str, Any]) -> RenderableType:
     for error in status.get("errors", []):
         parts.append(Text(f"warning: {error}", style="yellow"))
     return _stack(parts)
+
+
+def status_line(status: dict[str, Any]) -> str:
+    """One plain line of the run's state (``status --watch`` off a terminal, ``status --check``)."""
+    versions = [f["version"] for f in status["fragments"] if f["version"] is not None]
+    span = "-" if not versions else f"v{min(versions)}" if min(versions) == max(versions) else \
+        f"v{min(versions)}..{max(versions)}"
+    g, t = status["goodput"]["goodput"], status["throughput"]
+    learners = status["learners"]
+    line = (f"{time.strftime('%H:%M:%S')} run {status['run_id'][:12]} fragments {span} "
+            f"learners {sum(r['alive'] for r in learners)}/{len(learners)} alive "
+            f"syncers {sum(s['alive'] for s in status['syncers'])} alive "
+            f"{fmt_num(t['tokens_per_s'])} tok/s eta {fmt_age(t['eta_s'])} "
+            f"goodput {'-' if g is None else f'{g:.1%}'} "
+            f"pending {sum(f['pending'] for f in status['fragments'])}")
+    return line + "".join(f" | ALERT: {a}" for a in status["alerts"])
 
 
 def _fragments_view(fragments: list[dict[str, Any]]) -> RenderableType:
@@ -144,22 +159,38 @@ def _fragments_view(fragments: list[dict[str, Any]]) -> RenderableType:
     )
 
 
-def watch_status(console: Console, fetch: Callable[[], dict[str, Any]], *, interval_s: float) -> None:
-    """Redraw ``render_status(fetch())`` every ``interval_s`` seconds until Ctrl-C.
+def watch_status(console: Console, fetch: Callable[[], dict[str, Any]], *, interval_s: float, live: bool) -> None:
+    """Show ``fetch()`` every ``interval_s`` seconds until Ctrl-C: redrawn in place
+    (``live``, for a terminal) or as one ``status_line`` per refresh (for logs and pipes).
 
     A failing fetch (bucket unreachable, run gone) shows its error and keeps trying."""
+
+    def error_line(exc: DdilocoError) -> str:
+        return f"{time.strftime('%H:%M:%S')} error: {exc} (retrying every {interval_s:g}s)"
+
+    if not live:
+        try:
+            while True:
+                try:
+                    console.print(status_line(fetch()), highlight=False, soft_wrap=True, markup=False)
+                except DdilocoError as exc:
+                    console.print(error_line(exc), highlight=False, soft_wrap=True, markup=False)
+                console.file.flush()
+                time.sleep(interval_s)
+        except KeyboardInterrupt:
+            return
 
     def frame() -> RenderableType:
         try:
             return render_status(fetch())
         except DdilocoError as exc:
-            return Text(f"{time.strftime('%H:%M:%S')} error: {exc} (retrying every {interval_s:g}s)", style="red")
+            return Text(error_line(exc), style="red")
 
-    with Live(frame(), console=console, auto_refresh=False) as live:
+    with Live(frame(), console=console, auto_refresh=False) as live_view:
         try:
             while True:
                 time.sleep(interval_s)
-                live.update(frame(), refresh=True)
+                live_view.update(frame(), refresh=True)
         except KeyboardInterrupt:
             pass
 

@@ -1,151 +1,74 @@
-"""`ddiloco init`: validate hyperparameters, plan fragments, write version 0."""
+"""`ddiloco init`: plan fragments, write version 0 of every fragment, commit run.json;
+resume or remove an interrupted init.
+
+Everything is validated before the first write (the ``RunConfig``, the task, the
+plan and the exact bytes of run.json), so a bad flag changes nothing. plan.json,
+written first, carries the run.json this init will write (``pending_run``): an
+init killed before run.json leaves a *half-made run* that the same ``init``
+resumes (same config: it writes the versions 0 still missing, then run.json) and
+``init --force-clean`` removes.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ddiloco_cli import ledger, records
-from ddiloco_cli.errors import UsageError
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.fragments import gather_fragment, named_shapes_of, plan_fragments
 from ddiloco_cli.published import encode_version, upload_payloads
-from ddiloco_cli.store.base import Store
+from ddiloco_cli.runconfig import RunConfig
+from ddiloco_cli.store.base import NotFound, Store
 from ddiloco_cli.tasks import load_task
 
-CODECS = ("none", "bf16", "int8", "int4")
-DEFAULT_BLOCK = {"none": 64, "bf16": 64, "int8": 256, "int4": 64}
+RunSpec = RunConfig  # the name init's library callers use for the config they pass
+
+PENDING_RUN = "pending_run"  # plan.json field: the run.json an interrupted init will write
 
 
-@dataclass
-class RunSpec:
-    """Every hyperparameter of a run; the fields of run.json (PROTOCOL.md, "Run config")."""
-
-    task: str = "ddiloco_cli.tasks.gpt:tiny"
-    num_fragments: int = 4
-    sync_every: int = 24
-    overlap_steps: int = 2
-    quorum: int = 1
-    alpha: float = 0.0
-    keep_overlap_progress: bool = True
-    merge: str = "rda"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_lr_scaling: str = "participation"
-    codec: str = "int4"
-    codec_block: int | None = None
-    publish_codec: str | None = None
-    mode: str = "decoupled"
-    inner_lr: float = 1e-3
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    lr_schedule: str = "cosine"
-    total_steps: int = 1000
-    grad_clip: float = 1.0
-    batch_size: int = 16
-    seed: int = 0
-    grace_gamma: float = 0.5
-    grace_max_s: float = 5.0
-    max_staleness: int = 8
-    checkpoint_every: int = 10
-    keyframe_every: int = 8
-    lease_s: float = 10.0
-    heartbeat_s: float = 2.0
-    retain_versions: int = 16
-    gc_grace_s: float = 300.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def check(self) -> None:
-        """Refuse invalid combinations with a message naming the flag."""
-        def bad(flag: str, why: str) -> UsageError:
-            return UsageError(f"{flag}: {why}")
-
-        if self.num_fragments < 1:
-            raise bad("--fragments", "must be >= 1")
-        if self.sync_every < 1:
-            raise bad("--sync-every", "must be >= 1")
-        if self.num_fragments > self.sync_every:
-            raise bad("--fragments", f"P={self.num_fragments} > H={self.sync_every}: each fragment needs its own "
-                                     "step offset; use --fragments <= --sync-every")
-        if self.overlap_steps < 0 or self.overlap_steps >= self.sync_every:
-            raise bad("--overlap-steps", f"tau must be in [0, H) = [0, {self.sync_every})")
-        if self.quorum < 1:
-            raise bad("--quorum", "K must be >= 1")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise bad("--alpha", "must be in [0, 1]")
-        if self.merge not in ("rda", "mean"):
-            raise bad("--merge", "use rda or mean")
-        if self.outer_lr <= 0:
-            raise bad("--outer-lr", "must be > 0")
-        if self.outer_lr_scaling not in ("none", "participation"):
-            raise bad("--outer-lr-scaling", "use none or participation")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise bad("--outer-momentum", "must be in [0, 1)")
-        for flag, c in (("--codec", self.codec), ("--publish-codec", self.publish_codec or self.codec)):
-            if c not in CODECS:
-                raise bad(flag, f"use one of {', '.join(CODECS)}")
-        if self.mode not in ("decoupled", "lockstep"):
-            raise bad("--mode", "use decoupled or lockstep")
-        if self.inner_lr <= 0:
-            raise bad("--inner-lr", "must be > 0")
-        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
-            raise bad("--adam-betas", "give two numbers in [0, 1), e.g. 0.9,0.95")
-        if self.weight_decay < 0:
-            raise bad("--weight-decay", "must be >= 0")
-        if self.warmup_steps < 0:
-            raise bad("--warmup-steps", "must be >= 0")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise bad("--lr-schedule", "use constant or cosine")
-        if self.grad_clip < 0:
-            raise bad("--grad-clip", "must be >= 0 (0 disables)")
-        if self.batch_size < 1:
-            raise bad("--batch-size", "must be >= 1")
-        if self.total_steps < 0:
-            raise bad("--total-steps", "must be >= 0 (0: no limit)")
-        if self.codec_block is not None and self.codec_block < 2:
-            raise bad("--codec-block", "must be >= 2")
-        if not 0 <= self.grace_gamma < 1:
-            raise bad("--grace-gamma", "must be in [0, 1)")
-        if self.lease_s <= self.heartbeat_s:
-            raise bad("--lease", "the lease must be longer than the heartbeat interval")
-
-    def to_config(self, *, run_id: str) -> dict[str, Any]:
-        d = asdict(self)
-        extra = d.pop("extra")
-        inner = {
-            "lr": d.pop("inner_lr"), "betas": list(d.pop("adam_betas")), "weight_decay": d.pop("weight_decay"),
-            "warmup_steps": d.pop("warmup_steps"), "lr_schedule": d.pop("lr_schedule"),
-            "total_steps": d.pop("total_steps"), "grad_clip": d.pop("grad_clip"), "batch_size": d.pop("batch_size"),
-        }
-        d["codec_block"] = d["codec_block"] or DEFAULT_BLOCK[d["codec"]]
-        d["publish_codec"] = d["publish_codec"] or d["codec"]
-        return records.make("run", protocol_minor=records.PROTOCOL_MINOR, features=list(records.FEATURES),
-                            run_id=run_id, created_s=time.time(), nonce=records.new_nonce(), inner=inner, **d, **extra)
-
-
-def init_run(store: Store, spec: RunSpec) -> dict[str, Any]:
+def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
+             note: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Create a run at ``store``: plan, version 0 of every fragment, then run.json.
 
-    Returns the run config. Raises UsageError if a run exists (nothing changed).
+    Returns the run.json record. Raises UsageError, changing nothing, if a run
+    exists, or if an interrupted init with another config is there and
+    ``force_clean`` is not set. With ``force_clean``, an interrupted init's objects
+    are deleted first (only when no run.json exists). ``note`` receives one line
+    when an interrupted init is resumed or removed.
     """
-    spec.check()
     if ledger.run_exists(store):
         raise UsageError(f"a run already exists at {store.url}; nothing was changed (use another URL)")
     task = load_task(spec.task)
     torch.manual_seed(spec.seed)
     model = task.build_model()
     plan = plan_fragments(named_shapes_of(model), spec.num_fragments)
-    run_id = uuid.uuid4().hex
-    config = spec.to_config(run_id=run_id)
-    plan_record = ledger.plan_record(plan, run_id=run_id)
     params = {k: v.detach() for k, v in model.named_parameters()}
+
+    run_id, config = uuid.uuid4().hex, None
+    half_made = _interrupted_plan(store)
+    if half_made is not None and force_clean:
+        removed = remove_interrupted_init(store)
+        note(f"removed an interrupted init at {store.url} ({removed} objects)")
+    elif half_made is not None:
+        config = _resumable(store, half_made, spec, ledger.plan_record(plan, run_id=half_made["run_id"]))
+        run_id = config["run_id"]
+        note(f"resuming the interrupted init of run {run_id} at {store.url} (same config)")
+    if config is None:
+        config = spec.to_record(run_id=run_id)
+    plan_record = {**ledger.plan_record(plan, run_id=run_id), PENDING_RUN: config}
+    # the exact bytes of both records, checked before the first write
+    for record, kind in ((config, "run"), (plan_record, "plan")):
+        records.validate(record, kind, where=f"{kind} record")
+        records.dumps(record)
 
     def write_version_zero() -> None:
         for p in range(plan.num_fragments):
+            if _has_version_zero(store, p, run_id=run_id):
+                continue  # written by the init this one resumes
             value = gather_fragment(plan, p, params)
             encoded = encode_version(fragment=p, version=0, new_value=value, prev_published=None,
                                      publish_codec=config["publish_codec"], block_size=config["codec_block"],
@@ -157,8 +80,69 @@ def init_run(store: Store, spec: RunSpec) -> dict[str, Any]:
                 payloads=[e for _, _, e in encoded.payloads], contributions=[], quorum_size=0, grace_s=0.0,
                 outer_steps=0, high_water={},
             )
-            if not ledger.commit_manifest(store, manifest):
-                raise UsageError(f"fragment {p} version 0 already exists at {store.url}: another init raced; nothing more was written")
+            if not ledger.commit_manifest(store, manifest) and not _has_version_zero(store, p, run_id=run_id):
+                raise UsageError(f"fragment {p} version 0 already exists at {store.url}: another init raced; "
+                                 "nothing more was written")
 
     ledger.create_run(store, config=config, plan=plan_record, before_commit=write_version_zero)
     return config
+
+
+def _interrupted_plan(store: Store) -> dict[str, Any] | None:
+    """plan.json's record when it exists without run.json (an interrupted init), else None.
+    An unreadable plan.json is reported with what to do."""
+    try:
+        data = store.get(layout.PLAN)
+    except NotFound:
+        return None
+    try:
+        return records.loads(data, "plan", where=f"{store.url}/{layout.PLAN}")
+    except DdilocoError as exc:
+        raise UsageError(f"{store.url} holds an unreadable plan.json and no run.json ({exc}); "
+                         "remove it with `ddiloco init --force-clean`") from None
+
+
+def _resumable(store: Store, half_made: dict[str, Any], spec: RunConfig, plan: dict[str, Any]) -> dict[str, Any]:
+    """The run.json the interrupted init meant to write, when it is the run ``spec``
+    and ``plan`` describe; otherwise UsageError saying how they differ."""
+    hint = "run the same `ddiloco init` again to resume it, or add --force-clean to remove it"
+    pending = half_made.get(PENDING_RUN)
+    try:
+        records.validate(pending, "run", where=f"{layout.PLAN} {PENDING_RUN}")
+        theirs = RunConfig.from_record(pending, where=f"{layout.PLAN} {PENDING_RUN}")
+    except DdilocoError:
+        raise UsageError(f"an interrupted init left plan.json without run.json at {store.url}, and its config "
+                         "cannot be read back; remove it with `ddiloco init --force-clean`") from None
+    diffs = spec.differences(theirs)
+    if not diffs and pending["run_id"] != half_made["run_id"]:
+        diffs = [f"its run id {pending['run_id']} is not plan.json's {half_made['run_id']}"]
+    if not diffs and {k: half_made.get(k) for k in plan} != plan:
+        diffs = ["the task's model splits into another fragment plan"]
+    if diffs:
+        raise UsageError(f"an interrupted init of another config is at {store.url} (plan.json without run.json; "
+                         f"{'; '.join(diffs)}): {hint}")
+    return pending
+
+
+def _has_version_zero(store: Store, p: int, *, run_id: str) -> bool:
+    try:
+        ledger.read_manifest(store, p, 0, run_id=run_id)
+    except NotFound:
+        return False
+    except DdilocoError:
+        raise UsageError(f"{store.url}/{layout.manifest_key(p, 0)} is not version 0 of this run; remove the "
+                         "interrupted init with `ddiloco init --force-clean`") from None
+    return True
+
+
+def remove_interrupted_init(store: Store) -> int:
+    """Delete what an interrupted init wrote (fragments/ and plan.json, plan.json last so
+    that a removal cut short is still recognised). Refuses when run.json exists.
+    Returns the number of objects deleted. Objects the protocol does not name are kept."""
+    if ledger.run_exists(store):
+        raise UsageError(f"{store.url} holds a run (run.json exists): --force-clean only removes an interrupted init")
+    keys = [i.key for i in store.list("fragments/")]
+    for key in keys:
+        store.delete(key)
+    store.delete(layout.PLAN)
+    return len(keys) + 1

@@ -607,18 +607,3 @@ def _above_high_water(key: str, high_water: dict[str, int]) -> bool:
 
 def _spec(frags: list[int]) -> str:
     return ",".join(str(p) for p in frags) if len(frags) <= 8 else f"{frags[0]}..{frags[-1]} ({len(frags)})"
-
-
-def parse_fragment_spec(spec: str | None) -> list[int] | None:
-    """"0-3,7" -> [0, 1, 2, 3, 7]; None or "all" -> None."""
-    if spec is None or spec.strip() in ("", "all"):
-        return None
-    out: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if "-" in part:
-            a, b = part.split("-", 1)
-            out.update(range(int(a), int(b) + 1))
-        else:
-            out.add(int(part))
-    return sorted(out)

@@ -81,8 +81,8 @@ def test_pending_contributions_show_as_backlog(built):
 
 def test_status_without_a_run_is_a_clean_error(tmp_path):
     result = invoke("status", str(tmp_path / "nothing"))
-    assert result.exit_code != 0
-    assert "no ddiloco run" in str(result.exception)
+    assert result.exit_code == 3
+    assert "error: no ddiloco run" in result.output
 
 
 def test_goodput_definition():
