@@ -6,15 +6,19 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 from rich.console import Console
+from procs import Procs, wait_for
 from test_inspect import LEARNER, build_run, copy_run, invoke, write_contribution, write_learner_heartbeat
 
 from ddiloco_cli import layout
 from ddiloco_cli.errors import StoreAccessError
-from ddiloco_cli.observe import bytes_moved, goodput, run_status
+from ddiloco_cli.observe import PILE_UP, bytes_moved, goodput, run_status
 from ddiloco_cli.render import render_inspect, render_status, watch_status
 
 LEARNER_KEYS = {"learner_id", "alive", "state", "step", "tokens", "tokens_per_s", "loss", "last_contribution_age_s",
@@ -144,7 +148,101 @@ def test_watch_status_redraws_until_ctrl_c(built):
         return run_status(built.store)
 
     console = Console(file=io.StringIO(), width=160, color_system=None, force_terminal=True)
-    watch_status(console, fetch, interval_s=0.0)
+    watch_status(console, fetch, interval_s=0.0, live=True)
     assert len(calls) == 4
     out = console.file.getvalue()
     assert "bucket unreachable" in out and LEARNER in out
+
+
+def test_watch_off_a_terminal_prints_one_plain_line_per_refresh(built):
+    calls = []
+
+    def fetch():
+        calls.append(1)
+        if len(calls) == 2:
+            raise StoreAccessError("bucket unreachable")
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return run_status(built.store)
+
+    console = Console(file=io.StringIO(), width=80, color_system=None)
+    watch_status(console, fetch, interval_s=0.0, live=False)
+    lines = console.file.getvalue().splitlines()
+    assert len(lines) == 3 and "\x1b" not in "".join(lines)
+    assert "run " in lines[0] and "learners 1/1 alive" in lines[0] and "bucket unreachable" in lines[1]
+
+
+def test_watch_piped_from_the_cli_prints_lines(built):
+    """`status --watch` with stdout not a terminal (a pipe): plain lines, no redraw codes."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli", "status", built.url, "--watch", "--interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert all(line.endswith("\n") and "run " in line and "\x1b" not in line for line in lines), lines
+
+
+# ------------------------------------------------------ what a person wants to see
+def test_versions_behind_eta_throughput_and_training_window(built):
+    now = time.time()
+    # bob holds fragment 0 at version 0 and fragment 1 at version 2 (the newest is 2): 2 behind;
+    # his session started 100 s ago by his own clock, which runs 1000 s fast
+    write_learner_heartbeat(built.store, built.run, "bob", step=40, versions={"0": 0, "1": 2},
+                            started_s=now + 1000 - 100, time_s=now + 1000)
+    status = run_status(built.store)
+    bob = next(r for r in status["learners"] if r["learner_id"] == "bob")
+    alice = next(r for r in status["learners"] if r["learner_id"] == LEARNER)
+    assert bob["versions_behind"] == 2 and alice["versions_behind"] is None  # alice reports no versions
+    total = built.run["inner"]["total_steps"]
+    assert bob["eta_s"] == pytest.approx((total - 40) * 0.5)
+    assert status["throughput"]["tokens_per_s"] == pytest.approx(2 * 64 / 0.5)
+    assert status["throughput"]["eta_s"] == pytest.approx((total - 10) * 0.5)  # the slowest: alice, at step 10
+    assert status["training_age_s"] == pytest.approx(100, abs=10)  # from bob's start, not from init
+    text = _text(render_status(status))
+    assert "throughput" in text and "ETA" in text and "behind" in text
+
+
+def test_alerts_no_syncer_and_piling_up(built):
+    assert run_status(built.store)["alerts"] == []
+    for seq in range(50, 50 + PILE_UP):
+        write_contribution(built.store, built.run, built.plan, fragment=1, seq=seq, base_version=2)
+    (alert,) = run_status(built.store)["alerts"]
+    assert "piling up on fragments 1" in alert and f"up to {PILE_UP} pending" in alert
+    age_object(built.url, layout.syncer_heartbeat_key(built.syncer.epoch.epoch), built.run["lease_s"] + 5)
+    alerts = run_status(built.store)["alerts"]
+    assert len(alerts) == 2 and alerts[0].startswith("no syncer alive")
+    assert "ALERT: no syncer alive" in _text(render_status(run_status(built.store)))
+
+
+def test_status_check_exit_code(built):
+    result = invoke("status", built.url, "--check")
+    assert result.exit_code == 0 and "ALERT" not in result.output and result.output.count("\n") == 1
+    age_object(built.url, layout.syncer_heartbeat_key(built.syncer.epoch.epoch), built.run["lease_s"] + 5)
+    result = invoke("status", built.url, "--check")
+    assert result.exit_code == 1 and "alert: no syncer alive" in result.output
+
+
+@pytest.mark.slow
+def test_status_check_fails_when_the_syncer_is_killed(tmp_path):
+    """Real processes: `status --check` passes while a syncer serves, and fails within
+    a lease after the syncer is killed with SIGKILL."""
+    url = str(tmp_path / "run")
+    procs = Procs(tmp_path)
+    try:
+        result = procs.run("init", url, "--fragments", "2", "--sync-every", "4", "--overlap-steps", "1",
+                           "--lease", "2", "--heartbeat", "0.5")
+        assert result.returncode == 0, result.stderr
+        assert procs.run("status", url, "--check").returncode == 1  # no syncer yet
+        syncer = procs.start("syncer", "sync", url, "--poll", "0.05")
+        wait_for(lambda: procs.run("status", url, "--check").returncode == 0, timeout_s=60,
+                 what="status --check to pass with a live syncer", procs=procs)
+        syncer.send_signal(signal.SIGKILL)
+        syncer.wait()
+        wait_for(lambda: procs.run("status", url, "--check").returncode == 1, timeout_s=60,
+                 what="status --check to fail after the syncer died", procs=procs)
+        result = procs.run("status", url, "--check")
+        assert "alert: no syncer alive" in result.stderr and "Traceback" not in result.stderr
+    finally:
+        procs.close()
