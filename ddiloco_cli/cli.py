@@ -461,12 +461,17 @@ def export(
 
 
 def _check_output_file(path: str) -> None:
-    """A file we may write: not a directory, in an existing directory."""
+    """A file we may write: not a directory; its missing parent directories can be made
+    (export makes them), i.e. the nearest existing ancestor is a writable directory."""
     if os.path.isdir(path):
         raise UsageError(f"{path} is a directory; give a file name, e.g. {os.path.join(path, 'model.safetensors')}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{parent} does not exist (or is not a directory); create it first")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"cannot write {path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK):
+        raise UsageError(f"cannot write {path}: no permission to write in {ancestor}")
 
 
 # ----------------------------------------------------------------------- tools

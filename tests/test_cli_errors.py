@@ -81,7 +81,7 @@ CASES = [
     (["inspect", "NEW"], 3, "no ddiloco run"),
     (["gc", "NEW"], 3, "no ddiloco run"),
     (["export", "RUN", "DIR"], 2, "is a directory"),
-    (["export", "RUN", "DIR/missing/model.safetensors"], 2, "does not exist"),
+    (["export", "RUN", "RUN/run.json/model.safetensors"], 2, "is a file, not a directory"),
     (["export", "NEW", "DIR/model.safetensors"], 3, "no ddiloco run"),
     (["status", "RUN", "-o", "no-equals-sign"], 2, "no-equals-sign"),
     # tools

@@ -95,7 +95,7 @@ class RecordingStore:
 def make_run(store, **overrides: Any) -> dict[str, Any]:
     spec = dict(task=TASK, num_fragments=2, sync_every=2, overlap_steps=1, codec="none", publish_codec="none",
                 checkpoint_every=2, keyframe_every=2, lease_s=2.0, heartbeat_s=0.5, max_staleness=4,
-                retain_versions=1, gc_grace_s=0.0, outer_lr=0.7, outer_momentum=0.9)
+                retain_versions=1, gc_grace_s=0.001, outer_lr=0.7, outer_momentum=0.9)
     spec.update(overrides)
     return init_run(store, RunSpec(**spec))
 
@@ -757,7 +757,7 @@ def test_gc_keeps_newest_checkpoint_and_everything_after_G1(gc_store):
     drive(gc_store, s, rounds=5)  # checkpoints at 2 and 4; keep from min(5 - 1 + 1, 4 - max_staleness) = 3
     m4 = ledger.read_manifest(gc_store, 0, 4)
     after = [c["key"] for c in ledger.read_manifest(gc_store, 0, 5)["contributions"]]
-    time.sleep(0.01)  # gc_grace_s is 0: everything written so far is old enough
+    time.sleep(0.01)  # gc_grace_s is 1 ms (init refuses 0): everything written so far is old enough
     report = collect_garbage(gc_store, run=s.run)
     assert report.keep_from == {0: 3, 1: 3}
     for p in (0, 1):
