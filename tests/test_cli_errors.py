@@ -117,3 +117,23 @@ def test_fragment_spec_grammar():
             parse_fragment_spec(bad)
     for frags in ([], [0], [0, 1, 2, 5], [3, 5, 6, 7, 9]):
         assert parse_fragment_spec(format_fragment_spec(frags) or None) == (frags or None)
+
+
+@pytest.mark.parametrize("entry", ["payloads", "contributions"])
+def test_a_dotdot_key_in_a_manifest_is_a_clean_error(tmp_path, entry):
+    """A manifest naming "../" (or any key outside its fragment) makes readers stop with
+    one protocol-error line (exit 4), not an assertion deep in the store."""
+    import json
+
+    from ddiloco_cli import layout
+
+    built = build_run(str(tmp_path / "run"), rounds=1)
+    key = layout.manifest_key(0, 1)
+    manifest = json.loads(built.store.get(key))
+    if not manifest[entry]:
+        pytest.skip(f"no {entry} entry to corrupt")
+    manifest[entry][0]["key"] = f"{manifest[entry][0]['key'].rsplit('/', 1)[0]}/../../../run.json"
+    built.store.put(key, json.dumps(manifest).encode())
+    for args in (["export", built.url, str(tmp_path / "model.safetensors")],
+                 ["learn", built.url, "--learner-id", "z", "--steps", "1"]):
+        _assert_clean(invoke(*args), 4, "../../../run.json")
