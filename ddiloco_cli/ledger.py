@@ -141,9 +141,8 @@ def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | No
         raise ProtocolError(f"{where} belongs to run {manifest['run_id']}, not {run_id}")
     # the keys it names are read next: only names of this fragment's objects (no "../")
     for e in manifest["payloads"]:
-        if layout.key_kind(e["key"]) != ("payloads", fragment) or layout.parse_num(e["key"]) != version:
-            raise ProtocolError(f"{where} names payload {e['key']!r}, not a payload of fragment {fragment} "
-                                f"version {version}")
+        if layout.key_kind(e["key"]) != ("payloads", fragment):
+            raise ProtocolError(f"{where} names payload {e['key']!r}, not a payload of fragment {fragment}")
     for e in manifest["contributions"]:
         if layout.key_kind(e["key"]) != ("contributions", fragment):
             raise ProtocolError(f"{where} names contribution {e['key']!r}, not a contribution to fragment {fragment}")

@@ -320,7 +320,8 @@ def test_version_race_commits_exactly_once_W3(store_url, backend):
     """[W3] two writers committing the same version: exactly one create succeeds."""
     store = open_store(store_url(backend))
     base = dict(run_id="r", fragment=0, version=1, epoch=1, numel=1, contributions=[], high_water={},
-                outer_steps=1, payloads=[{"key": "k", "kind": "full", "size": 1, "sha256": "0" * 64}])
+                outer_steps=1,
+                payloads=[{"key": layout.payload_key(0, 1, "full", "n"), "kind": "full", "size": 1, "sha256": "0" * 64}])
     results = []
     barrier = threading.Barrier(3)
 
