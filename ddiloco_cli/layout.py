@@ -16,7 +16,7 @@ PLAN = "plan.json"
 # "ddiloco-learner-id" format). Always fullmatch: "$" would accept a trailing newline.
 LEARNER_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 _LEARNER_ID = re.compile(LEARNER_ID)
-_FRAG = r"p([0-9]{5})"  # [0-9], not \d: \d also matches non-ASCII digits
+_FRAG = r"p(?P<frag>[0-9]{5})"  # [0-9], not \d: \d also matches non-ASCII digits
 _NUM = r"[0-9]{20}"
 _NONCE = r"[A-Za-z0-9]+"
 
@@ -70,6 +70,7 @@ def latest_hint_key(p: int) -> str:
 
 # -- learner contributions (outer gradients), named by (fragment, learner, seq) --
 CONTRIBUTION_ROOT = "contributions/"
+CHECKPOINT_ROOT = "checkpoints/"
 
 
 def contribution_prefix(p: int) -> str:
@@ -135,6 +136,15 @@ def learner_heartbeat_key(learner_id: str) -> str:
     return f"{LEARNER_HEARTBEAT_PREFIX}{learner_id}/heartbeat.json"
 
 
+_LEARNER_HEARTBEAT_KEY = re.compile(rf"{LEARNER_HEARTBEAT_PREFIX}({LEARNER_ID})/heartbeat\.json")
+
+
+def parse_learner_heartbeat_key(key: str) -> str | None:
+    """The learner id a heartbeat key names, or None."""
+    m = _LEARNER_HEARTBEAT_KEY.fullmatch(key)
+    return m.group(1) if m else None
+
+
 def learner_state_key(learner_id: str) -> str:
     """Non-authoritative resume hints of a learner (next sequence number per fragment)."""
     return f"{LEARNER_HEARTBEAT_PREFIX}{learner_id}/state.json"
@@ -142,7 +152,7 @@ def learner_state_key(learner_id: str) -> str:
 
 # -- outer optimizer checkpoints --
 def checkpoint_prefix(p: int) -> str:
-    return f"checkpoints/{frag(p)}/"
+    return f"{CHECKPOINT_ROOT}{frag(p)}/"
 
 
 def checkpoint_key(p: int, version: int, nonce: str) -> str:
@@ -158,8 +168,7 @@ def parse_checkpoint_key(key: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-# -- every name the protocol defines, by the category `ddiloco status` counts it in;
-# group 1, when present, is the fragment index
+# -- every name the protocol defines, by the category `ddiloco status` counts it in
 _KEY_KINDS = [
     (re.compile(rf"fragments/{_FRAG}/manifests/{_NUM}\.json"), "manifests"),
     (re.compile(rf"fragments/{_FRAG}/payloads/{_NUM}-(?:full|delta)-{_NONCE}\.safetensors"), "payloads"),
@@ -167,7 +176,7 @@ _KEY_KINDS = [
     (re.compile(rf"contributions/{_FRAG}/{LEARNER_ID}/{_NUM}\.safetensors"), "contributions"),
     (_CHECKPOINT_KEY, "checkpoints"),
     (re.compile(rf"syncers/heartbeats/{_NUM}\.json"), "heartbeats"),
-    (re.compile(rf"learners/{LEARNER_ID}/heartbeat\.json"), "heartbeats"),
+    (_LEARNER_HEARTBEAT_KEY, "heartbeats"),
     (re.compile(rf"syncers/epochs/{_NUM}\.json"), "other"),
     (re.compile(rf"learners/{LEARNER_ID}/state\.json"), "other"),
     (re.compile(r"quarantine/.+\.json", re.DOTALL), "other"),
@@ -183,7 +192,8 @@ def key_kind(key: str) -> tuple[str, int | None] | None:
     for pattern, kind in _KEY_KINDS:
         m = pattern.fullmatch(key)
         if m is not None:
-            return kind, (int(m.group(1)) if m.groups() else None)
+            frag = m.groupdict().get("frag")
+            return kind, (int(frag) if frag is not None else None)
     return None
 
 

@@ -266,22 +266,35 @@ class Heartbeat:
 
 
 def read_heartbeats(store: Store, prefix: str, record_type: str, *, now_s: float | None = None) -> list[Heartbeat]:
-    """Heartbeats under ``prefix`` with their age by the store's clock; bad ones skipped."""
+    """Heartbeats under ``prefix`` with their age by the store's clock; bad ones skipped,
+    and so are records that name another learner (or epoch) than their key [R1]."""
     infos = store.list(prefix)
     if not infos:
         return []
     now_s = store.now() if now_s is None else now_s
     beats = []
     for info in infos:
-        if not info.key.endswith("heartbeat.json") and record_type == "learner_heartbeat":
+        owner = _heartbeat_owner(info.key, record_type)
+        if owner is None:
             continue
         try:
             rec = records.loads(store.get(info.key), record_type, where=f"{store.url}/{info.key}")
         except (NotFound, ProtocolError) as exc:
             log.debug("skipping heartbeat %s: %s", info.key, exc)
             continue
+        if rec["learner_id" if record_type == "learner_heartbeat" else "epoch"] != owner:
+            log.debug("skipping heartbeat %s: it names another owner than its key", info.key)
+            continue
         beats.append(Heartbeat(info.key, rec, max(0.0, now_s - info.mtime_s)))
     return beats
+
+
+def _heartbeat_owner(key: str, record_type: str) -> str | int | None:
+    """The learner id (or syncer epoch) a heartbeat's key names, or None if it names none."""
+    if record_type == "learner_heartbeat":
+        return layout.parse_learner_heartbeat_key(key)
+    n = layout.parse_num(key)
+    return n if n is not None and key == layout.syncer_heartbeat_key(n) else None
 
 
 def syncer_heartbeat_age(store: Store, epoch: int, *, now_s: float | None = None) -> float | None:

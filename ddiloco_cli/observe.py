@@ -125,7 +125,7 @@ def _manifests(scan: _Scan, p: int) -> tuple[list[int], dict[int, dict[str, Any]
 
 def _quarantined(scan: _Scan) -> list[dict[str, Any]]:
     out = []
-    for info in scan.under("quarantine/"):
+    for info in scan.under(layout.QUARANTINE_PREFIX):
         rec = scan.record(info.key, "quarantine")
         original = layout.parse_quarantine_key(info.key) or info.key
         out.append({"key": original, "reason": rec["reason"] if rec else "(unreadable quarantine record)",
@@ -366,7 +366,7 @@ def _check_payloads(scan: _Scan, p: int, m: dict[str, Any], problems: list[str])
 
 
 def _verify_checkpoints(scan: _Scan, problems: list[str]) -> None:
-    for info in scan.under("checkpoints/"):
+    for info in scan.under(layout.CHECKPOINT_ROOT):
         parsed = layout.parse_checkpoint_key(info.key)
         if parsed is None:
             continue  # a foreign object: inspect lists it under orphans
@@ -446,7 +446,7 @@ def run_status(store: Store) -> dict[str, Any]:
     newest = {f["fragment"]: f["version"] for f in fragments if f["version"] is not None}
 
     last_contribution: dict[str, float] = {}
-    for info in scan.under("contributions/"):
+    for info in scan.under(layout.CONTRIBUTION_ROOT):
         parsed = layout.parse_contribution_key(info.key)
         if parsed is not None:
             last_contribution[parsed[1]] = max(last_contribution.get(parsed[1], 0.0), info.mtime_s)

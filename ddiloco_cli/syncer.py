@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ddiloco_cli import codec, layout, ledger, records
-from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.errors import DdilocoError, InvalidPayloadError, ProtocolError
 from ddiloco_cli.fence import FencedStore, fence_interval_s
 from ddiloco_cli.merge import is_embedding_key, merge_outer_gradients, token_weight
 from ddiloco_cli.outer import OuterOptimizer
@@ -32,6 +32,7 @@ from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+RESTORE_RETRY_S = 30.0  # how often a fragment whose committed state is unreadable is tried again
 
 
 @dataclass
@@ -140,6 +141,8 @@ class Syncer:
         self._last_learners_t = 0.0
         self._last_fence_check_t = 0.0
         self._last_gc_t = time.monotonic()
+        self.unavailable: dict[int, str] = {}  # fragments whose committed state cannot be read: why
+        self._last_restore_t = time.monotonic()
 
     # ------------------------------------------------------------------ lease
     def acquire(self, *, stop: Callable[[], bool] = lambda: False) -> bool:
@@ -220,9 +223,26 @@ class Syncer:
         for info in self.store.list(layout.QUARANTINE_PREFIX):
             if (original := layout.parse_quarantine_key(info.key)) is not None:
                 self.bad_keys.add(original)
-        for p in self.fragments:
+        errors = [exc for p in self.fragments if (exc := self._try_restore(p)) is not None]
+        if not self.states and errors:
+            raise errors[0]  # nothing to serve (e.g. an interrupted init): say why
+
+    def _try_restore(self, p: int) -> DdilocoError | None:
+        """Restore fragment p; if its committed state cannot be read (a corrupt manifest
+        or payload), log why and leave it out, so the other fragments are still served;
+        ``serve`` retries it every ``RESTORE_RETRY_S``."""
+        try:
             self.states[p] = self._restore_fragment(p)
-            log.info("fragment %d at version %d (%d outer steps)", p, self.states[p].version, self.states[p].outer.num_steps)
+        except (NotFound, InvalidPayloadError, ProtocolError) as exc:
+            error = exc if isinstance(exc, DdilocoError) else ProtocolError(f"fragment {p}: {exc}")
+            if self.unavailable.get(p) != str(error):
+                log.error("fragment %d cannot be served: %s (serving the others; retrying every %.0f s)",
+                          p, error, RESTORE_RETRY_S)
+            self.unavailable[p] = str(error)
+            return error
+        self.unavailable.pop(p, None)
+        log.info("fragment %d at version %d (%d outer steps)", p, self.states[p].version, self.states[p].outer.num_steps)
+        return None
 
     def _new_outer(self) -> OuterOptimizer:
         return OuterOptimizer(lr=float(self.run["outer_lr"]), momentum=float(self.run["outer_momentum"]))
@@ -352,7 +372,7 @@ class Syncer:
             infos = self.store.list(layout.contribution_prefix(self.fragments[0]))
         else:
             infos = self.store.list(layout.CONTRIBUTION_ROOT)
-        by_fragment: dict[int, list[ObjectInfo]] = {p: [] for p in self.fragments}
+        by_fragment: dict[int, list[ObjectInfo]] = {p: [] for p in self.states}
         for info in infos:
             p = layout.parse_fragment_dir(info.key)
             if p in by_fragment:
@@ -557,9 +577,13 @@ class Syncer:
                 if time.monotonic() - self._last_learners_t > float(self.run["heartbeat_s"]):
                     self._refresh_learners()
                 self.poll_contributions()
-                for p in self.fragments:
-                    if self.maybe_merge(self.states[p]):
+                for state in list(self.states.values()):
+                    if self.maybe_merge(state):
                         committed += 1
+                if self.unavailable and time.monotonic() - self._last_restore_t > RESTORE_RETRY_S:
+                    self._last_restore_t = time.monotonic()
+                    for p in sorted(self.unavailable):
+                        self._try_restore(p)
                 if self.on_progress is not None:
                     self.on_progress(self.progress())
                 if self.opts.max_versions is not None and committed >= self.opts.max_versions:
@@ -580,6 +604,8 @@ class Syncer:
         from ddiloco_cli.gc import collect_garbage
 
         self._last_gc_t = time.monotonic()
+        self.unavailable: dict[int, str] = {}  # fragments whose committed state cannot be read: why
+        self._last_restore_t = time.monotonic()
         try:
             collect_garbage(self.store, run=self.run, fragments=self.fragments)
         except Exception as exc:  # noqa: BLE001 - GC must never stop serving

@@ -248,6 +248,33 @@ def test_sync_status_inspect_report_hostile_run_files_in_one_line_R7(local_run, 
         assert key in "".join(out.split()), (command, out)
 
 
+
+def test_unreadable_fragment_is_left_out_and_retried_V1(local_run, monkeypatch):
+    """[V1] a fragment whose committed value cannot be read (a corrupt payload of its latest
+    version) does not stop the syncer: the other fragment commits, and once the object is
+    repaired the next retry restores the fragment and it commits too."""
+    import ddiloco_cli.syncer as syncer_module
+
+    store = local_run
+    beat(store, "a")
+    key = ledger.read_manifest(store, 0, 0)["payloads"][0]["key"]
+    original = store.get(key)
+    store.put(key, b"\x00" * 16)
+    contribution(store, 0, "a", 1)
+    contribution(store, 1, "a", 2)
+    monkeypatch.setattr(syncer_module, "RESTORE_RETRY_S", 0.0)
+
+    def repair_after_fragment_1_commits(progress: dict) -> None:
+        if progress["versions"].get(1) == 1:
+            store.put(key, original)
+
+    s = Syncer(store, options=SyncerOptions(syncer_id="s", gc=False, poll_s=0.01, max_versions=2),
+               on_progress=repair_after_fragment_1_commits)
+    assert s.serve() == "limit"
+    assert [ledger.latest_version(store, p) for p in (0, 1)] == [1, 1]
+    assert s.unavailable == {}
+
+
 # ============================================================ 2. the epoch claim
 EPOCH_BACKENDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
 
@@ -367,3 +394,219 @@ def test_key_grammar_parsers_roundtrip():
     assert layout.key_kind(layout.manifest_key(7, 3)) == ("manifests", 7)
     assert layout.key_kind(layout.syncer_heartbeat_key(3)) == ("heartbeats", None)
     assert layout.key_kind("fragments/p00001/manifests/x.json") is None
+    assert layout.key_kind(layout.learner_heartbeat_key("alice")) == ("heartbeats", None)
+    assert layout.parse_learner_heartbeat_key(layout.learner_heartbeat_key("alice")) == "alice"
+    assert layout.parse_learner_heartbeat_key("learners/a\n/heartbeat.json") is None
+
+
+def test_heartbeat_naming_another_learner_is_skipped_R1(local_run):
+    """[R1] a heartbeat at learners/mallory/ that claims to be alice's does not make alice
+    known or live (nor does one at a key that names no learner)."""
+    store = local_run
+    run_id = ledger.read_run(store)["run_id"]
+    alice = records.make("learner_heartbeat", run_id=run_id, learner_id="alice", state="running", step=1, tokens=1)
+    store.put(layout.learner_heartbeat_key("mallory"), records.dumps(alice))
+    store.put("learners/x y/heartbeat.json", records.dumps(alice))
+    assert ledger.read_heartbeats(store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat") == []
+    beat(store, "alice")
+    beats = ledger.read_heartbeats(store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
+    assert [b.key for b in beats] == [layout.learner_heartbeat_key("alice")]
+
+
+# ============================================================ 4. the fuzzer
+# A run with history (3 versions per fragment, deltas, a keyframe, a checkpoint, a
+# quarantine report) is built once; each example copies it, writes random bytes or a
+# mutated copy of the valid object at one key a reader touches, and runs every reader.
+HONEST, HOSTILE = "alice", "mallory"
+SENTINEL = "\u2603hostile\u2603"
+HOSTILE_JSON = [nested(DEEP), nested(40), "9" * 5000, "1e999", "-1", str(2**63), '"' + "x" * 20000 + '"',
+                "null", "[]", "{}", "true", '"a\\n"', "0.5", '"\\u0000"']
+
+
+def _template_keys(store) -> dict[str, str]:
+    """The keys the fuzzer targets, by the name of what lives there."""
+    def newest(prefix: str, suffix: str = "") -> str:
+        return [i.key for i in store.list(prefix) if i.key.endswith(suffix)][-1]
+
+    return {
+        "run": layout.RUN_CONFIG, "plan": layout.PLAN,
+        "latest manifest": layout.manifest_key(0, 3), "older manifest": layout.manifest_key(0, 1),
+        "latest delta": newest(layout.payload_prefix(0), ".safetensors"),
+        "keyframe": [i.key for i in store.list(layout.payload_prefix(0)) if "-full-" in i.key][-1],
+        "latest hint": layout.latest_hint_key(0), "checkpoint": newest(layout.checkpoint_prefix(0)),
+        "pending contribution": layout.contribution_key(0, HOSTILE, 10**15),
+        "honest contribution": layout.contribution_key(0, HONEST, 10**15 + 1),
+        "epoch": layout.epoch_key(1), "next epoch": layout.epoch_key(2),
+        "syncer heartbeat": layout.syncer_heartbeat_key(1),
+        "learner heartbeat": layout.learner_heartbeat_key(HOSTILE),
+        "quarantine report": newest(layout.QUARANTINE_PREFIX),
+    }
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    store = open_store(str(tmp_path_factory.mktemp("fuzz") / "run"))
+    make_run(store, checkpoint_every=2, keyframe_every=2, max_staleness=4)
+    beat(store, HONEST)
+    s = live_syncer(store, syncer_id="template")
+    for v in range(3):
+        for p in (0, 1):
+            contribution(store, p, HONEST, 100 + 10 * v + p, base_version=v)
+            assert step(s, p)
+    beat(store, HOSTILE)
+    contribution(store, 1, HOSTILE, 5, c_tokens=-1)  # quarantined: gives the run a report
+    s.poll_contributions()
+    s.heartbeat(force=True, state="stopped")
+    contribution(store, 0, HOSTILE, 10**15, base_version=3)
+    contribution(store, 0, HONEST, 10**15 + 1, base_version=3)
+    keys = _template_keys(store)
+    assert all(store.list(k) for k in keys.values() if k != layout.epoch_key(2)), keys
+    return store.root, keys
+
+
+def _mutate_json(original: bytes, data: st.DataObject) -> bytes:
+    """The object with one value (at a random path) replaced by a hostile JSON literal."""
+    value = json.loads(original)
+    node, path = value, []
+    while isinstance(node, (dict, list)) and node and data.draw(st.booleans(), label="descend"):
+        key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+        path.append(key)
+        node = node[key]
+    hostile = data.draw(st.sampled_from(HOSTILE_JSON), label="value")
+    if not path:
+        return hostile.encode()
+    parent = value
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = SENTINEL
+    return json.dumps(value).replace(json.dumps(SENTINEL), hostile).encode()
+
+
+def _mutate_payload(original: bytes, data: st.DataObject) -> bytes:
+    """A safetensors payload with its header or 'ddiloco' metadata mutated, or its bytes cut or flipped."""
+    hlen = int.from_bytes(original[:8], "little")
+    how = data.draw(st.sampled_from(["header", "metadata", "truncate", "flip"]), label="how")
+    if how == "truncate":
+        return original[: data.draw(st.integers(0, len(original) - 1), label="cut")]
+    if how == "flip":
+        i = data.draw(st.integers(0, len(original) - 1), label="at")
+        return original[:i] + bytes([original[i] ^ data.draw(st.integers(1, 255), label="xor")]) + original[i + 1:]
+    header_bytes = original[8:8 + hlen]
+    if how == "header":
+        new_header = _mutate_json(header_bytes, data)
+    else:
+        header = json.loads(header_bytes)
+        description = header["__metadata__"]["ddiloco"].encode()
+        header["__metadata__"]["ddiloco"] = _mutate_json(description, data).decode()
+        new_header = json.dumps(header).encode()
+    return len(new_header).to_bytes(8, "little") + new_header + original[8 + hlen:]
+
+
+def _hostile_bytes(original: bytes | None, key: str, data: st.DataObject) -> bytes:
+    if original is None or data.draw(st.booleans(), label="random bytes"):
+        return data.draw(st.binary(max_size=400), label="bytes")
+    if key.endswith(".safetensors"):
+        return _mutate_payload(original, data)
+    return _mutate_json(original, data)
+
+
+def _fresh_copy(template_root: str, tmp_root: str) -> str:
+    import shutil
+
+    root = os.path.join(tmp_root, f"run-{time.monotonic_ns()}")
+    shutil.copytree(template_root, root)
+    return root
+
+
+def _clean(exc: BaseException) -> None:
+    """A reader's failure must be ours (DdilocoError) with a one-line message."""
+    from ddiloco_cli.errors import DdilocoError
+
+    if not isinstance(exc, DdilocoError):
+        raise exc
+    assert "\n" not in str(exc).strip() and len(str(exc)) < 2000, str(exc)
+
+
+def _syncer_commits(store, what: str) -> None:
+    """A syncer started on the bucket either refuses with one clean line (when the run's
+    own config or plan is what is broken) or commits fragment 1 from the honest learner."""
+    try:
+        s = Syncer(store, options=SyncerOptions(syncer_id="fuzz", gc=False, poll_s=0.0))
+        assert s.acquire(stop=lambda: False)
+        s.check_fence()
+        s.restore()
+    except Exception as exc:  # noqa: BLE001 - judged by _clean
+        _clean(exc)
+        assert what in ("run", "plan"), f"the syncer stopped over the {what}: {exc}"
+        return
+    if 1 not in s.states:
+        assert what in ("run", "plan"), what
+        return
+    v1 = s.states[1].version
+    contribution(store, 1, HONEST, 10**15 + 7, base_version=v1)
+    s._refresh_learners()
+    s.poll_contributions()
+    if what in ("run", "plan"):  # a valid but changed config (say, a larger quorum) may rightly not merge
+        s.maybe_merge(s.states[1])
+        return
+    deadline = time.monotonic() + 60  # a live hostile learner only adds the (short) grace window
+    while not s.maybe_merge(s.states[1]):
+        assert time.monotonic() < deadline, f"fragment 1 did not commit with a hostile {what}"
+        time.sleep(0.01)
+
+
+def _observers_and_export(store, tmp_root: str) -> None:
+    from ddiloco_cli.export import export_model
+    from ddiloco_cli.observe import inspect_run, run_status, verify_run
+
+    for reader in (lambda: run_status(store), lambda: inspect_run(store), lambda: verify_run(store),
+                   lambda: export_model(store, os.path.join(tmp_root, "model.safetensors"))):
+        try:
+            reader()
+        except Exception as exc:  # noqa: BLE001 - judged by _clean
+            _clean(exc)
+
+
+FUZZ_TARGETS = ["run", "plan", "latest manifest", "older manifest", "latest delta", "keyframe", "latest hint",
+                "checkpoint", "pending contribution", "honest contribution", "epoch", "next epoch",
+                "syncer heartbeat", "learner heartbeat", "quarantine report"]
+
+
+@pytest.mark.parametrize("what", FUZZ_TARGETS)
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_every_reader_survives_hostile_objects_R7(template, tmp_path, what, data):
+    """[R7][V1] random bytes or a mutated valid object at ``what``: the syncer commits the
+    other fragment (or, for run.json/plan.json, refuses in one line), and status, inspect,
+    inspect --verify and export return or fail with one clean line."""
+    template_root, keys = template
+    key = keys[what]
+    store = open_store(_fresh_copy(template_root, str(tmp_path)))
+    try:
+        original = store.get(key)
+    except KeyError:
+        original = None
+    store.put(key, _hostile_bytes(original, key, data))
+    _syncer_commits(store, what)
+    _observers_and_export(store, str(tmp_path))
+
+
+@pytest.mark.parametrize("what,body,fatal", [
+    ("run", nested(DEEP).encode(), True),
+    ("latest delta", b"\x00" * 64, True),
+    ("learner heartbeat", ('{"tokens":' + "9" * 5000 + "}").encode(), False),
+])
+def test_learn_and_export_exit_cleanly_R7(template, tmp_path, monkeypatch, capsys, what, body, fatal):
+    """[R7] through the CLI's entry point: `learn` and `export` either work or exit with one
+    error line naming the bad object; never a traceback."""
+    template_root, keys = template
+    root = _fresh_copy(template_root, str(tmp_path))
+    open_store(root).put(keys[what], body)
+    for command in (["learn", root, "--learner-id", "bob", "--steps", "2", "--threads", "1"],
+                    ["export", root, str(tmp_path / "model.safetensors")]):
+        code, out = run_cli(monkeypatch, capsys, *command)
+        if fatal:
+            assert code != 0 and one_error(out, naming=keys[what]), (command, out)
+        else:
+            assert code == 0 and "Traceback" not in out, (command, out)
