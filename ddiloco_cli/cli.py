@@ -1,6 +1,10 @@
 """The `ddiloco` command line. Commands only: each body calls one library function.
 
-Set DDILOCO_TRACEBACK=1 to see full tracebacks instead of one-line errors.
+A new command is one ``@app.command()`` function in the section it belongs to,
+taking the shared ``Url`` / ``StorageOpts`` / ``JsonOut`` options and calling
+one library function; errors it should report are ``DdilocoError`` subclasses
+(``UsageError`` for bad flags), which ``_Commands`` turns into one line and an
+exit code. Set DDILOCO_TRACEBACK=1 to see full tracebacks instead.
 """
 
 from __future__ import annotations
@@ -68,17 +72,18 @@ JsonOut = Annotated[bool, typer.Option("--json", metavar="", help="Machine-reada
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Debug logging")]
 
 
-def _seconds(flag: str, *, positive: bool = False):
-    """A parser for a duration flag: a finite number >= 0 (> 0 when ``positive``)."""
+def _number(flag: str, *, positive: bool = False, allow_inf: bool = False):
+    """A parser for a quantity flag (seconds, years): a number >= 0 (> 0 when
+    ``positive``), finite unless ``allow_inf`` ("inf": no limit)."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise typer.BadParameter(f"{text!r} is not a number of seconds", param_hint=flag) from None
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise typer.BadParameter(f"must be a finite number {'>' if positive else '>='} 0, got {text}",
-                                     param_hint=flag)
+            raise typer.BadParameter(f"{text!r} is not a number", param_hint=flag) from None
+        if math.isnan(value) or (math.isinf(value) and not allow_inf) or value < 0 or (positive and value == 0):
+            want = f"a {'' if allow_inf else 'finite '}number {'>' if positive else '>='} 0"
+            raise typer.BadParameter(f"must be {want}, got {text}", param_hint=flag)
         return value
 
     return parse
@@ -271,10 +276,10 @@ def learn(
     num_shards: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Number of data shards")] = None,
     threads: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="torch CPU threads")] = None,
     poll: Annotated[float, typer.Option(
-        "--poll", metavar="SECONDS", parser=_seconds("--poll"),
+        "--poll", metavar="SECONDS", parser=_number("--poll"),
         help="Seconds between polls for a new version of a fragment it waits for")] = 0.2,
     wait_for_run: Annotated[Optional[float], typer.Option(
-        "--wait-for-run", metavar="SECONDS", parser=_seconds("--wait-for-run"),
+        "--wait-for-run", metavar="SECONDS", parser=_number("--wait-for-run", allow_inf=True),
         help="Wait up to SECONDS (inf: forever) for the run to be created, polling with backoff, "
              "instead of exiting at once")] = None,
     storage_option: StorageOpts = None,
@@ -329,13 +334,13 @@ def sync(
     syncer_id: Annotated[Optional[str], typer.Option(
         metavar="NAME", envvar="DDILOCO_SYNCER_ID", show_envvar=True,
         help="Name shown in heartbeats and the ledger (default: host and pid)")] = None,
-    poll: Annotated[float, typer.Option("--poll", metavar="SECONDS", parser=_seconds("--poll"),
+    poll: Annotated[float, typer.Option("--poll", metavar="SECONDS", parser=_number("--poll"),
                                         help="Seconds between polls of the bucket")] = 0.2,
     no_gc: Annotated[bool, typer.Option("--no-gc", metavar="", help="Do not collect garbage while serving")] = False,
     max_versions: Annotated[Optional[int], typer.Option(metavar="N", min=1,
                                                         help="Stop after committing this many versions")] = None,
     max_runtime: Annotated[Optional[float], typer.Option(
-        "--max-runtime", metavar="SECONDS", parser=_seconds("--max-runtime", positive=True),
+        "--max-runtime", metavar="SECONDS", parser=_number("--max-runtime", positive=True),
         help="Stop after this many seconds")] = None,
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
@@ -366,7 +371,7 @@ def status(
     json_out: JsonOut = False,
     watch: Annotated[bool, typer.Option("--watch", metavar="", help="Refresh every --interval seconds (a live "
                                         "view on a terminal, one plain line per refresh otherwise)")] = False,
-    interval: Annotated[float, typer.Option(metavar="SECONDS", parser=_seconds("--interval", positive=True),
+    interval: Annotated[float, typer.Option(metavar="SECONDS", parser=_number("--interval", positive=True),
                                             help="Refresh interval for --watch")] = 2.0,
     check: Annotated[bool, typer.Option("--check", metavar="", help="For monitors: print the alerts (no syncer "
                                         "alive, contributions piling up) and exit 1 if there are any")] = False,
@@ -479,7 +484,7 @@ def _check_output_file(path: str) -> None:
 def demo(
     workdir: Annotated[str, typer.Option(metavar="DIR", help="Directory for the bucket, logs and plot")] = "runs/demo",
     learners: Annotated[int, typer.Option(metavar="N", min=1, help="Number of learners")] = 3,
-    duration: Annotated[float, typer.Option(metavar="SECONDS", parser=_seconds("--duration", positive=True),
+    duration: Annotated[float, typer.Option(metavar="SECONDS", parser=_number("--duration", positive=True),
                                             help="Approximate training time")] = 150.0,
     kill: Annotated[bool, typer.Option("--kill/--no-kill", metavar="",
                                        help="kill -9 one learner half-way and restart it")] = True,
@@ -502,7 +507,7 @@ def simulate(
     mode: Annotated[SimMode, typer.Option(help="Training scheme to simulate")] = SimMode.decoupled,
     chips: Annotated[int, typer.Option(metavar="N", min=1, help="Number of chips")] = 1_200_000,
     learners: Annotated[int, typer.Option(metavar="M", min=1, help="Learners M (decoupled only)")] = 8,
-    mtbi_years: Annotated[float, typer.Option(metavar="YEARS", parser=_seconds("--mtbi-years", positive=True),
+    mtbi_years: Annotated[float, typer.Option(metavar="YEARS", parser=_number("--mtbi-years", positive=True),
                                               help="Mean time between interruptions per chip, years")] = 1.0,
     quorum: Annotated[int, typer.Option(metavar="K", min=1, help="Quorum K (decoupled)")] = 1,
     seed: Annotated[int, typer.Option(metavar="N", min=0)] = 0,

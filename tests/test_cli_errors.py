@@ -60,6 +60,7 @@ CASES = [
     (["learn", "RUN", "--learner-id", "a", "--poll", "-1"], 2, "--poll"),
     (["learn", "RUN", "--learner-id", "a", "--poll", "nan"], 2, "--poll"),
     (["learn", "RUN", "--learner-id", "a", "--wait-for-run", "-1"], 2, "--wait-for-run"),
+    (["learn", "RUN", "--learner-id", "a", "--wait-for-run", "nan"], 2, "--wait-for-run"),
     (["learn", "RUN", "--learner-id", "a", "--shard", "1"], 2, "--shard and --num-shards"),
     (["learn", "RUN", "--learner-id", "a", "--shard", "3", "--num-shards", "2"], 2, "--shard"),
     (["learn", "RUN", "--learner-id", "../x"], 2, "--learner-id"),

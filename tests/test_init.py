@@ -241,7 +241,7 @@ def test_learn_wait_for_run_starts_when_the_run_appears(tmp_path):
     procs = Procs(tmp_path)
     try:
         learner = procs.start("learner", "learn", url, "--learner-id", "early", "--steps", "2",
-                              "--wait-for-run", "120")
+                              "--wait-for-run", "inf")
         wait_for(lambda: "waiting for `ddiloco init`" in procs.log("learner"), timeout_s=60, what="the wait message",
                  procs=procs)
         assert learner.poll() is None
