@@ -42,6 +42,23 @@ class _Commands(TyperGroup):
             console.print("interrupted")
             raise typer.Exit(130) from None
 
+    # --help is a flag: show no "<bool>" value placeholder for it (Typer's own option
+    # has no metavar), here and in every command
+    def get_help_option(self, ctx: typer.Context):  # type: ignore[override]
+        return _flag(super().get_help_option(ctx))
+
+    def get_command(self, ctx: typer.Context, cmd_name: str):  # type: ignore[override]
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _flag(command.get_help_option(ctx))
+        return command
+
+
+def _flag(option):
+    if option is not None:
+        option.metavar = ""
+    return option
+
 
 def _fail(message: str, exit_code: int) -> None:
     if os.environ.get("DDILOCO_TRACEBACK"):
