@@ -12,8 +12,9 @@ ckpt + 1 needs the value of every base it merged, and bases reach back
 max_staleness versions). Older manifests and
 payloads go; contributions go once merged (or superseded) at or before
 ``ckpt``; orphans (payloads no manifest names, quarantined inputs, older
-checkpoints, clock probes) go only after ``gc_grace_s`` so that a writer still
-in flight never loses its object. Manifests are deleted before their payloads,
+checkpoints, clock probes, temp files of writes that died midway) go only
+after ``gc_grace_s`` so that a writer still in flight never loses its object;
+a grace that is not positive is refused. Manifests are deleted before their payloads,
 oldest first, so every remaining manifest stays readable.
 """
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ddiloco_cli import codec, layout, ledger, records
-from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, UsageError
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,12 @@ def keep_from_version(*, latest: int, newest_checkpoint: int, retain_versions: i
 
 def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[int] | None = None,
                     dry_run: bool = False) -> GCReport:
+    grace_s = float(run["gc_grace_s"])
+    if not grace_s > 0:  # also NaN: with no grace GC deletes the objects of commits still in flight
+        raise UsageError(f"gc_grace_s is {run['gc_grace_s']!r}; garbage collection needs a positive grace "
+                         "(seconds a writer may take to finish an object), e.g. 300")
     report = GCReport()
     now_s = store.now()
-    grace_s = float(run["gc_grace_s"])
     frags = list(fragments) if fragments is not None else list(range(int(run["num_fragments"])))
 
     def drop(info: ObjectInfo) -> None:
@@ -145,4 +149,7 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
     for info in store.list(layout.CLOCK_PREFIX):
         if old(info):
             drop(info)
+    for info in store.remove_stale_temp(older_than_s=grace_s, dry_run=dry_run):
+        report.deleted.append(info.key)
+        report.bytes_freed += info.size
     return report

@@ -78,8 +78,8 @@ class RecordingStore:
         self.log.append(("put", key))
         self.inner.put(key, data)
 
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self.inner.get(key, max_bytes=max_bytes)
 
     def list(self, prefix: str = ""):
         return self.inner.list(prefix)
@@ -87,6 +87,9 @@ class RecordingStore:
     def delete(self, key: str) -> None:
         self.log.append(("delete", key))
         self.inner.delete(key)
+
+    def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False):
+        return self.inner.remove_stale_temp(older_than_s=older_than_s, dry_run=dry_run)
 
     def now(self) -> float:
         return self.inner.now() + self.clock_shift_s

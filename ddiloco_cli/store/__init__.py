@@ -8,9 +8,20 @@ URLs:
 * ``s3://bucket/prefix``: S3 or any S3-compatible endpoint (``S3Store``);
 * ``gs://bucket/prefix`` (or ``gcs://``): Google Cloud Storage (``GCSStore``).
 
-Options (``-o key=value`` on the CLI, see ``parse_storage_options``) go to the
-cloud backends: ``endpoint_url``, ``anon``, ``key``/``secret``/``token``,
-``region_name`` (S3), ``project``/``token`` (GCS). Environment variables are
+Every store ``open_store`` returns is layered, outermost first:
+
+* ``BoundedStore`` (``store/bounds.py``): every read is bounded by its key's size bound;
+* ``RetryingStore`` (``store/retry.py``): the one retry policy of every call;
+* ``FaultyStore`` (``store/faults.py``), only when faults are asked for;
+* the backend.
+
+Options (``-o key=value`` on the CLI, see ``parse_storage_options``) for every
+backend: ``retry_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``,
+``retry_deadline_s`` (the retry policy) and ``faults`` (fault injection; also
+the ``DDILOCO_STORE_FAULTS`` environment variable). For the cloud backends:
+``connect_timeout_s``, ``read_timeout_s``, ``endpoint_url``, ``anon``,
+``key``/``secret``/``token``, ``region_name``, ``expect_100_continue`` (S3),
+``project``/``token`` (GCS). Environment variables are
 honoured as usual: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and the AWS
 credential chain for S3; ``STORAGE_EMULATOR_HOST`` (then ``token="anon"``) and
 Google application-default credentials for GCS.
@@ -25,17 +36,25 @@ import os
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, TransientStoreError, retrying
+from ddiloco_cli.store.base import (
+    NotFound,
+    ObjectInfo,
+    ObjectTooLargeError,
+    Store,
+    TransientStoreError,
+    UnreadableObjectError,
+)
 
 __all__ = [
     "NotFound",
     "ObjectInfo",
+    "ObjectTooLargeError",
     "Store",
     "TransientStoreError",
+    "UnreadableObjectError",
     "check_key",
     "open_store",
     "parse_storage_options",
-    "retrying",
 ]
 
 # Local temp files start with this; such names are never valid keys and never listed.
@@ -91,16 +110,30 @@ def parse_storage_options(pairs: list[str]) -> dict:
 
 
 def open_store(url: str, *, options: dict | None = None) -> Store:
-    """Open the bucket at ``url`` (see the module docstring for the URL forms).
+    """Open the bucket at ``url`` (see the module docstring for the URL forms and
+    the layers around the backend).
 
     Cloud backends check on open, with one cheap LIST, that the bucket exists
     and is readable, so a wrong URL or missing credentials fail at once.
 
     Raises ``UsageError`` for an unknown scheme, a URL without a bucket, or
-    options given to a local/memory store; ``StoreAccessError`` when the bucket
-    cannot be used (missing, access denied, endpoint unreachable).
+    backend options given to a local/memory store; ``StoreAccessError`` when the
+    bucket cannot be used (missing, access denied, endpoint unreachable).
     """
+    from ddiloco_cli.store.bounds import BoundedStore
+    from ddiloco_cli.store.faults import FAULTS_ENV, FaultSpec, FaultyStore
+    from ddiloco_cli.store.retry import RetryingStore, RetryPolicy
+
     options = dict(options or {})
+    policy = RetryPolicy.pop_options(options)
+    faults = options.pop("faults", None) or os.environ.get(FAULTS_ENV)
+    store = _open_backend(url, options=options, policy=policy)
+    if faults:
+        store = FaultyStore(store, spec=FaultSpec.parse(str(faults)))
+    return BoundedStore(RetryingStore(store, policy=policy))
+
+
+def _open_backend(url: str, *, options: dict, policy) -> Store:
     if not url or not url.strip():
         raise UsageError("empty store URL; pass a directory, file://, s3://bucket/prefix or gs://bucket/prefix")
     url = url.strip()
@@ -131,10 +164,10 @@ def open_store(url: str, *, options: dict | None = None) -> Store:
         if scheme == "s3":
             from ddiloco_cli.store.fsspec_store import S3Store
 
-            return S3Store(bucket, prefix, options=options)
+            return S3Store(bucket, prefix, options=options, policy=policy)
         from ddiloco_cli.store.fsspec_store import GCSStore
 
-        return GCSStore(bucket, prefix, options=options)
+        return GCSStore(bucket, prefix, options=options, policy=policy)
     raise UsageError(
         f"unknown store URL scheme {scheme!r} in {url!r}; use a directory, file://, memory://, s3:// or gs://"
     )

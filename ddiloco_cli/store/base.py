@@ -15,28 +15,32 @@ checks each one):
   otherwise write identically.
 * ``put(key, data)`` overwrites; only for non-authoritative objects
   (heartbeats, hints). Readers never see a torn object.
-* ``get(key)`` returns the whole object or raises ``NotFound``.
+* ``get(key, max_bytes=None)`` returns the whole object or raises ``NotFound``.
+  It never reads more than ``max_bytes + 1`` bytes of an object: a larger one
+  raises ``ObjectTooLargeError`` (naming the key, its size and the bound).
+  Anything that is not a regular object (a FIFO, device or symlink in a local
+  bucket) raises ``UnreadableObjectError`` without blocking.
 * ``list(prefix)`` returns ``ObjectInfo`` for every key starting with
   ``prefix``, sorted lexicographically, never served from a stale cache.
 * ``delete(key)`` removes the object; a missing key is not an error.
+* ``remove_stale_temp(older_than_s=..., dry_run=False)`` deletes the debris of
+  writes that died midway (local ``.tmp-*`` files) older than ``older_than_s``
+  and returns what it removed; backends whose writes leave none return ``[]``.
 * ``now()`` is the store's clock in seconds since the epoch (``ObjectInfo.mtime_s``
   uses the same clock), so leases never trust a local clock.
 
-Transient errors are retried inside the backends (see ``retrying``); errors a
-user can fix raise ``StoreAccessError``.
+Backends do not retry: they raise ``TransientStoreError`` for a failure worth
+retrying (timeout, 5xx, throttling, a full or read-only disk) and
+``StoreAccessError`` for one a user must fix. ``open_store`` wraps every backend
+in one retry policy (``store/retry.py``).
 """
 
 from __future__ import annotations
 
-import logging
-import random
-import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 
 
 class NotFound(KeyError):
@@ -45,6 +49,21 @@ class NotFound(KeyError):
 
 class TransientStoreError(Exception):
     """A store call failed in a way worth retrying (timeout, 5xx, throttling)."""
+
+
+class UnreadableObjectError(InvalidPayloadError, ProtocolError):
+    """The store refused to read an object: not a regular object, or over the
+    reader's size bound. Bad bucket input: readers that quarantine invalid
+    payloads or skip invalid records treat it like any other invalid object."""
+
+
+class ObjectTooLargeError(UnreadableObjectError):
+    """An object is larger than the bound its reader allows."""
+
+    def __init__(self, key: str, *, size: int | None, max_bytes: int):
+        self.key, self.size, self.max_bytes = key, size, max_bytes
+        got = f"{size} bytes" if size is not None else f"more than {max_bytes} bytes"
+        super().__init__(f"{key}: object has {got}, above the {max_bytes}-byte bound for this key; not read")
 
 
 @dataclass(frozen=True)
@@ -62,31 +81,49 @@ class Store(Protocol):
 
     def put(self, key: str, data: bytes) -> None: ...
 
-    def get(self, key: str) -> bytes: ...
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes: ...
 
     def list(self, prefix: str = "") -> list[ObjectInfo]: ...
 
     def delete(self, key: str) -> None: ...
 
+    def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False) -> list[ObjectInfo]: ...
+
     def now(self) -> float: ...
 
 
-def retrying(
-    fn: Callable[[], T],
-    *,
-    what: str,
-    attempts: int = 6,
-    base_delay_s: float = 0.2,
-    max_delay_s: float = 5.0,
-) -> T:
-    """Call ``fn`` and retry ``TransientStoreError`` with jittered exponential backoff."""
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except TransientStoreError as exc:
-            if attempt == attempts - 1:
-                raise
-            delay = min(max_delay_s, base_delay_s * 2**attempt) * (0.5 + random.random())
-            log.warning("store: %s failed (%s); retry %d in %.2fs", what, exc, attempt + 1, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+
+class StoreWrapper:
+    """A ``Store`` that forwards every call to ``inner``; subclasses override the
+    calls they change. Other attributes (``root`` of a local store, ...) are the
+    inner store's."""
+
+    def __init__(self, inner: Store):
+        self.inner = inner
+        self.url = inner.url
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (during unpickling or a failed __init__)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self.inner.put_if_absent(key, data)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return self.inner.get(key, max_bytes=max_bytes)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False) -> list[ObjectInfo]:
+        return self.inner.remove_stale_temp(older_than_s=older_than_s, dry_run=dry_run)
+
+    def now(self) -> float:
+        return self.inner.now()

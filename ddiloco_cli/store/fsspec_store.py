@@ -11,9 +11,21 @@ Create-only writes map to the services' own preconditions:
   to a resumable upload at 50 MiB; fake-gcs-server ignores the precondition
   there). A single-request upload holds the body twice in memory.
 
-Both clients retry on their own, so a create that won can come back as a
-conflict (our own earlier attempt is the existing object). ``put_if_absent``
-settles that by reading the object back and comparing bytes.
+The clients do not retry (botocore and s3fs are set to one attempt, gcsfs's
+request retry loop is cut to one): ``RetryingStore`` retries whole calls under
+the one policy of ``store/retry.py``. A create whose response was lost comes
+back as a conflict on retry (our own earlier attempt is the existing object);
+``put_if_absent`` settles that by reading the object back and comparing bytes.
+
+Every request has a connect and a read timeout (storage options
+``connect_timeout_s``, default 10, and ``read_timeout_s``, default 20), so an
+endpoint that accepts connections and never answers fails a call in tens of
+seconds, not minutes. Bounded reads (``get(key, max_bytes=N)``) are one ranged
+GET of at most N + 1 bytes.
+
+S3 PUTs are sent without ``Expect: 100-continue`` (botocore adds it to every
+PUT with a body; it costs a round trip per PUT and our bodies are small enough
+to send at once). ``-o expect_100_continue=true`` restores it.
 
 Listings never come from a cache (``use_listings_cache=False``) and every
 store gets its own filesystem instance (``skip_instance_cache=True``).
@@ -31,9 +43,10 @@ import uuid
 from typing import Callable, TypeVar
 
 from ddiloco_cli import layout
-from ddiloco_cli.errors import StoreAccessError
+from ddiloco_cli.errors import StoreAccessError, UsageError
 from ddiloco_cli.store import check_key
-from ddiloco_cli.store.base import NotFound, ObjectInfo, TransientStoreError, retrying
+from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, TransientStoreError, UnreadableObjectError
+from ddiloco_cli.store.retry import DEFAULT_POLICY, RetryPolicy, retrying
 
 # gcsfs otherwise probes every bucket for zonal/HNS support, which hangs ~60 s per
 # write against emulators. Must be set before gcsfs is imported.
@@ -43,6 +56,19 @@ T = TypeVar("T")
 
 _S3_SINGLE_PUT_MAX_BYTES = 5 * 2**30
 _GCS_DEFAULT_CHUNK_BYTES = 50 * 2**20
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_READ_TIMEOUT_S = 20.0
+
+
+def _pop_timeouts(opts: dict) -> tuple[float, float]:
+    """(connect_timeout_s, read_timeout_s) from the storage options (removed from them)."""
+    out = []
+    for name, default in (("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S), ("read_timeout_s", DEFAULT_READ_TIMEOUT_S)):
+        value = opts.pop(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise UsageError(f"storage option {name}={value!r} must be a positive number of seconds")
+        out.append(float(value))
+    return out[0], out[1]
 
 
 class _FsspecStore:
@@ -50,14 +76,14 @@ class _FsspecStore:
 
     scheme = ""
 
-    def __init__(self, bucket: str, prefix: str, *, fs, endpoint: str | None):
+    def __init__(self, bucket: str, prefix: str, *, fs, endpoint: str | None, policy: RetryPolicy):
         self.bucket = bucket
         self.prefix = prefix
         self.root = f"{bucket}/{prefix}" if prefix else bucket
         self.url = f"{self.scheme}://{self.root}"
         self.endpoint = endpoint
         self._fs = fs
-        self._check_access()
+        self._check_access(policy)
 
     # -- subclass hooks ----------------------------------------------------
     def _is_transient(self, exc: BaseException) -> bool:
@@ -67,6 +93,10 @@ class _FsspecStore:
         raise NotImplementedError
 
     def _create(self, path: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _is_empty_range(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the service's 416 for a ranged read of an empty object."""
         raise NotImplementedError
 
     def _probe_bucket(self) -> None:
@@ -80,30 +110,27 @@ class _FsspecStore:
     def _where(self) -> str:
         return f"{self.url} (endpoint {self.endpoint})" if self.endpoint else self.url
 
-    def _call(self, fn: Callable[[], T], *, what: str, attempts: int = 6) -> T:
-        """Run one client call: transient failures retried, access errors mapped to
-        ``StoreAccessError``, ``FileNotFoundError``/``FileExistsError`` passed on."""
-
-        def attempt() -> T:
-            try:
-                return fn()
-            except (FileNotFoundError, FileExistsError):
-                raise
-            except Exception as exc:
-                if self._is_access_error(exc):
-                    raise StoreAccessError(
-                        f"{self._where()}: {what} was refused ({_one_line(exc)}); "
-                        "check the credentials and the bucket's permissions"
-                    ) from exc
-                if self._is_transient(exc):
-                    raise TransientStoreError(f"{what}: {_one_line(exc)}") from exc
-                raise
-
-        return retrying(attempt, what=f"{what} on {self.url}", attempts=attempts)
-
-    def _check_access(self) -> None:
+    def _call(self, fn: Callable[[], T], *, what: str) -> T:
+        """Run one client call: transient failures raised as ``TransientStoreError``
+        (the retry policy is the caller's), access errors as ``StoreAccessError``,
+        ``FileNotFoundError``/``FileExistsError`` passed on."""
         try:
-            self._call(self._probe_bucket, what="list", attempts=1)  # the clients retry inside
+            return fn()
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except Exception as exc:
+            if self._is_access_error(exc):
+                raise StoreAccessError(
+                    f"{self._where()}: {what} was refused ({_one_line(exc)}); "
+                    "check the credentials and the bucket's permissions"
+                ) from exc
+            if self._is_transient(exc):
+                raise TransientStoreError(f"{what}: {_one_line(exc)}") from exc
+            raise
+
+    def _check_access(self, policy: RetryPolicy) -> None:
+        try:
+            retrying(lambda: self._call(self._probe_bucket, what="list"), what=f"open {self.url}", policy=policy)
         except FileNotFoundError:
             raise StoreAccessError(
                 f"bucket {self.bucket!r} does not exist at {self._where()}; create it or fix the URL"
@@ -130,7 +157,9 @@ class _FsspecStore:
             except FileExistsError:
                 pass
             try:
-                return self.get(key) == data
+                return self.get(key, max_bytes=len(data)) == data
+            except UnreadableObjectError:  # larger than ours: not ours
+                return False
             except NotFound:  # deleted between the conflict and the read: try again
                 continue
 
@@ -138,12 +167,30 @@ class _FsspecStore:
         path = self._path(key)
         self._call(lambda: self._fs.pipe_file(path, bytes(data)), what=f"put {key}")
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         path = self._path(key)
+        if max_bytes is None:
+            read = lambda: self._fs.cat_file(path)  # noqa: E731
+        else:  # one ranged GET of at most max_bytes + 1 bytes: enough to tell "too large"
+            read = lambda: self._fs.cat_file(path, start=0, end=max_bytes + 1)  # noqa: E731
         try:
-            return self._call(lambda: self._fs.cat_file(path), what=f"get {key}")
+            data = self._call(read, what=f"get {key}")
         except FileNotFoundError:
             raise NotFound(key) from None
+        except Exception as exc:
+            if max_bytes is not None and self._is_empty_range(exc):
+                return b""
+            raise
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ObjectTooLargeError(key, size=self._size_or_none(path), max_bytes=max_bytes)
+        return data
+
+    def _size_or_none(self, path: str) -> int | None:
+        """The object's size for an error message; None if it cannot be had."""
+        try:
+            return int(self._fs.info(path)["size"])
+        except Exception:  # noqa: BLE001 - only decorates a message
+            return None
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         # list recursively under the deepest "directory" the prefix pins down,
@@ -172,6 +219,10 @@ class _FsspecStore:
         except FileNotFoundError:
             pass
 
+    def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False) -> list[ObjectInfo]:
+        # a single-request upload either creates the whole object or nothing
+        return []
+
     # Re-read the service's clock this often; in between, advance it by the local
     # monotonic clock (immune to wall-clock jumps; only its rate is trusted).
     CLOCK_PROBE_EVERY_S = 30.0
@@ -199,10 +250,19 @@ class _FsspecStore:
 class S3Store(_FsspecStore):
     scheme = "s3"
 
-    def __init__(self, bucket: str, prefix: str, *, options: dict | None = None):
+    def __init__(self, bucket: str, prefix: str, *, options: dict | None = None,
+                 policy: RetryPolicy = DEFAULT_POLICY):
         import s3fs
+        from aiobotocore.session import AioSession
+        from botocore.handlers import add_expect_header
 
         opts = dict(options or {})
+        connect_timeout_s, read_timeout_s = _pop_timeouts(opts)
+        session = AioSession()
+        if not opts.pop("expect_100_continue", False):
+            session.unregister("before-call.s3", add_expect_header)
+        config_kwargs = {**dict(opts.pop("config_kwargs", None) or {}), "connect_timeout": connect_timeout_s,
+                         "read_timeout": read_timeout_s, "retries": {"total_max_attempts": 1}}
         endpoint = (
             opts.pop("endpoint_url", None)
             or os.environ.get("AWS_ENDPOINT_URL_S3")
@@ -215,11 +275,14 @@ class S3Store(_FsspecStore):
         fs = s3fs.S3FileSystem(
             endpoint_url=endpoint,
             client_kwargs=client_kwargs,
+            config_kwargs=config_kwargs,
+            session=session,
+            retries=1,
             use_listings_cache=False,
             skip_instance_cache=True,
             **opts,
         )
-        super().__init__(bucket, prefix, fs=fs, endpoint=endpoint)
+        super().__init__(bucket, prefix, fs=fs, endpoint=endpoint, policy=policy)
 
     def _probe_bucket(self) -> None:
         kw = {"Prefix": self.prefix + "/"} if self.prefix else {}
@@ -229,6 +292,9 @@ class S3Store(_FsspecStore):
         # chunksize chosen so that s3fs sends a single conditional PUT up to 5 GiB
         chunksize = max(50 * 2**20, min(len(data), _S3_SINGLE_PUT_MAX_BYTES) // 2 + 1)
         self._fs.pipe_file(path, data, mode="create", chunksize=chunksize)
+
+    def _is_empty_range(self, exc: BaseException) -> bool:
+        return _s3_status(exc.__cause__) == 416 or "InvalidRange" in str(getattr(exc.__cause__, "response", ""))
 
     def _is_access_error(self, exc: BaseException) -> bool:
         import botocore.exceptions as bce
@@ -255,22 +321,25 @@ class S3Store(_FsspecStore):
 class GCSStore(_FsspecStore):
     scheme = "gs"
 
-    def __init__(self, bucket: str, prefix: str, *, options: dict | None = None):
-        import gcsfs
+    def __init__(self, bucket: str, prefix: str, *, options: dict | None = None,
+                 policy: RetryPolicy = DEFAULT_POLICY):
+        import aiohttp
 
         opts = dict(options or {})
+        connect_timeout_s, read_timeout_s = _pop_timeouts(opts)
         endpoint = opts.pop("endpoint_url", None) or os.environ.get("STORAGE_EMULATOR_HOST") or None
         if endpoint and "://" not in endpoint:
             endpoint = f"http://{endpoint}"
         if opts.pop("anon", False) or (endpoint and "token" not in opts):
             opts["token"] = "anon"  # emulators take no credentials
-        fs = gcsfs.GCSFileSystem(
+        fs = _single_attempt_gcsfs()(
             endpoint_url=endpoint,
+            requests_timeout=aiohttp.ClientTimeout(sock_connect=connect_timeout_s, sock_read=read_timeout_s),
             use_listings_cache=False,
             skip_instance_cache=True,
             **opts,
         )
-        super().__init__(bucket, prefix, fs=fs, endpoint=endpoint)
+        super().__init__(bucket, prefix, fs=fs, endpoint=endpoint, policy=policy)
 
     def _probe_bucket(self) -> None:
         kw = {"prefix": self.prefix + "/"} if self.prefix else {}
@@ -280,6 +349,11 @@ class GCSStore(_FsspecStore):
         # single-request upload for any size: ifGenerationMatch=0 rides on it
         chunksize = max(_GCS_DEFAULT_CHUNK_BYTES, len(data) + 1)
         self._fs.pipe_file(path, data, mode="create", chunksize=chunksize)
+
+    def _is_empty_range(self, exc: BaseException) -> bool:
+        from gcsfs.retry import HttpError
+
+        return isinstance(exc, HttpError) and exc.code == 416
 
     def _is_access_error(self, exc: BaseException) -> bool:
         from gcsfs.retry import HttpError
@@ -302,6 +376,24 @@ class GCSStore(_FsspecStore):
         if isinstance(info.get("mtime"), dt.datetime):
             return info["mtime"].timestamp()
         return _to_epoch_s(info["updated"])
+
+
+_GCSFS_CLASS = None
+
+
+def _single_attempt_gcsfs():
+    """``gcsfs.GCSFileSystem`` with its request retry loop cut to one attempt (its
+    count is fixed when gcsfs defines the class), so our policy is the only one."""
+    global _GCSFS_CLASS
+    if _GCSFS_CLASS is None:
+        import gcsfs
+        from gcsfs.retry import retry_request
+
+        class SingleAttemptGCSFileSystem(gcsfs.GCSFileSystem):
+            _request = retry_request(retries=1)(gcsfs.GCSFileSystem._request.__wrapped__)
+
+        _GCSFS_CLASS = SingleAttemptGCSFileSystem
+    return _GCSFS_CLASS
 
 
 def _to_epoch_s(value) -> float:

@@ -10,7 +10,7 @@ import threading
 import time
 
 from ddiloco_cli.store import check_key
-from ddiloco_cli.store.base import NotFound, ObjectInfo
+from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError
 
 _LOCK = threading.Lock()
 # name -> key -> (bytes, mtime_s)
@@ -39,13 +39,16 @@ class MemoryStore:
         with _LOCK:
             self._objects[key] = (bytes(data), time.time())
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         check_key(key)
         with _LOCK:
             try:
-                return self._objects[key][0]
+                data = self._objects[key][0]
             except KeyError:
                 raise NotFound(key) from None
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ObjectTooLargeError(key, size=len(data), max_bytes=max_bytes)
+        return data
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         with _LOCK:
@@ -61,6 +64,9 @@ class MemoryStore:
         check_key(key)
         with _LOCK:
             self._objects.pop(key, None)
+
+    def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False) -> list[ObjectInfo]:
+        return []  # writes are atomic in memory: nothing is ever left half-written
 
     def now(self) -> float:
         return time.time()
