@@ -17,6 +17,7 @@ import torch
 from test_inspect import LEARNER, build_run, copy_run, invoke, latest_values, write_contribution
 
 from ddiloco_cli import layout, ledger
+from ddiloco_cli.errors import UsageError
 from ddiloco_cli.gc import collect_garbage
 from ddiloco_cli.observe import verify_run
 from ddiloco_cli.store import open_store
@@ -138,3 +139,28 @@ def test_no_checkpoint_means_nothing_but_orphans_go(tmp_path):
     _age_all(built.url, 2 * GRACE_S)
     report = collect_garbage(built.store, run=built.run)
     assert report.deleted == [] and report.keep_from == {0: 0, 1: 0}
+
+
+def test_gc_deletes_temp_files_of_dead_writers_after_the_grace(built):
+    # a writer killed mid-write leaves a temp file; one still writing has a young one
+    directory = os.path.join(built.url, "fragments", "p00000", "payloads")
+    dead, live = os.path.join(directory, ".tmp-dead"), os.path.join(directory, ".tmp-live")
+    for path in (dead, live):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+    t = time.time() - 2 * GRACE_S
+    os.utime(dead, (t, t))
+    dry = collect_garbage(built.store, run=built.run, dry_run=True)
+    assert "fragments/p00000/payloads/.tmp-dead" in dry.deleted and os.path.exists(dead)
+    report = collect_garbage(built.store, run=built.run)
+    assert "fragments/p00000/payloads/.tmp-dead" in report.deleted
+    assert not os.path.exists(dead) and os.path.exists(live)
+    assert not any(".tmp-live" in k for k in report.deleted)
+
+
+@pytest.mark.parametrize("grace_s", [0.0, -300.0, float("nan")])
+def test_gc_refuses_a_grace_that_is_not_positive(built, grace_s):
+    keys = _keys(built.store)
+    with pytest.raises(UsageError, match="positive grace"):
+        collect_garbage(built.store, run={**built.run, "gc_grace_s": grace_s})
+    assert _keys(built.store) == keys

@@ -14,8 +14,17 @@ import sys
 import pytest
 
 from ddiloco_cli import layout
-from ddiloco_cli.errors import StoreAccessError, UsageError
-from ddiloco_cli.store import NotFound, ObjectInfo, Store, open_store, parse_storage_options
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, StoreAccessError, UsageError
+from ddiloco_cli.store import (
+    NotFound,
+    ObjectInfo,
+    ObjectTooLargeError,
+    Store,
+    UnreadableObjectError,
+    open_store,
+    parse_storage_options,
+)
+from ddiloco_cli.store.bounds import SMALL_RECORD_MAX_BYTES
 
 # object mtimes come from the store's clock; S3 LastModified has whole seconds
 CLOCK_SLACK_S = 5.0
@@ -224,3 +233,67 @@ def test_bucket_url_fixture_reaches_the_emulator_from_a_subprocess(fixture, requ
     code = "import sys; from ddiloco_cli.store import open_store; open_store(sys.argv[1]).put_if_absent('from-child', b'hi')"
     subprocess.run([sys.executable, "-c", code, url], env=env, check=True, timeout=120)
     assert open_store(url).get("from-child") == b"hi"
+
+
+# -- bounded reads ------------------------------------------------------------
+
+
+def test_get_with_max_bytes_reads_up_to_the_bound(store):
+    data = os.urandom(1000)
+    store.put_if_absent("b/obj.bin", data)
+    assert store.get("b/obj.bin", max_bytes=1000) == data
+    assert store.get("b/obj.bin", max_bytes=10**9) == data
+    with pytest.raises(ObjectTooLargeError) as info:
+        store.get("b/obj.bin", max_bytes=999)
+    err = info.value
+    assert (err.key, err.max_bytes) == ("b/obj.bin", 999)
+    assert err.size in (1000, None)  # the size when the backend can tell it cheaply
+    assert "b/obj.bin" in str(err) and "999" in str(err)
+    # bad bucket input: the readers' invalid-payload and invalid-record handlers catch it
+    assert isinstance(err, InvalidPayloadError) and isinstance(err, ProtocolError)
+    store.put("b/empty", b"")
+    assert store.get("b/empty", max_bytes=0) == b""
+    assert store.get("b/empty", max_bytes=10) == b""
+    with pytest.raises(NotFound):
+        store.get("b/missing.bin", max_bytes=10)
+
+
+def test_create_only_against_a_larger_object_loses(store):
+    # the lost-response check compares bytes; a larger existing object is not ours
+    store.put_if_absent("b/k.bin", b"x" * 100)
+    assert store.put_if_absent("b/k.bin", b"x" * 10) is False
+
+
+def test_opened_stores_bound_every_read_by_key(store):
+    big = b"{" + b" " * SMALL_RECORD_MAX_BYTES + b"}"
+    key = layout.learner_heartbeat_key("mallory")
+    store.put(key, big)
+    with pytest.raises(ObjectTooLargeError, match="mallory"):
+        store.get(key)
+    store.put(key, b"{}")
+    assert store.get(key) == b"{}"
+
+
+@pytest.mark.timeout(60)
+def test_local_refuses_a_fifo_without_blocking(store_url):
+    store = open_store(store_url("local"))
+    key = layout.contribution_key(0, "mallory", 1)
+    path = os.path.join(store.root, *key.split("/"))
+    os.makedirs(os.path.dirname(path))
+    os.mkfifo(path)
+    (info,) = store.list("contributions/")
+    assert info.key == key
+    with pytest.raises(UnreadableObjectError, match="not a regular file"):
+        store.get(key)
+    # a writer that finds it there loses the name, and does not block either
+    assert store.put_if_absent(key, b"mine") is False
+
+
+def test_local_refuses_a_symlink(store_url, tmp_path):
+    store = open_store(store_url("local"))
+    secret = tmp_path / "outside.txt"
+    secret.write_bytes(b"secret")
+    os.makedirs(os.path.join(store.root, "learners", "mallory"))
+    os.symlink(secret, os.path.join(store.root, "learners", "mallory", "heartbeat.json"))
+    with pytest.raises(UnreadableObjectError, match="symbolic link"):
+        store.get(layout.learner_heartbeat_key("mallory"))

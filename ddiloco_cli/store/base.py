@@ -51,10 +51,11 @@ class TransientStoreError(Exception):
     """A store call failed in a way worth retrying (timeout, 5xx, throttling)."""
 
 
-class UnreadableObjectError(InvalidPayloadError, ProtocolError):
+class UnreadableObjectError(InvalidPayloadError, ProtocolError, ValueError):
     """The store refused to read an object: not a regular object, or over the
     reader's size bound. Bad bucket input: readers that quarantine invalid
-    payloads or skip invalid records treat it like any other invalid object."""
+    payloads, skip invalid records or reject unparsable bytes (ValueError) treat
+    it like any other invalid object."""
 
 
 class ObjectTooLargeError(UnreadableObjectError):

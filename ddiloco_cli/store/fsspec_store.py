@@ -277,11 +277,11 @@ class S3Store(_FsspecStore):
             client_kwargs=client_kwargs,
             config_kwargs=config_kwargs,
             session=session,
-            retries=1,
             use_listings_cache=False,
             skip_instance_cache=True,
             **opts,
         )
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not an init option): one attempt
         super().__init__(bucket, prefix, fs=fs, endpoint=endpoint, policy=policy)
 
     def _probe_bucket(self) -> None:
