@@ -270,3 +270,23 @@ def test_faults_from_the_environment(store_url, monkeypatch):
     assert failures and all("injected fault (error)" in f for f in failures)
     with pytest.raises(UsageError, match="RATE"):
         open_store(store_url("memory"), options={"faults": "often"})
+
+
+@pytest.mark.slow
+def test_training_through_injected_faults_loses_and_corrupts_nothing(tmp_path):
+    """Real learners and a syncer train through 10% injected store faults: every
+    contribution ends in the ledger, no version is corrupt, nothing is quarantined."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_faults
+
+    out = bench_faults.main(["--rate", "0.1", "--spike-s", "0.05", "--learners", "2", "--steps", "40",
+                             "--fragments", "2", "--workdir", str(tmp_path / "run")])
+    assert out["verify_exit_code"] == 0, out.get("verify_output")
+    assert sum(out["faults_injected"].values()) > 0 and out["retries_logged"] > 0
+    assert out["syncer_survived"]
+    assert out["unmerged_after_drain"] == 0
+    assert out["lost_contributions"] == 0 and out["contribution_objects"] == out["ledger_entries"] > 0
+    assert out["uploads_given_up"] == 0 and out["quarantined"] == 0
