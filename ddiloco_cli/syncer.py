@@ -27,7 +27,7 @@ from ddiloco_cli.fence import FencedStore, fence_interval_s
 from ddiloco_cli.merge import is_embedding_key, merge_outer_gradients, token_weight
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, encode_version, expected_shapes, upload_payloads
-from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
+from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
 
 log = logging.getLogger(__name__)
 
@@ -423,6 +423,9 @@ class Syncer:
             data = self.store.get(key)
         except NotFound:
             return None  # garbage-collected or never finished: nothing to do
+        except UnreadableObjectError as exc:  # over its size bound, or not a regular file: never read
+            self._quarantine(key, str(exc))
+            return None
         self.bytes_in += len(data)
         try:
             tensors, header = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
