@@ -105,6 +105,11 @@ class FencedStore:
         self._before_write(key)
         self.inner.delete(key)
 
+    def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False) -> list[ObjectInfo]:
+        if not dry_run:
+            self._before_write("")  # deletes, like delete()
+        return self.inner.remove_stale_temp(older_than_s=older_than_s, dry_run=dry_run)
+
     def get(self, key: str, **kwargs) -> bytes:
         return self.inner.get(key, **kwargs)
 
