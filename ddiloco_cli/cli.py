@@ -87,6 +87,10 @@ StorageOpts = Annotated[Optional[list[str]], typer.Option(
     help="Backend option (repeatable; in the variable: space-separated), e.g. -o endpoint_url=http://127.0.0.1:9000")]
 JsonOut = Annotated[bool, typer.Option("--json", metavar="", help="Machine-readable output")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Debug logging")]
+LogWith = Annotated[Optional[list[str]], typer.Option(
+    "--log-with", metavar="tensorboard|wandb|mlflow",
+    help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local files); repeatable")]
+LogDir = Annotated[str, typer.Option("--log-dir", metavar="DIR", help="Directory for --log-with output")]
 
 
 def _number(flag: str, *, positive: bool = False, allow_inf: bool = False):
@@ -299,6 +303,8 @@ def learn(
         "--wait-for-run", metavar="SECONDS", parser=_number("--wait-for-run", allow_inf=True),
         help="Wait up to SECONDS (inf: forever) for the run to be created, polling with backoff, "
              "instead of exiting at once")] = None,
+    log_with: LogWith = None,
+    log_dir: LogDir = "ddiloco-logs",
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
 ) -> None:
@@ -326,8 +332,18 @@ def learn(
     _maybe_init_distributed(device)
     opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards,
                           poll_s=poll)
-    with learner_view(console, learner_id) as on_progress:
-        reason = Learner(store, options=opts, on_progress=on_progress).train()
+    from ddiloco_cli import metrics
+
+    # one writer per island: rank 0 does the bucket I/O
+    writer = metrics.open_writer(store, role="learner", writer_id=learner_id, log_with=log_with or (),
+                                 log_dir=log_dir) if os.environ.get("RANK", "0") == "0" else None
+    try:
+        with learner_view(console, learner_id) as on_progress:
+            hook = metrics.learner_progress_hook(writer) if writer else None
+            reason = Learner(store, options=opts, on_progress=metrics.chain(on_progress, hook)).train()
+    finally:
+        if writer:
+            writer.close()
     log.info("learner %s: %s", learner_id, reason)
 
 
@@ -359,6 +375,12 @@ def sync(
     max_runtime: Annotated[Optional[float], typer.Option(
         "--max-runtime", metavar="SECONDS", parser=_number("--max-runtime", positive=True),
         help="Stop after this many seconds")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(
+        "--eval-every", metavar="N", min=1,
+        help="Evaluate the global model on the task's val_batches every N merges (in the background; "
+             "written to the run's metrics)")] = None,
+    log_with: LogWith = None,
+    log_dir: LogDir = "ddiloco-logs",
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
 ) -> None:
@@ -366,6 +388,8 @@ def sync(
     grace (token-weighted RDA), take outer Nesterov steps and commit new versions."""
     import signal
 
+    from ddiloco_cli import metrics
+    from ddiloco_cli.evaluation import PeriodicEvaluator
     from ddiloco_cli.fragspec import parse_fragment_spec
     from ddiloco_cli.live import syncer_view
     from ddiloco_cli.syncer import Syncer, SyncerOptions
@@ -376,8 +400,19 @@ def sync(
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
     opts = SyncerOptions(fragments=frags, syncer_id=syncer_id or "", poll_s=poll,
                          gc=not no_gc, max_versions=max_versions, max_runtime_s=max_runtime)
-    with syncer_view(console) as on_progress:
-        reason = Syncer(_store(url, storage_option), options=opts, on_progress=on_progress).serve(stop=lambda: stopping["flag"])
+    store = _store(url, storage_option)
+    writer = metrics.open_writer(store, role="syncer", writer_id=metrics.writer_id_from(f"fragments-{fragments or 'all'}"),
+                                 log_with=log_with or (), log_dir=log_dir)
+    evaluator = PeriodicEvaluator(store, every_versions=eval_every, writer=writer) if eval_every else None
+    hook = metrics.syncer_progress_hook(writer, on_merges=evaluator.on_merges if evaluator else None)
+    try:
+        with syncer_view(console) as on_progress:
+            syncer = Syncer(store, options=opts, on_progress=metrics.chain(on_progress, hook))
+            reason = syncer.serve(stop=lambda: stopping["flag"])
+    finally:
+        if evaluator:
+            evaluator.close()
+        writer.close()
     logging.getLogger("ddiloco").info("syncer: %s", reason)
 
 
@@ -471,29 +506,78 @@ def gc(
 @app.command()
 def export(
     url: Url,
-    output: Annotated[str, typer.Argument(metavar="OUT.safetensors", help="Output file (replaced if it exists)")],
+    output: Annotated[Optional[str], typer.Argument(metavar="OUT.safetensors", help="Output file (replaced if it exists)")] = None,
+    hf_dir: Annotated[Optional[str], typer.Option(
+        "--hf-dir", metavar="DIR",
+        help="Write a Hugging Face save_pretrained directory instead (tasks built on transformers)")] = None,
     storage_option: StorageOpts = None,
 ) -> None:
-    """Assemble the latest global model into one safetensors file (run config in its metadata)."""
-    from ddiloco_cli.export import export_model
+    """Assemble the latest global model into one safetensors file (run config in its metadata),
+    or with --hf-dir into a directory AutoModelForCausalLM.from_pretrained loads."""
+    from ddiloco_cli.export import export_hf, export_model
 
-    _check_output_file(output)
-    info = export_model(_store(url, storage_option), output)
-    console.print(f"wrote {output}: {info['num_params']:,} parameters, versions {info['versions']}")
+    if (output is None) == (hf_dir is None):
+        raise UsageError("give either OUTPUT.safetensors or --hf-dir DIR")
+    store = _store(url, storage_option)
+    info = export_hf(store, hf_dir) if hf_dir else export_model(store, output)
+    console.print(f"wrote {info['path']}: {info['num_params']:,} parameters, versions {info['versions']}")
 
 
-def _check_output_file(path: str) -> None:
-    """A file we may write: not a directory; its missing parent directories can be made
-    (export makes them), i.e. the nearest existing ancestor is a writable directory."""
-    if os.path.isdir(path):
-        raise UsageError(f"{path} is a directory; give a file name, e.g. {os.path.join(path, 'model.safetensors')}")
-    ancestor = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UsageError(f"cannot write {path}: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK):
-        raise UsageError(f"cannot write {path}: no permission to write in {ancestor}")
+@app.command("eval")
+def eval_(
+    url: Url,
+    max_batches: Annotated[Optional[int], typer.Option(
+        metavar="N", min=1, help="Evaluate on the first N validation batches (default: all)")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        metavar="N", min=1, help="Validation batch size (default: the run's)")] = None,
+    device: Annotated[str, typer.Option(metavar="cpu|cuda[:N]", envvar="DDILOCO_DEVICE", show_envvar=True,
+                                        help="Device to evaluate on")] = "cpu",
+    json_out: JsonOut = False,
+    storage_option: StorageOpts = None,
+) -> None:
+    """Evaluate the latest global model on the task's val_batches (mean loss per token)."""
+    from ddiloco_cli.evaluation import evaluate_global
+
+    result = evaluate_global(_store(url, storage_option), max_batches=max_batches, batch_size=batch_size, device=device)
+    if json_out:
+        out.print_json(json.dumps(result))
+    else:
+        out.print(f"val loss {result['val_loss']:.4f} (versions {result['versions']})")
+
+
+@app.command()
+def metrics(
+    url: Url,
+    tensorboard: Annotated[Optional[str], typer.Option(
+        "--tensorboard", metavar="DIR", help="Write TensorBoard event files under DIR (one run per writer)")] = None,
+    csv_path: Annotated[Optional[str], typer.Option("--csv", metavar="FILE", help="Write one CSV row per record")] = None,
+    storage_option: StorageOpts = None,
+) -> None:
+    """Export the run's metrics history (learners' and syncers' records) to TensorBoard or CSV."""
+    from ddiloco_cli import metrics as m
+
+    if (tensorboard is None) == (csv_path is None):
+        raise UsageError("give exactly one of --tensorboard DIR or --csv FILE")
+    records = m.read_metrics(_store(url, storage_option))
+    m.add_versions_behind(records)
+    if tensorboard:
+        n = m.write_tensorboard(records, tensorboard)
+        console.print(f"wrote {n} scalars from {len(records)} records to {tensorboard} (tensorboard --logdir {tensorboard})")
+    else:
+        console.print(f"wrote {m.write_csv(records, csv_path)} records to {csv_path}")
+
+
+@app.command()
+def plot(
+    url: Url,
+    output: Annotated[str, typer.Argument(metavar="OUT.png", help="Output PNG file (replaced if it exists)")],
+    storage_option: StorageOpts = None,
+) -> None:
+    """Draw training loss per learner and the global validation loss over time (PNG)."""
+    from ddiloco_cli.metrics import plot_run
+
+    info = plot_run(_store(url, storage_option), output)
+    console.print(f"wrote {info['path']}: {info['learners']} learner(s), {info['global_points']} global val points")
 
 
 # ----------------------------------------------------------------------- tools

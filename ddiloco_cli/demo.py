@@ -147,7 +147,7 @@ def run_demo(*, workdir: str, num_learners: int = 3, duration_s: float = 150.0, 
     summary = _summary(run, beats, num_params=num_params, initial_loss=initial_loss, final_loss=final_loss,
                        wall_s=trace.now(), num_learners=num_learners, victims={victim} if killed_at else set())
     plot_path = os.path.join(workdir, "loss.png")
-    _plot(trace, plot_path)
+    plot_trace(trace, plot_path, title="ddiloco demo: Decoupled DiLoCo on Shakespeare")
     summary["plot"] = plot_path
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -191,14 +191,17 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
     console.print(f"plot: {s['plot']}")
 
 
-def _plot(trace: DemoTrace, path: str) -> None:
+def plot_trace(trace: DemoTrace, path: str, *, title: str) -> bool:
+    """Draw learners' training loss, the global model's validation loss and the events
+    over time into a PNG at path (used by the demo and `ddiloco plot`). Returns False,
+    drawing nothing, when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for lid, pts in sorted(trace.learner_loss.items()):
         ax.plot([t for t, _ in pts], [v for _, v in pts], lw=1, alpha=0.8, label=f"{lid} (train)")
@@ -207,9 +210,10 @@ def _plot(trace: DemoTrace, path: str) -> None:
         ax.axvline(t, color="red", ls="--", lw=0.8)
         ax.text(t, ax.get_ylim()[1], what, rotation=90, va="top", ha="right", fontsize=7, color="red")
     ax.set_xlabel("seconds")
-    ax.set_ylabel("loss (nats/char)")
-    ax.set_title("ddiloco demo: Decoupled DiLoCo on Shakespeare")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

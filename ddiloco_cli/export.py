@@ -1,4 +1,5 @@
-"""`ddiloco export`: the latest global model as one safetensors file.
+"""`ddiloco export`: the latest global model as one safetensors file, or as a Hugging
+Face ``save_pretrained`` directory (``--hf-dir``).
 
 The file holds the task model's full ``state_dict()`` (tied weights appear under
 every name ``state_dict`` uses, each as its own copy, since safetensors refuses
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from ddiloco_cli import ledger
 from ddiloco_cli.errors import UsageError
+from ddiloco_cli.metrics import check_output_path, make_parent
 from ddiloco_cli.fragments import assemble_parameters  # noqa: F401 - re-exported
 from ddiloco_cli.published import read_global_params
 from ddiloco_cli.store.base import Store
@@ -35,23 +37,13 @@ def export_model(store: Store, out_path: str) -> dict[str, Any]:
     RunNotFoundError, ProtocolError / InvalidPayloadError on bad bucket content, and
     UsageError when the task cannot be built or does not match the run's plan.
     """
-    run = ledger.read_run(store)
-    plan = ledger.read_plan(store, run_id=run["run_id"])
-    params, versions = read_global_params(store, run_id=run["run_id"], plan=plan)
-
-    model = load_task(run["task"]).build_model()
-    named = dict(model.named_parameters())
-    plan.check_model(named)
-    with torch.no_grad():
-        for name, param in named.items():
-            param.copy_(params[name])
+    check_output_path(out_path)  # a bad OUT fails before any bucket read
+    run, plan, model, versions = _global_model(store)
     state = {k: t.detach().to("cpu").clone().contiguous() for k, t in model.state_dict().items()}
     metadata = {"ddiloco_run": json.dumps(run, sort_keys=True),
                 "versions": json.dumps({str(p): v for p, v in versions.items()})}
 
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".safetensors", dir=out_dir)
+    fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".safetensors", dir=make_parent(out_path))
     os.close(fd)
     try:
         save_file(state, tmp, metadata=metadata)
@@ -60,6 +52,35 @@ def export_model(store: Store, out_path: str) -> dict[str, Any]:
         os.unlink(tmp)
         raise
     return {"run_id": run["run_id"], "num_params": plan.total_numel(), "versions": versions, "path": out_path}
+
+
+def _global_model(store: Store) -> tuple[dict[str, Any], Any, torch.nn.Module, dict[int, int]]:
+    """(run, plan, the task model holding the newest global parameters, versions)."""
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    params, versions = read_global_params(store, run_id=run["run_id"], plan=plan)
+    model = load_task(run["task"]).build_model()
+    named = dict(model.named_parameters())
+    plan.check_model(named)
+    with torch.no_grad():
+        for name, param in named.items():
+            param.copy_(params[name])
+    return run, plan, model, versions
+
+
+def export_hf(store: Store, out_dir: str) -> dict[str, Any]:
+    """Write the newest global model as a Hugging Face ``save_pretrained`` directory
+    (config.json + model.safetensors) that ``AutoModelForCausalLM.from_pretrained(out_dir)``
+    loads. The run's task must build a transformers ``PreTrainedModel`` (e.g.
+    ``ddiloco_cli.tasks.hf:causal_lm``). Returns like export_model."""
+    check_output_path(out_dir, directory=True)
+    run, plan, model, versions = _global_model(store)
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise UsageError(f"the run's task {run['task']!r} builds a {type(model).__name__}, not a transformers "
+                         f"model; export it as OUT.safetensors instead of --hf-dir")
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return {"run_id": run["run_id"], "num_params": plan.total_numel(), "versions": versions, "path": out_dir}
 
 
 def exported_metadata(path: str) -> dict[str, Any]:

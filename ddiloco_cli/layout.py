@@ -150,6 +150,25 @@ def learner_state_key(learner_id: str) -> str:
     return f"{LEARNER_HEARTBEAT_PREFIX}{learner_id}/state.json"
 
 
+# -- metrics history (non-authoritative): rolling JSON-lines segments per writer --
+METRICS_PREFIX = "metrics/"
+METRICS_ROLES = ("learner", "syncer")
+
+
+def metrics_prefix(role: str, writer_id: str) -> str:
+    return f"{METRICS_PREFIX}{role}/{writer_id}/"
+
+
+def metrics_segment_key(role: str, writer_id: str, segment: int) -> str:
+    return f"{metrics_prefix(role, writer_id)}{num(segment)}.jsonl"
+
+
+def parse_metrics_key(key: str) -> tuple[str, str, int] | None:
+    """(role, writer_id, segment) of a metrics segment key, or None."""
+    m = re.match(r"^metrics/(learner|syncer)/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(\d{20})\.jsonl$", key)
+    return (m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
 # -- outer optimizer checkpoints --
 def checkpoint_prefix(p: int) -> str:
     return f"{CHECKPOINT_ROOT}{frag(p)}/"

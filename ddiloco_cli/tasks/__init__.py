@@ -19,13 +19,18 @@ A task is any object with these methods (a class or zero-argument factory works 
 
 Pick one on the command line with ``--task module.path:object``,
 ``--task path/to/file.py:object`` or a built-in name (``tiny``, ``small``, ``medium``).
+A class or function takes keyword arguments from a ``?key=value&...`` tail, e.g.
+``ddiloco_cli.tasks.hf:causal_lm?config=llama&num_hidden_layers=2``; they are part of
+the spec recorded in run.json, so every process builds the same task.
 """
 
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
+import urllib.parse
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
@@ -101,6 +106,8 @@ def load_task(spec: str) -> Task:
     arguments and the result is the task. Raises UsageError when the module, object or
     one of the required methods is missing (the message names what is missing)."""
     spec = BUILTIN_TASKS.get(spec, spec)
+    spec, _, arg_text = spec.partition("?")
+    args = _task_args(spec, arg_text)
     module_ref, sep, attr = spec.rpartition(":")
     if not sep or not module_ref or not attr:
         raise UsageError(f"--task {spec!r}: expected MODULE:OBJECT or path/to/file.py:OBJECT, "
@@ -113,16 +120,34 @@ def load_task(spec: str) -> Task:
     obj = getattr(module, attr)
     if inspect.isclass(obj) or inspect.isfunction(obj):
         try:
-            inspect.signature(obj).bind()
-        except TypeError:
-            raise UsageError(f"--task {spec!r}: {attr} must be callable with no arguments "
+            inspect.signature(obj).bind(**args)
+        except TypeError as exc:
+            raise UsageError(f"--task {spec!r}: {attr} must be callable with "
+                             f"{'the arguments given (' + str(exc) + ')' if args else 'no arguments'} "
                              f"(or be a task instance)") from None
-        obj = obj()
+        obj = obj(**args)
+    elif args:
+        raise UsageError(f"--task {spec!r}: arguments given, but {attr} is not a class or function")
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(obj, m, None))]
     if missing:
         raise UsageError(f"--task {spec!r}: {type(obj).__name__} object lacks method(s) "
                          f"{', '.join(missing)}; a task needs {', '.join(REQUIRED_METHODS)}")
     return obj
+
+
+def _task_args(spec: str, arg_text: str) -> dict[str, Any]:
+    """Keyword arguments from a spec's ``?key=value&...`` tail (so they travel in run.json):
+    a value that parses as a JSON number, boolean or null is that, else a string."""
+    args: dict[str, Any] = {}
+    for key, value in urllib.parse.parse_qsl(arg_text, keep_blank_values=True, strict_parsing=bool(arg_text)):
+        if not key.isidentifier():
+            raise UsageError(f"--task {spec}?{arg_text}: {key!r} is not an argument name")
+        try:
+            parsed = json.loads(value)
+            args[key] = parsed if isinstance(parsed, (int, float, bool)) or parsed is None else value
+        except ValueError:
+            args[key] = value
+    return args
 
 
 def _looks_like_task(obj: Any) -> bool:

@@ -1,0 +1,588 @@
+"""Metrics history: compact records in rolling segments in the bucket, and their readers.
+
+Learners and syncers append one flat record per log step (loss, tokens/s, step time,
+blocked time, bytes, versions behind, merges, quorum sizes, grace, quarantines, global
+val loss, ...) to ``metrics/<role>/<writer id>/<segment>.jsonl`` (PROTOCOL.md, "Metrics
+history"). These objects are non-authoritative: nothing in training reads them.
+
+* ``MetricsWriter.log`` only appends to an in-memory buffer; a background thread
+  serialises and uploads every ``flush_every_s``, so the training loop never waits on
+  the bucket. A segment holds at most ``records_per_segment`` lines and
+  ``segment_bytes`` bytes; a writer keeps at most ``max_segments`` segments (its
+  restarts included), deleting the oldest, so a writer's history is bounded.
+* ``read_metrics`` treats every segment as untrusted input: bounded object size,
+  bounded line length, flat records of finite numbers and short strings only. Bad
+  objects and lines are skipped with a one-line warning naming the key.
+* ``MetricsLogger`` is the small interface behind ``--log-with`` (TensorBoard, W&B,
+  MLflow, all offline-capable optional extras) and ``ddiloco metrics --tensorboard``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+from ddiloco_cli import layout, ledger
+from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.store.base import NotFound, Store
+
+log = logging.getLogger(__name__)
+
+# reader bounds: a hostile bucket cannot make a reader allocate or parse without limit
+MAX_SEGMENT_BYTES = 1 << 20
+MAX_LINE_CHARS = 4096
+MAX_FIELDS = 64
+MAX_STR_CHARS = 128
+MAX_SEGMENTS_READ = 256  # newest segments per writer
+MAX_WRITERS_READ = 4096
+_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+
+
+def writer_id_from(text: str) -> str:
+    """A valid metrics writer id made from free text (host names, fragment specs)."""
+    cleaned = _UNSAFE_ID_CHARS.sub("-", text).strip("-._") or "writer"
+    return cleaned[:64]
+
+
+# ---------------------------------------------------------------------- writer
+class MetricsWriter:
+    """Buffered, rolling writer of one process's metrics records.
+
+    ``log(step=..., **fields)`` is cheap (a dict append under a lock) and never touches
+    the bucket. ``start()`` runs the flusher thread; ``close()`` flushes what is left and
+    closes the external loggers. Upload failures are logged and retried at the next
+    flush; at most ``max_segments`` finished-but-unwritten segments are kept in memory.
+    Times (``t``) are on the store's clock, offset once at the first flush, so records
+    of machines with skewed clocks line up.
+    """
+
+    def __init__(self, store: Store, *, role: str, writer_id: str, flush_every_s: float = 10.0,
+                 records_per_segment: int = 2000, segment_bytes: int = 256 * 1024, max_segments: int = 16,
+                 loggers: Iterable["MetricsLogger"] = ()):
+        if role not in layout.METRICS_ROLES:
+            raise ValueError(f"metrics role must be one of {layout.METRICS_ROLES}, not {role!r}")
+        if not layout.valid_learner_id(writer_id):
+            raise ValueError(f"metrics writer id {writer_id!r} is not a valid id (see writer_id_from)")
+        if segment_bytes > MAX_SEGMENT_BYTES or records_per_segment < 1 or max_segments < 1:
+            raise ValueError("segment_bytes must be <= MAX_SEGMENT_BYTES; records_per_segment and max_segments >= 1")
+        self.store, self.role, self.writer_id = store, role, writer_id
+        self.flush_every_s = flush_every_s
+        self.records_per_segment, self.segment_bytes, self.max_segments = records_per_segment, segment_bytes, max_segments
+        self.loggers = list(loggers)
+        self._lock = threading.Lock()
+        self._pending: list[dict[str, Any]] = []
+        self._first = True
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._clock_offset_s: float | None = None
+        # segment state, touched only by the flushing thread (or close after it stopped)
+        self._segments: deque[int] | None = None  # own segments in the bucket, oldest first
+        self._segment: int | None = None  # the segment being filled
+        self._segment_created = False
+        self._lines: list[bytes] = []
+        self._lines_bytes = 0
+        self._unwritten: dict[int, bytes] = {}  # finished segments whose upload failed
+
+    def log(self, *, step: int, **fields: Any) -> None:
+        """Buffer one record. Fields are scalars (numbers, short strings); None is dropped.
+        The first record of a process is marked ``event="start"`` (a restart in a plot)."""
+        record = {k: v for k, v in fields.items() if v is not None}
+        record["step"] = int(step)
+        record["t"] = time.time()
+        with self._lock:
+            if self._first:
+                record.setdefault("event", "start")
+                self._first = False
+            self._pending.append(record)
+
+    def start(self) -> "MetricsWriter":
+        self._thread = threading.Thread(target=self._run, name=f"ddiloco-metrics-{self.role}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as exc:  # noqa: BLE001 - a broken external logger must not fail training
+                log.warning("metrics: closing %s failed: %s", type(logger).__name__, exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_every_s):
+            self.flush()
+
+    def flush(self) -> None:
+        """Upload the buffered records now (called by the flusher thread and close)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending and not self._unwritten:
+            return
+        try:
+            if self._clock_offset_s is None:
+                self._clock_offset_s = self.store.now() - time.time()
+            if self._segments is None:  # continue after the segments of this id's earlier sessions
+                keys = [layout.parse_metrics_key(i.key) for i in self.store.list(layout.metrics_prefix(self.role, self.writer_id))]
+                self._segments = deque(sorted(k[2] for k in keys if k is not None))
+        except Exception as exc:  # noqa: BLE001 - metrics are best effort; retried next flush
+            log.warning("metrics: cannot reach %s (%s); will retry", self.store.url, exc)
+            with self._lock:
+                self._pending[:0] = pending
+            return
+        for record in pending:
+            # compact lines: 6 significant digits are plenty for a curve; t to the millisecond
+            record = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in record.items()}
+            record["t"] = round(record["t"] + self._clock_offset_s, 3)
+            self._forward(record)
+            line = (json.dumps(record, separators=(",", ":"), allow_nan=False, default=str) + "\n").encode()
+            if len(line) > MAX_LINE_CHARS:
+                log.warning("metrics: record of %d bytes dropped (limit %d)", len(line), MAX_LINE_CHARS)
+                continue
+            if self._segment is not None and (len(self._lines) >= self.records_per_segment
+                                              or self._lines_bytes + len(line) > self.segment_bytes):
+                self._unwritten[self._segment] = b"".join(self._lines)
+                self._segment, self._lines, self._lines_bytes = None, [], 0
+            if self._segment is None:
+                self._segment = (self._segments[-1] + 1) if self._segments else 0
+                self._segments.append(self._segment)
+                self._segment_created = False
+            self._lines.append(line)
+            self._lines_bytes += len(line)
+        self._upload()
+
+    def _upload(self) -> None:
+        for seg in sorted(self._unwritten):
+            try:
+                self.store.put(layout.metrics_segment_key(self.role, self.writer_id, seg), self._unwritten[seg])
+                del self._unwritten[seg]
+            except Exception as exc:  # noqa: BLE001
+                log.warning("metrics: upload of segment %d failed (%s); will retry", seg, exc)
+        while len(self._unwritten) > self.max_segments:
+            del self._unwritten[min(self._unwritten)]
+        if self._segment is not None and self._lines:
+            data = b"".join(self._lines)
+            try:
+                self._put_current(data)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("metrics: upload of segment %d failed (%s); will retry", self._segment, exc)
+        self._trim()
+
+    def _put_current(self, data: bytes) -> None:
+        if self._segment_created:
+            self.store.put(layout.metrics_segment_key(self.role, self.writer_id, self._segment), data)
+            return
+        # a new segment is created, never overwritten: a second process under the same
+        # id (a misconfiguration the learner refuses, or a stale one) keeps its history
+        for _ in range(8):
+            if self.store.put_if_absent(layout.metrics_segment_key(self.role, self.writer_id, self._segment), data):
+                self._segment_created = True
+                return
+            self._segments.remove(self._segment)
+            self._segment += 1
+            self._segments.append(self._segment)
+        raise RuntimeError("eight segment numbers in a row were taken")
+
+    def _trim(self) -> None:
+        while len(self._segments) > self.max_segments:
+            old = self._segments.popleft()
+            try:
+                self.store.delete(layout.metrics_segment_key(self.role, self.writer_id, old))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("metrics: deleting old segment %d failed (%s)", old, exc)
+
+    def _forward(self, record: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            try:
+                logger.log(record, role=self.role, writer_id=self.writer_id)
+            except Exception as exc:  # noqa: BLE001 - an external logger must not fail training
+                log.warning("metrics: %s failed: %s", type(logger).__name__, exc)
+
+
+# ------------------------------------------------ progress hooks (learn / sync)
+def _version_stats(versions: dict) -> dict[str, int]:
+    vs = [int(v) for v in versions.values()]
+    return {"version_min": min(vs), "version_max": max(vs), "version_sum": sum(vs), "version_count": len(vs)} if vs else {}
+
+
+def learner_progress_hook(writer: MetricsWriter, *, every_steps: int = 10) -> Callable[[dict[str, Any]], None]:
+    """An ``on_progress`` callback for ``Learner`` that logs one record every
+    ``every_steps`` steps: loss, lr, step time, tokens/s since the last record,
+    blocked time, bytes and the fragment versions it holds."""
+    last: dict[str, float] = {}
+
+    def hook(p: dict[str, Any]) -> None:
+        if p["step"] % every_steps:
+            return
+        now = time.monotonic()
+        tokens_per_s = ((p["tokens"] - last["tokens"]) / (now - last["t"])
+                        if last and now > last["t"] else None)
+        last.update(t=now, tokens=p["tokens"])
+        writer.log(step=p["step"], loss=p.get("loss"), lr=p.get("lr"), step_time_s=p.get("step_time_s"),
+                   tokens=p["tokens"], tokens_per_s=tokens_per_s, blocked_s=p.get("blocked_s"),
+                   bytes_up=p.get("bytes_up"), bytes_down=p.get("bytes_down"),
+                   versions_behind=p.get("versions_behind"), **_version_stats(p.get("versions") or {}))
+
+    return hook
+
+
+def syncer_progress_hook(writer: MetricsWriter, *, every_s: float = 10.0,
+                         on_merges: Callable[[int], None] | None = None) -> Callable[[dict[str, Any]], None]:
+    """An ``on_progress`` callback for ``Syncer`` that logs a record when merges happened
+    (at most one per second) or every ``every_s``: merges, quorum sizes, grace,
+    pending and quarantined contributions, live learners, bytes, versions.
+    ``on_merges(num_merges)`` is called on every new merge count (periodic evaluation)."""
+    last = {"t": float("-inf"), "merges": -1}
+
+    def hook(p: dict[str, Any]) -> None:
+        now = time.monotonic()
+        merges = int(p["num_merges"])
+        if on_merges is not None and merges != last["merges"]:
+            on_merges(merges)
+        if not (merges != last["merges"] and now - last["t"] >= 1.0 or now - last["t"] >= every_s):
+            return
+        last.update(t=now, merges=merges)
+        quorum = [q for q in (p.get("quorum_sizes") or {}).values() if q]
+        writer.log(step=merges, merges=merges, epoch=p.get("epoch"), quarantined=p.get("num_quarantined"),
+                   pending=sum((p.get("pending") or {}).values()), live_learners=p.get("live_learners"),
+                   quorum_min=min(quorum, default=None), quorum_max=max(quorum, default=None),
+                   grace_s=p.get("grace_s"), bytes_in=p.get("bytes_in"), bytes_out=p.get("bytes_out"),
+                   **_version_stats(p.get("versions") or {}))
+
+    return hook
+
+
+def open_writer(store: Store, *, role: str, writer_id: str, log_with: Iterable[str] = (),
+                log_dir: str = "ddiloco-logs") -> MetricsWriter:
+    """A started MetricsWriter for this process, forwarding to the ``--log-with`` loggers."""
+    names = list(log_with)
+    run_id = ledger.read_run(store)["run_id"] if names else ""
+    loggers = [make_logger(n, run_id=run_id, role=role, writer_id=writer_id, log_dir=log_dir) for n in names]
+    return MetricsWriter(store, role=role, writer_id=writer_id, loggers=loggers).start()
+
+
+def chain(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None] | None:
+    """One ``on_progress`` callback calling every given one (None entries skipped)."""
+    live = [h for h in hooks if h is not None]
+    if not live:
+        return None
+    if len(live) == 1:
+        return live[0]
+    return lambda p: [h(p) for h in live] and None
+
+
+def add_versions_behind(records: list["Record"]) -> None:
+    """Fill ``versions_behind`` of learner records that lack it: the syncers' summed
+    committed versions (each syncer's newest record at or before the learner's) minus
+    the learner's summed held versions, per fragment: how many versions a fragment the
+    learner holds is behind the global model, on average."""
+    syncer_points = sorted((r.t, r.writer_id, r.fields["version_sum"])
+                           for r in records if r.role == "syncer" and "version_sum" in r.fields)
+    learners = sorted((r for r in records if r.role == "learner" and "version_sum" in r.fields
+                       and "versions_behind" not in r.fields), key=lambda r: r.t)
+    latest: dict[str, float] = {}
+    i = 0
+    for r in learners:
+        while i < len(syncer_points) and syncer_points[i][0] <= r.t:
+            latest[syncer_points[i][1]] = syncer_points[i][2]
+            i += 1
+        if latest:
+            behind = max(sum(latest.values()) - r.fields["version_sum"], 0)
+            r.fields["versions_behind"] = round(behind / max(int(r.fields.get("version_count", 1)), 1), 3)
+
+
+# ---------------------------------------------------------------------- reader
+@dataclass(frozen=True)
+class Record:
+    role: str
+    writer_id: str
+    fields: dict[str, Any]  # always has "t" (store clock, s) and "step"
+
+    @property
+    def t(self) -> float:
+        return float(self.fields["t"])
+
+    @property
+    def step(self) -> int:
+        return int(self.fields["step"])
+
+
+def parse_line(line: bytes) -> dict[str, Any] | None:
+    """A flat record from one untrusted line, or None when it is not one: a JSON object
+    of at most MAX_FIELDS fields named like identifiers, whose values are finite numbers
+    or strings of at most MAX_STR_CHARS, with numeric ``t`` and integer ``step``."""
+    if len(line) > MAX_LINE_CHARS:
+        return None
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or len(obj) > MAX_FIELDS:
+        return None
+    for key, value in obj.items():
+        if not _FIELD.match(key):
+            return None
+        if isinstance(value, bool) or value is None:
+            return None
+        if isinstance(value, (int, float)):
+            if not math.isfinite(value):
+                return None
+        elif not (isinstance(value, str) and len(value) <= MAX_STR_CHARS):
+            return None
+    if not isinstance(obj.get("t"), (int, float)) or not isinstance(obj.get("step"), int):
+        return None
+    return obj
+
+
+def read_metrics(store: Store, *, role: str | None = None) -> list[Record]:
+    """Every readable record in the bucket's metrics history, ordered by (role, writer,
+    segment, line). Oversized objects, unreadable segments and bad lines are skipped with
+    one warning per segment; at most MAX_SEGMENTS_READ newest segments per writer and
+    MAX_WRITERS_READ writers are read."""
+    prefix = f"{layout.METRICS_PREFIX}{role}/" if role else layout.METRICS_PREFIX
+    by_writer: dict[tuple[str, str], list[tuple[int, str, int]]] = {}
+    for info in store.list(prefix):
+        parsed = layout.parse_metrics_key(info.key)
+        if parsed is None:
+            log.warning("metrics: %s is not a metrics segment name; skipped", info.key)
+            continue
+        by_writer.setdefault(parsed[:2], []).append((parsed[2], info.key, info.size))
+    if len(by_writer) > MAX_WRITERS_READ:
+        log.warning("metrics: %d writers, reading the first %d", len(by_writer), MAX_WRITERS_READ)
+    out: list[Record] = []
+    for (r, wid) in sorted(by_writer)[:MAX_WRITERS_READ]:
+        for _, key, size in sorted(by_writer[(r, wid)])[-MAX_SEGMENTS_READ:]:
+            out.extend(Record(r, wid, fields) for fields in _read_segment(store, key, size))
+    return out
+
+
+def _read_segment(store: Store, key: str, size: int) -> list[dict[str, Any]]:
+    if size > MAX_SEGMENT_BYTES:
+        log.warning("metrics: %s is %d bytes (limit %d); skipped", key, size, MAX_SEGMENT_BYTES)
+        return []
+    try:
+        data = store.get(key)
+    except NotFound:
+        return []  # rolled away since the LIST
+    if len(data) > MAX_SEGMENT_BYTES:
+        log.warning("metrics: %s is %d bytes (limit %d); skipped", key, len(data), MAX_SEGMENT_BYTES)
+        return []
+    records, bad = [], []
+    for n, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        rec = parse_line(line)
+        if rec is None:
+            bad.append(n)
+        else:
+            records.append(rec)
+    if bad:
+        log.warning("metrics: %s: %d malformed line(s) skipped (first: line %d)", key, len(bad), bad[0])
+    return records
+
+
+def write_csv(records: list[Record], path: str) -> int:
+    """One row per record: role, writer_id, then every field seen (sorted). Returns rows."""
+    fields = sorted({k for r in records for k in r.fields} - {"t", "step"})
+    check_output_path(path)
+    make_parent(path)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["role", "writer_id", "t", "step", *fields])
+        for r in records:
+            w.writerow([r.role, r.writer_id, r.fields["t"], r.fields["step"], *(r.fields.get(k, "") for k in fields)])
+    return len(records)
+
+
+def write_tensorboard(records: list[Record], log_dir: str) -> int:
+    """One TensorBoard run per writer (``<log_dir>/<role>/<id>``), a scalar per numeric
+    field at the record's step, wall time = the record's time. Returns the scalars written."""
+    check_output_path(log_dir, directory=True)
+    os.makedirs(log_dir, exist_ok=True)
+    loggers: dict[tuple[str, str], TensorBoardLogger] = {}
+    n = 0
+    try:
+        for r in records:
+            logger = loggers.get((r.role, r.writer_id))
+            if logger is None:
+                logger = loggers[(r.role, r.writer_id)] = TensorBoardLogger(os.path.join(log_dir, r.role, r.writer_id))
+            n += logger.log(r.fields, role=r.role, writer_id=r.writer_id)
+    finally:
+        for logger in loggers.values():
+            logger.close()
+    return n
+
+
+def check_output_path(path: str, *, directory: bool = False) -> None:
+    """Refuse, with a one-line UsageError and before any bucket read, a local output
+    path that cannot be written: a file path that is a directory (or a directory path
+    that is a file), or one whose nearest existing ancestor is a file or not writable.
+    Missing parent directories are fine: writers make them (``make_parent``)."""
+    if not directory and os.path.isdir(path):
+        raise UsageError(f"{path} is a directory; give a file name, e.g. {os.path.join(path, 'model.safetensors')}")
+    if directory and os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"cannot write {path}: it is a file, not a directory")
+    ancestor = os.path.abspath(path) if directory else os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"cannot write {path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK):
+        raise UsageError(f"cannot write {path}: no permission to write in {ancestor}")
+
+
+def make_parent(path: str) -> str:
+    """Create the parent directory of a checked output file; return it."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    return parent
+
+
+def plot_run(store: Store, out_path: str) -> dict[str, Any]:
+    """Draw the demo's loss picture from a run's metrics history: every learner's training
+    loss (a gap while it was gone, a red line where it restarted) and the global model's
+    validation loss (from `sync --eval-every`), over seconds since the first record.
+    Returns {records, learners, global_points, path}. Raises UsageError when there is
+    nothing to draw or matplotlib is missing."""
+    from ddiloco_cli.demo import DemoTrace, plot_trace
+
+    check_output_path(out_path)
+    records = [r for r in read_metrics(store) if "loss" in r.fields or "global_val_loss" in r.fields]
+    if not records:
+        raise UsageError(f"no loss records under {store.url}/{layout.METRICS_PREFIX} to plot "
+                         "(learners write them while training; `sync --eval-every N` adds the global val loss)")
+    t0 = min(r.t for r in records)
+    trace = DemoTrace(t0=0.0)
+    by_learner: dict[str, list[Record]] = {}
+    for r in records:
+        if r.role == "learner" and "loss" in r.fields:
+            by_learner.setdefault(r.writer_id, []).append(r)
+        elif "global_val_loss" in r.fields:
+            trace.global_loss.append((r.t - t0, float(r.fields["global_val_loss"])))
+    trace.global_loss.sort()
+    for lid, rs in sorted(by_learner.items()):
+        rs.sort(key=lambda r: r.t)
+        pts = trace.learner_loss[lid] = []
+        for prev, r in zip([None, *rs], rs):
+            if prev is not None and r.fields.get("event") == "start":
+                pts.append((r.t - t0, float("nan")))  # a gap while it was gone
+                trace.events.append((r.t - t0, f"restart {lid}"))
+            pts.append((r.t - t0, float(r.fields["loss"])))
+    make_parent(out_path)
+    try:
+        run_id = ledger.read_run(store)["run_id"]
+    except DdilocoError:
+        run_id = "?"
+    if not plot_trace(trace, out_path, title=f"ddiloco run {run_id}: training loss and global validation loss"):
+        raise UsageError("plotting needs matplotlib: pip install 'ddiloco[plot]'")
+    return {"records": len(records), "learners": len(by_learner), "global_points": len(trace.global_loss),
+            "path": out_path}
+
+
+# --------------------------------------------------------------- external loggers
+class MetricsLogger(Protocol):
+    """Where ``--log-with`` forwards each record (from the flusher thread, never the loop)."""
+
+    def log(self, record: dict[str, Any], *, role: str, writer_id: str) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items()
+            if k not in ("t", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TensorBoardLogger:
+    """Scalars to TensorBoard event files (``pip install 'ddiloco[tensorboard]'``)."""
+
+    def __init__(self, log_dir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UsageError("TensorBoard logging needs the tensorboard package: pip install 'ddiloco[tensorboard]'") from None
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def log(self, record: dict[str, Any], *, role: str, writer_id: str) -> int:
+        scalars = _scalars(record)
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, global_step=int(record["step"]), walltime=float(record["t"]))
+        return len(scalars)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """Weights & Biases in offline mode unless WANDB_MODE says otherwise
+    (``pip install 'ddiloco[wandb]'``; ``wandb sync`` uploads later)."""
+
+    def __init__(self, *, run_id: str, role: str, writer_id: str, log_dir: str):
+        try:
+            import wandb
+        except ImportError:
+            raise UsageError("W&B logging needs the wandb package: pip install 'ddiloco[wandb]'") from None
+        os.environ.setdefault("WANDB_MODE", "offline")
+        self.run = wandb.init(project="ddiloco", group=run_id, name=f"{role}-{writer_id}", dir=log_dir,
+                              reinit=True)
+
+    def log(self, record: dict[str, Any], *, role: str, writer_id: str) -> int:
+        scalars = _scalars(record)
+        self.run.log(scalars, step=int(record["step"]))
+        return len(scalars)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowLogger:
+    """MLflow to a local file store unless MLFLOW_TRACKING_URI says otherwise
+    (``pip install 'ddiloco[mlflow]'``)."""
+
+    def __init__(self, *, run_id: str, role: str, writer_id: str, log_dir: str):
+        try:
+            import mlflow
+        except ImportError:
+            raise UsageError("MLflow logging needs the mlflow package: pip install 'ddiloco[mlflow]'") from None
+        self.client = mlflow.MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI")
+                                          or f"file://{os.path.abspath(log_dir)}")
+        exp = self.client.get_experiment_by_name(f"ddiloco-{run_id}")
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(f"ddiloco-{run_id}")
+        self.run_id = self.client.create_run(exp_id, run_name=f"{role}-{writer_id}").info.run_id
+
+    def log(self, record: dict[str, Any], *, role: str, writer_id: str) -> int:
+        scalars = _scalars(record)
+        for k, v in scalars.items():
+            self.client.log_metric(self.run_id, k, v, timestamp=int(record["t"] * 1000), step=int(record["step"]))
+        return len(scalars)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def make_logger(name: str, *, run_id: str, role: str, writer_id: str, log_dir: str) -> MetricsLogger:
+    """The external logger ``--log-with NAME`` asks for, writing under log_dir."""
+    if name == "tensorboard":
+        return TensorBoardLogger(os.path.join(log_dir, role, writer_id))
+    if name == "wandb":
+        return WandbLogger(run_id=run_id, role=role, writer_id=writer_id, log_dir=log_dir)
+    if name == "mlflow":
+        return MlflowLogger(run_id=run_id, role=role, writer_id=writer_id, log_dir=log_dir)
+    raise UsageError(f"--log-with {name!r}: choose one of {', '.join(LOGGERS)}")
+
+
+__all__ = ["MetricsWriter", "open_writer", "learner_progress_hook", "syncer_progress_hook", "chain", "add_versions_behind", "plot_run", "Record", "read_metrics", "parse_line", "write_csv", "write_tensorboard",
+           "MetricsLogger", "TensorBoardLogger", "WandbLogger", "MlflowLogger", "make_logger", "writer_id_from", "LOGGERS"]
