@@ -145,7 +145,7 @@ class MetricsWriter:
             return
         for record in pending:
             # compact lines: 6 significant digits are plenty for a curve; t to the millisecond
-            record = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in record.items()}
+            record = {k: float(f"{v:.6g}") if isinstance(v, float) and k != "t" else v for k, v in record.items()}
             record["t"] = round(record["t"] + self._clock_offset_s, 3)
             self._forward(record)
             line = (json.dumps(record, separators=(",", ":"), allow_nan=False, default=str) + "\n").encode()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_inspect import build_run, invoke, latest_values
@@ -65,3 +66,15 @@ def test_export_info(tmp_path):
     assert info["num_params"] == sum(p.numel() for p in load_exported(str(tmp_path / "m.safetensors")).parameters())
     assert json.loads(json.dumps(info))  # serialisable for the CLI
     assert ledger.latest_version(built.store, 0) == 1
+
+
+def test_export_refuses_a_directory_or_an_impossible_parent_before_reading(tmp_path):
+    from ddiloco_cli.errors import UsageError
+    from ddiloco_cli.store import open_store
+
+    store = open_store(str(tmp_path / "no-run-here"))  # a bad OUT is reported before any bucket read
+    with pytest.raises(UsageError, match="is a directory; give a file name"):
+        export_model(store, str(tmp_path))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="cannot create the directory .*file"):
+        export_model(store, str(tmp_path / "file" / "model.safetensors"))

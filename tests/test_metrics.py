@@ -1,0 +1,216 @@
+"""Metrics history: rolling bounded segments, an untrusted-input reader, exports and loggers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+
+import pytest
+
+from ddiloco_cli import layout, metrics
+from ddiloco_cli.errors import UsageError
+from ddiloco_cli.metrics import MetricsWriter, Record, read_metrics
+from ddiloco_cli.store import open_store
+
+
+def _keys(store, prefix=layout.METRICS_PREFIX):
+    return [i.key for i in store.list(prefix)]
+
+
+def test_writer_round_trips_on_every_backend(store):
+    w = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600).start()
+    for step in range(1, 6):
+        w.log(step=step * 10, loss=5.0 / step, tokens=step * 100, note="x")
+    w.close()
+    recs = read_metrics(store)
+    assert [r.step for r in recs] == [10, 20, 30, 40, 50]
+    assert {(r.role, r.writer_id) for r in recs} == {("learner", "a")}
+    assert recs[0].fields["event"] == "start" and "event" not in recs[1].fields
+    assert recs[2].fields["loss"] == pytest.approx(5.0 / 3, rel=1e-5)
+    assert abs(recs[0].t - store.now()) < 600, "t is on the store's clock"
+
+
+def test_segments_roll_and_at_most_max_segments_are_kept_across_restarts(store_url):
+    store = open_store(store_url("memory"))
+    w = MetricsWriter(store, role="learner", writer_id="a", records_per_segment=3, max_segments=2, flush_every_s=3600)
+    for step in range(10):
+        w.log(step=step, loss=1.0)
+    w.close()
+    keys = _keys(store)
+    assert [layout.parse_metrics_key(k)[2] for k in keys] == [2, 3], keys  # 4 segments written, oldest 2 gone
+    assert [r.step for r in read_metrics(store)] == [6, 7, 8, 9]
+
+    # a restart under the same id continues after the last segment and stays within the bound
+    w2 = MetricsWriter(store, role="learner", writer_id="a", records_per_segment=3, max_segments=2, flush_every_s=3600)
+    w2.log(step=100, loss=0.5)
+    w2.close()
+    assert [layout.parse_metrics_key(k)[2] for k in _keys(store)] == [3, 4]
+    recs = read_metrics(store)
+    assert [r.step for r in recs] == [9, 100]
+    assert recs[-1].fields["event"] == "start", "a new session marks its first record"
+
+
+def test_segment_byte_bound(store_url):
+    store = open_store(store_url("memory"))
+    w = MetricsWriter(store, role="syncer", writer_id="s", segment_bytes=400, max_segments=100, flush_every_s=3600)
+    for step in range(40):
+        w.log(step=step, merges=step, grace_s=0.25)
+    w.close()
+    sizes = [i.size for i in store.list(layout.METRICS_PREFIX)]
+    assert len(sizes) > 1 and max(sizes) <= 400
+    assert [r.step for r in read_metrics(store)] == list(range(40))
+
+
+def test_a_taken_segment_name_is_not_overwritten(store_url):
+    store = open_store(store_url("memory"))
+    other = b'{"step":1,"t":1.0,"loss":9.0}\n'
+    w = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600)
+    w.flush()  # nothing buffered: no bucket access yet
+    w.log(step=2, loss=1.0)
+    # another process under the same id creates segment 0 between our LIST and our write
+    w._segments = metrics.deque()
+    store.put_if_absent(layout.metrics_segment_key("learner", "a", 0), other)
+    w.close()
+    assert store.get(layout.metrics_segment_key("learner", "a", 0)) == other
+    assert sorted(r.step for r in read_metrics(store)) == [1, 2]
+
+
+class _FlakyStore:
+    """Wraps a store; every call fails while ``down`` is set (an outage)."""
+
+    def __init__(self, inner):
+        self.inner, self.down, self.url = inner, True, inner.url
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def call(*args, **kwargs):
+            if self.down:
+                raise OSError("bucket unreachable")
+            return fn(*args, **kwargs)
+
+        return call
+
+
+def test_log_never_touches_the_bucket_and_an_outage_loses_nothing(store_url, caplog):
+    inner = open_store(store_url("memory"))
+    flaky = _FlakyStore(inner)
+    w = MetricsWriter(flaky, role="learner", writer_id="a", flush_every_s=3600)
+    for step in range(3):
+        w.log(step=step, loss=1.0)  # would raise if log() did I/O during the outage
+    with caplog.at_level(logging.WARNING):
+        w.flush()
+    assert "will retry" in caplog.text and _keys(inner) == []
+    w.log(step=3, loss=1.0)
+    flaky.down = False
+    w.close()
+    assert [r.step for r in read_metrics(inner)] == [0, 1, 2, 3]
+
+
+def test_reader_skips_hostile_segments_and_lines(store_url, caplog):
+    store = open_store(store_url("memory"))
+    good = b'{"step":1,"t":10.5,"loss":2.0,"event":"start"}\n'
+    bad_lines = [
+        b"not json",
+        b'{"step":2,"t":11,"loss":NaN}',
+        b'{"step":3,"t":12,"loss":[1,2]}',
+        b'{"step":4,"t":13,"loss":true}',
+        b'{"step":5,"t":14,"x":"' + b"y" * 500 + b'"}',
+        b'{"step":"6","t":15}',
+        b'{"t":16}',
+        b'{"step":7,"t":17,"bad key":1}',
+        b"[" * 3000 + b"]" * 3000,
+        b'{"step":8,"t":18,"s":"' + b"z" * 5000 + b'"}',
+        b"\xff\xfe",
+    ]
+    store.put(layout.metrics_segment_key("learner", "a", 0), good + b"\n".join(bad_lines) + b"\n" + good)
+    store.put(layout.metrics_segment_key("learner", "big", 0), b"{}\n" * (metrics.MAX_SEGMENT_BYTES // 3 + 1))
+    store.put("metrics/learner/a/evil.jsonl", good)
+    store.put("metrics/other/a/00000000000000000000.jsonl", good)
+    with caplog.at_level(logging.WARNING):
+        recs = read_metrics(store)
+    assert [(r.writer_id, r.step) for r in recs] == [("a", 1), ("a", 1)]
+    text = caplog.text
+    assert f"{layout.metrics_segment_key('learner', 'a', 0)}: {len(bad_lines)} malformed line(s) skipped (first: line 2)" in text
+    assert layout.metrics_segment_key("learner", "big", 0) in text and "limit" in text
+    assert "metrics/learner/a/evil.jsonl is not a metrics segment name" in text
+
+
+def test_versions_behind_joins_learners_with_syncers():
+    recs = [Record("syncer", "s", {"t": 1.0, "step": 1, "version_sum": 10}),
+            Record("learner", "a", {"t": 2.0, "step": 5, "version_sum": 6, "version_count": 2}),
+            Record("syncer", "s", {"t": 3.0, "step": 2, "version_sum": 20}),
+            Record("learner", "a", {"t": 4.0, "step": 9, "version_sum": 20, "version_count": 2}),
+            Record("learner", "b", {"t": 0.5, "step": 1, "version_sum": 0, "version_count": 2})]
+    metrics.add_versions_behind(recs)
+    assert recs[1].fields["versions_behind"] == 2.0  # (10 - 6) / 2 fragments
+    assert recs[3].fields["versions_behind"] == 0.0
+    assert "versions_behind" not in recs[4].fields  # no syncer record yet
+
+
+def test_csv_export(tmp_path, store_url):
+    store = open_store(store_url("memory"))
+    w = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600)
+    w.log(step=10, loss=3.5, tokens_per_s=100.0)
+    w.close()
+    w = MetricsWriter(store, role="syncer", writer_id="s", flush_every_s=3600)
+    w.log(step=1, merges=1, quorum_max=2)
+    w.close()
+    out = tmp_path / "deep" / "m.csv"
+    assert metrics.write_csv(read_metrics(store), str(out)) == 2
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["role"], r["writer_id"], r["step"]) for r in rows] == [("learner", "a", "10"), ("syncer", "s", "1")]
+    assert rows[0]["loss"] == "3.5" and rows[0]["merges"] == "" and rows[1]["quorum_max"] == "2"
+    with pytest.raises(UsageError, match="is a directory"):
+        metrics.write_csv([], str(tmp_path))
+
+
+def test_tensorboard_export_is_readable_by_tensorboard(tmp_path, store_url):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    store = open_store(store_url("memory"))
+    w = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600)
+    for step in (10, 20, 30):
+        w.log(step=step, loss=4.0 - step / 10)
+    w.close()
+    n = metrics.write_tensorboard(read_metrics(store), str(tmp_path / "tb"))
+    assert n == 3
+    acc = EventAccumulator(str(tmp_path / "tb" / "learner" / "a"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 5)) for e in acc.Scalars("loss")] == [(10, 3.0), (20, 2.0), (30, 1.0)]
+
+
+def test_log_with_tensorboard_forwards_from_the_flusher(tmp_path, store_url):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    store = open_store(store_url("memory"))
+    logger = metrics.make_logger("tensorboard", run_id="r", role="learner", writer_id="a", log_dir=str(tmp_path))
+    w = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600, loggers=[logger])
+    w.log(step=1, loss=2.5, note="text is not a scalar")
+    w.close()
+    acc = EventAccumulator(str(tmp_path / "learner" / "a"))
+    acc.Reload()
+    assert acc.Tags()["scalars"] == ["loss"]
+    assert acc.Scalars("loss")[0].value == 2.5
+
+
+def test_unknown_logger_is_a_usage_error():
+    with pytest.raises(UsageError, match="choose one of tensorboard, wandb, mlflow"):
+        metrics.make_logger("neptune", run_id="r", role="learner", writer_id="a", log_dir=".")
+
+
+@pytest.mark.parametrize("line", [b'{"step":1,"t":2}', b'{"step":1,"t":2.5,"a.b_c":-1e300,"s":""}'])
+def test_parse_line_accepts_flat_records(line):
+    rec = metrics.parse_line(line)
+    assert rec is not None and rec["step"] == 1 and all(not isinstance(v, float) or math.isfinite(v) for v in rec.values())
+
+
+def test_writer_id_from_free_text():
+    assert metrics.writer_id_from("fragments-0,2,4") == "fragments-0-2-4"
+    assert metrics.writer_id_from("host/with spaces:1") == "host-with-spaces-1"
+    assert layout.valid_learner_id(metrics.writer_id_from("é" * 100))
+    assert json.dumps(metrics.writer_id_from("x" * 100)).count("x") == 64
