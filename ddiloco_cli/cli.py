@@ -520,7 +520,7 @@ def export(
         raise UsageError("give either OUTPUT.safetensors or --hf-dir DIR")
     store = _store(url, storage_option)
     info = export_hf(store, hf_dir) if hf_dir else export_model(store, output)
-    console.print(f"wrote {info['path']}: {info['num_params']:,} parameters, versions {info['versions']}")
+    console.print(f"wrote {info['path']}: {info['num_params']:,} parameters, versions {info['versions']}", soft_wrap=True)
 
 
 @app.command("eval")
@@ -562,9 +562,9 @@ def metrics(
     m.add_versions_behind(records)
     if tensorboard:
         n = m.write_tensorboard(records, tensorboard)
-        console.print(f"wrote {n} scalars from {len(records)} records to {tensorboard} (tensorboard --logdir {tensorboard})")
+        console.print(f"wrote {n} scalars from {len(records)} records to {tensorboard} (tensorboard --logdir {tensorboard})", soft_wrap=True)
     else:
-        console.print(f"wrote {m.write_csv(records, csv_path)} records to {csv_path}")
+        console.print(f"wrote {m.write_csv(records, csv_path)} records to {csv_path}", soft_wrap=True)
 
 
 @app.command()
@@ -577,7 +577,7 @@ def plot(
     from ddiloco_cli.metrics import plot_run
 
     info = plot_run(_store(url, storage_option), output)
-    console.print(f"wrote {info['path']}: {info['learners']} learner(s), {info['global_points']} global val points")
+    console.print(f"wrote {info['path']}: {info['learners']} learner(s), {info['global_points']} global val points", soft_wrap=True)
 
 
 # ----------------------------------------------------------------------- tools
