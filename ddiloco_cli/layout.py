@@ -159,13 +159,17 @@ def metrics_prefix(role: str, writer_id: str) -> str:
     return f"{METRICS_PREFIX}{role}/{writer_id}/"
 
 
-def metrics_segment_key(role: str, writer_id: str, segment: int) -> str:
-    return f"{metrics_prefix(role, writer_id)}{num(segment)}.jsonl"
+def metrics_segment_key(role: str, writer_id: str, segment: int, nonce: str) -> str:
+    """nonce: 8 hex digits per writing process, so two processes never share a key."""
+    return f"{metrics_prefix(role, writer_id)}{num(segment)}-{nonce}.jsonl"
+
+
+_METRICS_KEY = re.compile(rf"metrics/(learner|syncer)/({LEARNER_ID})/({_NUM})-[0-9a-f]{{8}}\.jsonl")
 
 
 def parse_metrics_key(key: str) -> tuple[str, str, int] | None:
     """(role, writer_id, segment) of a metrics segment key, or None."""
-    m = re.match(r"^metrics/(learner|syncer)/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})/(\d{20})\.jsonl$", key)
+    m = _METRICS_KEY.fullmatch(key)
     return (m.group(1), m.group(2), int(m.group(3))) if m else None
 
 
@@ -200,6 +204,7 @@ _KEY_KINDS = [
     (re.compile(rf"learners/{LEARNER_ID}/state\.json"), "other"),
     (re.compile(r"quarantine/.+\.json", re.DOTALL), "other"),
     (re.compile(r"tmp/.+", re.DOTALL), "other"),
+    (re.compile(rf"metrics/(?:learner|syncer)/{LEARNER_ID}/{_NUM}-[0-9a-f]{{8}}\.jsonl"), "other"),
     (re.compile(r"(?:run|plan)\.json"), "other"),
 ]
 

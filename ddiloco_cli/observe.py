@@ -28,7 +28,8 @@ from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
 CATEGORIES = ("manifests", "payloads", "contributions", "checkpoints", "heartbeats", "other")
 TOP_LEVEL = ("run.json", "plan.json", "fragments", "contributions", "checkpoints", "syncers", "learners",
-             "quarantine", "tmp")
+             "quarantine", "tmp", "metrics")
+
 
 def classify(key: str, *, num_fragments: int | None = None) -> str | None:
     """The category of a key (one of CATEGORIES), or None for a foreign object:

@@ -32,7 +32,7 @@ def test_writer_round_trips_on_every_backend(store):
     assert abs(recs[0].t - store.now()) < 600, "t is on the store's clock"
 
 
-def test_segments_roll_and_at_most_max_segments_are_kept_across_restarts(store_url):
+def test_segments_roll_and_at_most_max_segments_are_kept_across_restarts_H3(store_url):
     store = open_store(store_url("memory"))
     w = MetricsWriter(store, role="learner", writer_id="a", records_per_segment=3, max_segments=2, flush_every_s=3600)
     for step in range(10):
@@ -52,7 +52,7 @@ def test_segments_roll_and_at_most_max_segments_are_kept_across_restarts(store_u
     assert recs[-1].fields["event"] == "start", "a new session marks its first record"
 
 
-def test_segment_byte_bound(store_url):
+def test_segment_byte_bound_H3(store_url):
     store = open_store(store_url("memory"))
     w = MetricsWriter(store, role="syncer", writer_id="s", segment_bytes=400, max_segments=100, flush_every_s=3600)
     for step in range(40):
@@ -63,7 +63,7 @@ def test_segment_byte_bound(store_url):
     assert [r.step for r in read_metrics(store)] == list(range(40))
 
 
-def test_a_taken_segment_name_is_not_overwritten(store_url):
+def test_a_taken_segment_name_is_not_overwritten_H1(store_url):
     store = open_store(store_url("memory"))
     other = b'{"step":1,"t":1.0,"loss":9.0}\n'
     w = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600)
@@ -109,7 +109,7 @@ def test_log_never_touches_the_bucket_and_an_outage_loses_nothing(store_url, cap
     assert [r.step for r in read_metrics(inner)] == [0, 1, 2, 3]
 
 
-def test_reader_skips_hostile_segments_and_lines(store_url, caplog):
+def test_reader_skips_hostile_segments_and_lines_H2(store_url, caplog):
     store = open_store(store_url("memory"))
     good = b'{"step":1,"t":10.5,"loss":2.0,"event":"start"}\n'
     bad_lines = [
