@@ -84,7 +84,7 @@ def run_demo(*, workdir: str, num_learners: int = 3, duration_s: float = 150.0, 
 
     initial_loss = eval_global()
     procs: dict[str, subprocess.Popen] = {
-        "syncer": _spawn(["sync", bucket, "--poll", "0.1", "--eval-every", "100"], os.path.join(logs, "syncer.log"))}
+        "syncer": _spawn(["sync", bucket, "--poll", "0.1", "--eval-every", "10"], os.path.join(logs, "syncer.log"))}
     names = [f"learner-{i}" for i in range(num_learners)]
     for name in names:
         procs[name] = _spawn(["learn", bucket, "--learner-id", name, "--threads", "1"], os.path.join(logs, f"{name}.log"))

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from ddiloco_cli import ledger
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.metrics import check_output_path, make_parent
 from ddiloco_cli.fragments import assemble_parameters  # noqa: F401 - re-exported
+from ddiloco_cli.metrics import check_output_path, make_parent
 from ddiloco_cli.published import read_global_params
 from ddiloco_cli.store.base import Store
 from ddiloco_cli.tasks import load_task

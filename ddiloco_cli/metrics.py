@@ -9,7 +9,8 @@ history"). These objects are non-authoritative: nothing in training reads them.
   serialises and uploads every ``flush_every_s``, so the training loop never waits on
   the bucket. A segment holds at most ``records_per_segment`` lines and
   ``segment_bytes`` bytes; a writer keeps at most ``max_segments`` segments (its
-  restarts included), deleting the oldest, so a writer's history is bounded.
+  restarts included), deleting the oldest, so a writer's history is bounded. Keys
+  carry a per-process nonce: a process only ever overwrites its own segments.
 * ``read_metrics`` treats every segment as untrusted input: bounded object size,
   bounded line length, flat records of finite numbers and short strings only. Bad
   objects and lines are skipped with a one-line warning naming the key.
@@ -27,6 +28,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
@@ -87,9 +89,9 @@ class MetricsWriter:
         self._thread: threading.Thread | None = None
         self._clock_offset_s: float | None = None
         # segment state, touched only by the flushing thread (or close after it stopped)
-        self._segments: deque[int] | None = None  # own segments in the bucket, oldest first
+        self._segments: deque[tuple[int, str]] | None = None  # (number, key) of this id's segments, oldest first
         self._segment: int | None = None  # the segment being filled
-        self._segment_created = False
+        self.nonce = uuid.uuid4().hex[:8]  # in every key it writes: it never overwrites another process's
         self._lines: list[bytes] = []
         self._lines_bytes = 0
         self._unwritten: dict[int, bytes] = {}  # finished segments whose upload failed
@@ -136,8 +138,9 @@ class MetricsWriter:
             if self._clock_offset_s is None:
                 self._clock_offset_s = self.store.now() - time.time()
             if self._segments is None:  # continue after the segments of this id's earlier sessions
-                keys = [layout.parse_metrics_key(i.key) for i in self.store.list(layout.metrics_prefix(self.role, self.writer_id))]
-                self._segments = deque(sorted(k[2] for k in keys if k is not None))
+                infos = self.store.list(layout.metrics_prefix(self.role, self.writer_id))
+                self._segments = deque(sorted((parsed[2], i.key) for i in infos
+                                              if (parsed := layout.parse_metrics_key(i.key)) is not None))
         except Exception as exc:  # noqa: BLE001 - metrics are best effort; retried next flush
             log.warning("metrics: cannot reach %s (%s); will retry", self.store.url, exc)
             with self._lock:
@@ -157,52 +160,32 @@ class MetricsWriter:
                 self._unwritten[self._segment] = b"".join(self._lines)
                 self._segment, self._lines, self._lines_bytes = None, [], 0
             if self._segment is None:
-                self._segment = (self._segments[-1] + 1) if self._segments else 0
-                self._segments.append(self._segment)
-                self._segment_created = False
+                self._segment = (self._segments[-1][0] + 1) if self._segments else 0
+                self._segments.append((self._segment, self._key(self._segment)))
             self._lines.append(line)
             self._lines_bytes += len(line)
+        if self._segment is not None and self._lines:
+            self._unwritten[self._segment] = b"".join(self._lines)  # rewritten until it is full
         self._upload()
 
     def _upload(self) -> None:
         for seg in sorted(self._unwritten):
             try:
-                self.store.put(layout.metrics_segment_key(self.role, self.writer_id, seg), self._unwritten[seg])
+                self.store.put(self._key(seg), self._unwritten[seg])
                 del self._unwritten[seg]
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - retried at the next flush
                 log.warning("metrics: upload of segment %d failed (%s); will retry", seg, exc)
         while len(self._unwritten) > self.max_segments:
             del self._unwritten[min(self._unwritten)]
-        if self._segment is not None and self._lines:
-            data = b"".join(self._lines)
-            try:
-                self._put_current(data)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("metrics: upload of segment %d failed (%s); will retry", self._segment, exc)
-        self._trim()
-
-    def _put_current(self, data: bytes) -> None:
-        if self._segment_created:
-            self.store.put(layout.metrics_segment_key(self.role, self.writer_id, self._segment), data)
-            return
-        # a new segment is created, never overwritten: a second process under the same
-        # id (a misconfiguration the learner refuses, or a stale one) keeps its history
-        for _ in range(8):
-            if self.store.put_if_absent(layout.metrics_segment_key(self.role, self.writer_id, self._segment), data):
-                self._segment_created = True
-                return
-            self._segments.remove(self._segment)
-            self._segment += 1
-            self._segments.append(self._segment)
-        raise RuntimeError("eight segment numbers in a row were taken")
-
-    def _trim(self) -> None:
         while len(self._segments) > self.max_segments:
-            old = self._segments.popleft()
+            _, key = self._segments.popleft()
             try:
-                self.store.delete(layout.metrics_segment_key(self.role, self.writer_id, old))
-            except Exception as exc:  # noqa: BLE001
-                log.warning("metrics: deleting old segment %d failed (%s)", old, exc)
+                self.store.delete(key)
+            except Exception as exc:  # noqa: BLE001 - an undeleted segment only costs bytes
+                log.warning("metrics: deleting old segment %s failed (%s)", key, exc)
+
+    def _key(self, segment: int) -> str:
+        return layout.metrics_segment_key(self.role, self.writer_id, segment, self.nonce)
 
     def _forward(self, record: dict[str, Any]) -> None:
         for logger in self.loggers:

@@ -63,18 +63,19 @@ def test_segment_byte_bound_H3(store_url):
     assert [r.step for r in read_metrics(store)] == list(range(40))
 
 
-def test_a_taken_segment_name_is_not_overwritten_H1(store_url):
+def test_two_processes_under_one_id_never_overwrite_each_other_H1(store_url):
     store = open_store(store_url("memory"))
-    other = b'{"step":1,"t":1.0,"loss":9.0}\n'
-    w = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600)
-    w.flush()  # nothing buffered: no bucket access yet
-    w.log(step=2, loss=1.0)
-    # another process under the same id creates segment 0 between our LIST and our write
-    w._segments = metrics.deque()
-    store.put_if_absent(layout.metrics_segment_key("learner", "a", 0), other)
-    w.close()
-    assert store.get(layout.metrics_segment_key("learner", "a", 0)) == other
-    assert sorted(r.step for r in read_metrics(store)) == [1, 2]
+    w1 = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600)
+    w2 = MetricsWriter(store, role="learner", writer_id="a", flush_every_s=3600)
+    w1.log(step=1, loss=1.0)
+    w2.log(step=2, loss=2.0)
+    w1.flush()
+    w2.flush()  # listed before w1's segment? both still pick their own names
+    w1.log(step=3, loss=3.0)
+    w1.close()
+    w2.close()
+    assert sorted(r.step for r in read_metrics(store)) == [1, 2, 3]
+    assert all(layout.parse_metrics_key(k) for k in _keys(store))
 
 
 class _FlakyStore:
@@ -125,16 +126,17 @@ def test_reader_skips_hostile_segments_and_lines_H2(store_url, caplog):
         b'{"step":8,"t":18,"s":"' + b"z" * 5000 + b'"}',
         b"\xff\xfe",
     ]
-    store.put(layout.metrics_segment_key("learner", "a", 0), good + b"\n".join(bad_lines) + b"\n" + good)
-    store.put(layout.metrics_segment_key("learner", "big", 0), b"{}\n" * (metrics.MAX_SEGMENT_BYTES // 3 + 1))
+    key_a, key_big = (layout.metrics_segment_key("learner", w, 0, "0123abcd") for w in ("a", "big"))
+    store.put(key_a, good + b"\n".join(bad_lines) + b"\n" + good)
+    store.put(key_big, b"{}\n" * (metrics.MAX_SEGMENT_BYTES // 3 + 1))
     store.put("metrics/learner/a/evil.jsonl", good)
-    store.put("metrics/other/a/00000000000000000000.jsonl", good)
+    store.put("metrics/other/a/00000000000000000000-0123abcd.jsonl", good)
     with caplog.at_level(logging.WARNING):
         recs = read_metrics(store)
     assert [(r.writer_id, r.step) for r in recs] == [("a", 1), ("a", 1)]
     text = caplog.text
-    assert f"{layout.metrics_segment_key('learner', 'a', 0)}: {len(bad_lines)} malformed line(s) skipped (first: line 2)" in text
-    assert layout.metrics_segment_key("learner", "big", 0) in text and "limit" in text
+    assert f"{key_a}: {len(bad_lines)} malformed line(s) skipped (first: line 2)" in text
+    assert key_big in text and "limit" in text
     assert "metrics/learner/a/evil.jsonl is not a metrics segment name" in text
 
 
