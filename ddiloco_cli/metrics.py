@@ -33,8 +33,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
-from ddiloco_cli import layout, ledger
-from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.errors import DdilocoError, ProtocolError, UsageError
 from ddiloco_cli.store.base import NotFound, Store
 
 log = logging.getLogger(__name__)
@@ -47,14 +47,14 @@ MAX_STR_CHARS = 128
 MAX_SEGMENTS_READ = 256  # newest segments per writer
 MAX_WRITERS_READ = 4096
 _FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
-_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 
 
 def writer_id_from(text: str) -> str:
-    """A valid metrics writer id made from free text (host names, fragment specs)."""
-    cleaned = _UNSAFE_ID_CHARS.sub("-", text).strip("-._") or "writer"
-    return cleaned[:64]
+    """A valid metrics writer id made from free text (host names, fragment specs): every
+    character the id grammar refuses becomes '-'."""
+    cleaned = "".join(c if layout.valid_learner_id("a" + c) else "-" for c in text).strip("-._")[:64]
+    return cleaned if layout.valid_learner_id(cleaned) else "writer"
 
 
 # ---------------------------------------------------------------------- writer
@@ -307,11 +307,9 @@ def parse_line(line: bytes) -> dict[str, Any] | None:
     """A flat record from one untrusted line, or None when it is not one: a JSON object
     of at most MAX_FIELDS fields named like identifiers, whose values are finite numbers
     or strings of at most MAX_STR_CHARS, with numeric ``t`` and integer ``step``."""
-    if len(line) > MAX_LINE_CHARS:
-        return None
     try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError):
+        obj = records.parse_json(line, where="metrics line", max_bytes=MAX_LINE_CHARS)
+    except ProtocolError:
         return None
     if not isinstance(obj, dict) or len(obj) > MAX_FIELDS:
         return None
