@@ -517,7 +517,7 @@ def export(
     from ddiloco_cli.export import export_hf, export_model
 
     if (output is None) == (hf_dir is None):
-        raise UsageError("give either OUTPUT.safetensors or --hf-dir DIR")
+        raise UsageError("give either OUT.safetensors or --hf-dir DIR")
     store = _store(url, storage_option)
     info = export_hf(store, hf_dir) if hf_dir else export_model(store, output)
     console.print(f"wrote {info['path']}: {info['num_params']:,} parameters, versions {info['versions']}", soft_wrap=True)

@@ -216,3 +216,41 @@ def test_writer_id_from_free_text():
     assert metrics.writer_id_from("host/with spaces:1") == "host-with-spaces-1"
     assert layout.valid_learner_id(metrics.writer_id_from("é" * 100))
     assert json.dumps(metrics.writer_id_from("x" * 100)).count("x") == 64
+
+
+# (args, exit code, text of the one-line error); RUN is a run with no metrics yet, NEW a
+# fresh directory, DIR an existing directory, FILE an existing file
+CLI_CASES = [
+    (["metrics", "RUN"], 2, "exactly one of --tensorboard DIR or --csv FILE"),
+    (["metrics", "RUN", "--csv", "DIR/m.csv", "--tensorboard", "DIR/tb"], 2, "exactly one of"),
+    (["metrics", "RUN", "--csv", "DIR"], 2, "is a directory"),
+    (["metrics", "RUN", "--tensorboard", "FILE"], 2, "is a file, not a directory"),
+    (["plot", "RUN", "DIR"], 2, "is a directory"),
+    (["plot", "RUN", "DIR/loss.png"], 2, "no loss records"),
+    (["eval", "NEW"], 3, "no ddiloco run"),
+    (["export", "RUN"], 2, "give either OUT.safetensors or --hf-dir DIR"),
+    (["export", "RUN", "DIR/m.safetensors", "--hf-dir", "DIR/hf"], 2, "give either"),
+    (["export", "RUN", "--hf-dir", "FILE"], 2, "is a file, not a directory"),
+    (["learn", "RUN", "--learner-id", "a", "--log-with", "neptune"], 2, "choose one of tensorboard, wandb, mlflow"),
+    (["sync", "RUN", "--eval-every", "0"], 2, "--eval-every"),
+]
+
+
+@pytest.mark.parametrize("args,exit_code,needle", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
+def test_metrics_eval_plot_export_user_errors(args, exit_code, needle, tmp_path):
+    from test_cli_errors import _assert_clean
+    from test_inspect import invoke
+
+    from ddiloco_cli.runinit import RunSpec, init_run
+
+    run_url = str(tmp_path / "run")
+    init_run(open_store(run_url), RunSpec())
+    (tmp_path / "file").write_text("x")
+    subs = {"RUN": run_url, "NEW": str(tmp_path / "new"), "DIR": str(tmp_path / "dir"), "FILE": str(tmp_path / "file")}
+    (tmp_path / "dir").mkdir()
+    real = []
+    for a in args:
+        for k, v in subs.items():
+            a = a.replace(k, v)
+        real.append(a)
+    _assert_clean(invoke(*real), exit_code, needle)
