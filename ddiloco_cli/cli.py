@@ -22,6 +22,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.metrics import LOGGERS
 from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterLrScaling, RunConfig
 from ddiloco_cli.store.base import TransientStoreError
 
@@ -87,9 +88,9 @@ StorageOpts = Annotated[Optional[list[str]], typer.Option(
     help="Backend option (repeatable; in the variable: space-separated), e.g. -o endpoint_url=http://127.0.0.1:9000")]
 JsonOut = Annotated[bool, typer.Option("--json", metavar="", help="Machine-readable output")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Debug logging")]
-LogWith = Annotated[Optional[list[str]], typer.Option(
-    "--log-with", metavar="tensorboard|wandb|mlflow",
-    help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local files); repeatable")]
+LogTarget = Enum("LogTarget", {n: n for n in LOGGERS}, type=str)  # type: ignore[misc]
+LogWith = Annotated[Optional[list[LogTarget]], typer.Option(
+    "--log-with", metavar="tensorboard|wandb|mlflow", help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local files); repeatable")]
 LogDir = Annotated[str, typer.Option("--log-dir", metavar="DIR", help="Directory for --log-with output")]
 
 
@@ -334,13 +335,15 @@ def learn(
                           poll_s=poll)
     from ddiloco_cli import metrics
 
-    # one writer per island: rank 0 does the bucket I/O
-    writer = metrics.open_writer(store, role="learner", writer_id=learner_id, log_with=log_with or (),
-                                 log_dir=log_dir) if os.environ.get("RANK", "0") == "0" else None
+    writer = None
     try:
         with learner_view(console, learner_id) as on_progress:
-            hook = metrics.learner_progress_hook(writer) if writer else None
-            reason = Learner(store, options=opts, on_progress=metrics.chain(on_progress, hook)).train()
+            learner = Learner(store, options=opts, on_progress=on_progress)  # checks the id and the run first
+            if os.environ.get("RANK", "0") == "0":  # one metrics writer per island: rank 0 does the bucket I/O
+                writer = metrics.open_writer(store, role="learner", writer_id=learner_id,
+                                             log_with=[t.value for t in log_with or ()], log_dir=log_dir)
+                learner.on_progress = metrics.chain(on_progress, metrics.learner_progress_hook(writer))
+            reason = learner.train()
     finally:
         if writer:
             writer.close()
@@ -402,7 +405,7 @@ def sync(
                          gc=not no_gc, max_versions=max_versions, max_runtime_s=max_runtime)
     store = _store(url, storage_option)
     writer = metrics.open_writer(store, role="syncer", writer_id=metrics.writer_id_from(f"fragments-{fragments or 'all'}"),
-                                 log_with=log_with or (), log_dir=log_dir)
+                                 log_with=[t.value for t in log_with or ()], log_dir=log_dir)
     evaluator = PeriodicEvaluator(store, every_versions=eval_every, writer=writer) if eval_every else None
     hook = metrics.syncer_progress_hook(writer, on_merges=evaluator.on_merges if evaluator else None)
     try:
