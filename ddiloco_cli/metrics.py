@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import DdilocoError, ProtocolError, UsageError
-from ddiloco_cli.store.base import NotFound, Store
+from ddiloco_cli.store.base import NotFound, ObjectTooLargeError, Store
 
 log = logging.getLogger(__name__)
 
@@ -355,11 +355,11 @@ def _read_segment(store: Store, key: str, size: int) -> list[dict[str, Any]]:
         log.warning("metrics: %s is %d bytes (limit %d); skipped", key, size, MAX_SEGMENT_BYTES)
         return []
     try:
-        data = store.get(key)
+        data = store.get(key, max_bytes=MAX_SEGMENT_BYTES)
     except NotFound:
         return []  # rolled away since the LIST
-    if len(data) > MAX_SEGMENT_BYTES:
-        log.warning("metrics: %s is %d bytes (limit %d); skipped", key, len(data), MAX_SEGMENT_BYTES)
+    except ObjectTooLargeError as exc:  # grew since the LIST
+        log.warning("metrics: %s; skipped", exc)
         return []
     records, bad = [], []
     for n, line in enumerate(data.splitlines(), start=1):

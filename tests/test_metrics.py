@@ -217,3 +217,24 @@ def test_writer_id_from_free_text():
     assert layout.valid_learner_id(metrics.writer_id_from("é" * 100))
     assert json.dumps(metrics.writer_id_from("x" * 100)).count("x") == 64
 
+
+
+def test_reader_bounds_the_read_even_when_the_listing_understates_the_size_H2(store_url, caplog):
+    from ddiloco_cli.store.base import ObjectInfo
+
+    store = open_store(store_url("memory"))
+    key = layout.metrics_segment_key("learner", "a", 0, "0123abcd")
+    store.put(key, b'{"step":1,"t":1}\n' * (metrics.MAX_SEGMENT_BYTES // 16 + 1))
+
+    class Understating:  # the object grew between the LIST and the GET
+        url = store.url
+
+        def list(self, prefix=""):
+            return [ObjectInfo(i.key, 10, i.mtime_s) for i in store.list(prefix)]
+
+        def get(self, key, *, max_bytes=None):
+            return store.get(key, max_bytes=max_bytes)
+
+    with caplog.at_level(logging.WARNING):
+        assert read_metrics(Understating()) == []
+    assert key in caplog.text and "bound" in caplog.text
