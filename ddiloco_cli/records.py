@@ -98,7 +98,7 @@ def json_depth(data: bytes) -> int:
 def parse_json(
     data: bytes | str, *, where: str, max_bytes: int = MAX_RECORD_BYTES, error: type[DdilocoError] = ProtocolError
 ) -> Any:
-    """Parse JSON read from the bucket within bounds: at most ``max_bytes`` bytes,
+    """Parse JSON read from the bucket within bounds: UTF-8, at most ``max_bytes`` bytes,
     ``MAX_JSON_DEPTH`` levels, ``MAX_INT_DIGITS`` digits per integer, finite numbers only.
 
     Raises ``error("<where>: what is wrong")``; never RecursionError, ValueError or
@@ -108,10 +108,11 @@ def parse_json(
     if len(raw) > max_bytes:
         raise error(f"{where}: {len(raw)} bytes of JSON exceed the bound of {max_bytes}")
     try:
+        text = raw.decode("utf-8")  # UTF-8 only: in it no byte of a multi-byte character looks like a bracket
         depth = json_depth(raw)
         if depth > MAX_JSON_DEPTH:
             raise _TooLarge(f"nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
-        return json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except PARSE_ERRORS as exc:
         raise error(f"{where}: not valid JSON ({one_line(exc)})") from None
 

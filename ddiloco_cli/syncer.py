@@ -565,12 +565,16 @@ class Syncer:
 
         Returns why it ended: "stopped", "limit". Raises FencedError when fenced.
         """
-        if not self.acquire(stop=stop):
-            return "stopped"
+        t_start = time.monotonic()
+
+        def out_of_time() -> bool:  # --max-runtime bounds standing by too
+            return self.opts.max_runtime_s is not None and time.monotonic() - t_start > self.opts.max_runtime_s
+
+        if not self.acquire(stop=lambda: stop() or out_of_time()):
+            return "limit" if out_of_time() else "stopped"
         self.check_fence()
         self.restore()
         self.heartbeat(force=True)
-        t_start = time.monotonic()
         committed = 0
         try:
             while not stop():
@@ -591,7 +595,7 @@ class Syncer:
                     self.on_progress(self.progress())
                 if self.opts.max_versions is not None and committed >= self.opts.max_versions:
                     return "limit"
-                if self.opts.max_runtime_s is not None and time.monotonic() - t_start > self.opts.max_runtime_s:
+                if out_of_time():
                     return "limit"
                 if self.opts.gc and time.monotonic() - self._last_gc_t > self.opts.gc_every_s:
                     self._collect_garbage()

@@ -71,6 +71,7 @@ BOMBS = {
     "NaN": b'{"created_s":NaN}',
     "Infinity": b'{"created_s":-Infinity}',
     "bad utf-8": b'{"a":"\xff\xfe"}',
+    "utf-16": nested(DEEP).encode("utf-16"),
     "not json": b"\x00\x01garbage",
 }
 
@@ -347,6 +348,18 @@ def test_claim_loop_honours_stop_F4(local_run):
     assert store.creates == 5 and s.epoch is None
 
 
+def test_standby_honours_max_runtime_F4(store_url):
+    """[F4] a standby behind a live owner stops at --max-runtime ("limit") without claiming."""
+    store = open_store(store_url("local"))
+    make_run(store, lease_s=600.0)
+    owner = live_syncer(store, syncer_id="owner")
+    owner.heartbeat(force=True)
+    standby = Syncer(store, options=SyncerOptions(syncer_id="standby", gc=False, max_runtime_s=0.2))
+    assert standby.serve() == "limit"
+    assert standby.epoch is None
+    assert [e.syncer_id for e in ledger.list_epochs(store, run_id=owner.run_id)] == ["owner"]
+
+
 def test_epoch_numbers_beyond_the_schema_are_not_epochs_F4(local_run):
     """[F4] an object named like epoch 10**20 - 1 (above 2**53) is no epoch: the next claim
     stays a 20-digit, schema-valid number; at 2**53 - 1 the claim stops with a message."""
@@ -573,7 +586,8 @@ FUZZ_TARGETS = ["run", "plan", "latest manifest", "older manifest", "latest delt
 
 
 @pytest.mark.parametrize("what", FUZZ_TARGETS)
-@settings(max_examples=6, deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("DDILOCO_FUZZ_EXAMPLES", "6")), deadline=None,
+          derandomize=not os.environ.get("DDILOCO_FUZZ_EXAMPLES"),
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzz_every_reader_survives_hostile_objects_R7(template, tmp_path, what, data):
