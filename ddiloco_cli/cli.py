@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape  # messages quote bucket content: never read it as markup
 from typer.core import TyperGroup
 
 from ddiloco_cli.errors import DdilocoError, UsageError
@@ -64,7 +65,7 @@ def _flag(option):
 def _fail(message: str, exit_code: int) -> None:
     if os.environ.get("DDILOCO_TRACEBACK"):
         raise
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(exit_code)
 
 
@@ -449,7 +450,7 @@ def status(
         out.print(render_status(status_))
     if check and status_["alerts"]:
         for alert in status_["alerts"]:
-            console.print(f"[bold red]alert:[/] {alert}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]alert:[/] {escape(alert)}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
 
 
@@ -480,7 +481,7 @@ def inspect(
         out.print(render_inspect(report))
         if verify:
             for problem in problems:
-                console.print(f"[red]problem:[/] {problem}", highlight=False, soft_wrap=True)
+                console.print(f"[red]problem:[/] {escape(problem)}", highlight=False, soft_wrap=True)
             console.print("[green]verify: consistent[/]" if not problems else f"[red]verify: {len(problems)} problem(s)[/]")
     if problems:
         raise typer.Exit(1)

@@ -1,10 +1,18 @@
 """Errors a user can cause or must act on. The CLI maps these to one clean line."""
 
 
+# control characters as escapes: messages quote bucket content (keys, ids, reasons)
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {9: "\\t", 10: "\\n", 13: "\\r"}
+
+
 class DdilocoError(Exception):
-    """Base of every error ddiloco reports to the user without a traceback."""
+    """Base of every error ddiloco reports to the user without a traceback. Its message
+    is always one line: control characters in it are shown as escapes."""
 
     exit_code = 1
+
+    def __str__(self) -> str:
+        return super().__str__().translate(_ESCAPES)
 
 
 class UsageError(DdilocoError):

@@ -225,6 +225,21 @@ def test_hostile_latest_hint_is_ignored_R3(local_run):
         assert ledger.read_latest_hint(store, 0) is None
 
 
+@pytest.mark.parametrize("run_id", ["[/]", "a\nb", "[bold red]x"])
+def test_bucket_text_in_messages_is_one_line_not_markup_R7(local_run, monkeypatch, capsys, run_id):
+    """[R7] a plan naming run "[/]" (rich markup) or "a\nb" (a newline): `sync` and `status`
+    print one escaped error line (the markup crashed the CLI's error printer before)."""
+    store = local_run
+    plan = json.loads(store.get(layout.PLAN))
+    plan["run_id"] = run_id
+    os.replace(os.path.join(store.root, layout.PLAN), os.path.join(store.root, "plan.bak"))
+    store.put(layout.PLAN, json.dumps(plan).encode())
+    for command in (["sync", store.url, "--max-runtime", "5"], ["status", store.url]):
+        code, out = run_cli(monkeypatch, capsys, *command)
+        assert code == ProtocolError.exit_code and one_error(out, naming="belongstorun"), out
+        assert len(out.strip().splitlines()) == 1 and run_id.replace("\n", "\\n") in out, out
+
+
 @pytest.mark.parametrize("key", [layout.RUN_CONFIG, layout.PLAN, layout.epoch_key(1)])
 @pytest.mark.parametrize("body", [nested(DEEP), '{"num_fragments":' + "1" * 5000 + "}"])
 def test_sync_status_inspect_report_hostile_run_files_in_one_line_R7(local_run, monkeypatch, capsys, key, body):
@@ -433,7 +448,7 @@ def test_heartbeat_naming_another_learner_is_skipped_R1(local_run):
 HONEST, HOSTILE = "alice", "mallory"
 SENTINEL = "\u2603hostile\u2603"
 HOSTILE_JSON = [nested(DEEP), nested(40), "9" * 5000, "1e999", "-1", str(2**63), '"' + "x" * 20000 + '"',
-                "null", "[]", "{}", "true", '"a\\n"', "0.5", '"\\u0000"']
+                "null", "[]", "{}", "true", '"a\\n"', "0.5", '"\\u0000"', '"[/]"', '"[bold]"']
 
 
 def _template_keys(store) -> dict[str, str]:
