@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import DdilocoError, ProtocolError, UsageError
-from ddiloco_cli.store.base import NotFound, ObjectTooLargeError, Store
+from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, Store
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +375,22 @@ def _read_segment(store: Store, key: str, size: int) -> list[dict[str, Any]]:
     return records
 
 
+def latest_global_eval(store: Store, *, infos: Iterable[ObjectInfo]) -> dict[str, Any] | None:
+    """The newest ``global_val_loss`` record of any syncer ({val_loss, t, step}), from the
+    newest segment of each syncer writer among ``infos`` (a LIST the caller already made:
+    ``ddiloco status`` reads one segment per syncer, not the history). None if none."""
+    newest: dict[str, tuple[int, ObjectInfo]] = {}
+    for info in infos:
+        parsed = layout.parse_metrics_key(info.key)
+        if parsed is not None and parsed[0] == "syncer" and (parsed[1] not in newest
+                                                             or parsed[2] >= newest[parsed[1]][0]):
+            newest[parsed[1]] = (parsed[2], info)
+    found = [rec for _, info in newest.values() for rec in _read_segment(store, info.key, info.size)
+             if "global_val_loss" in rec]
+    best = max(found, key=lambda rec: rec["t"], default=None)
+    return None if best is None else {"val_loss": best["global_val_loss"], "t": best["t"], "step": best["step"]}
+
+
 def write_csv(records: list[Record], path: str) -> int:
     """One row per record: role, writer_id, then every field seen (sorted). Returns rows."""
     fields = sorted({k for r in records for k in r.fields} - {"t", "step"})
@@ -565,5 +581,5 @@ def make_logger(name: str, *, run_id: str, role: str, writer_id: str, log_dir: s
     raise UsageError(f"--log-with {name!r}: choose one of {', '.join(LOGGERS)}")
 
 
-__all__ = ["MetricsWriter", "open_writer", "learner_progress_hook", "syncer_progress_hook", "chain", "add_versions_behind", "plot_run", "Record", "read_metrics", "parse_line", "write_csv", "write_tensorboard",
+__all__ = ["MetricsWriter", "latest_global_eval", "open_writer", "learner_progress_hook", "syncer_progress_hook", "chain", "add_versions_behind", "plot_run", "Record", "read_metrics", "parse_line", "write_csv", "write_tensorboard",
            "MetricsLogger", "TensorBoardLogger", "WandbLogger", "MlflowLogger", "make_logger", "writer_id_from", "LOGGERS"]

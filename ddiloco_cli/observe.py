@@ -22,6 +22,7 @@ from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.fragspec import format_fragment_spec
+from ddiloco_cli.metrics import latest_global_eval
 from ddiloco_cli.published import expected_shapes
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
@@ -417,6 +418,8 @@ def run_status(store: Store) -> dict[str, Any]:
     * ``training_age_s``: since the first learner started (store clock), the window of
       ``goodput`` (see ``goodput``); ``bytes`` (see ``bytes_moved``).
     * ``alerts``: one line per condition a monitor should page on (``alerts``).
+    * ``global_eval``: the newest validation loss of the global model a syncer wrote
+      to the metrics history ({val_loss, t, step}; ``sync --eval-every``), or None.
     """
     now_s = store.now()
     run = RunConfig.from_record(ledger.read_run(store), where=f"{store.url}/{layout.RUN_CONFIG}")
@@ -491,6 +494,7 @@ def run_status(store: Store) -> dict[str, Any]:
         "goodput": goodput(learners, run_age_s=now_s - training_start_s),
         "bytes": bytes_moved(learners, num_params=plan.total_numel()),
         "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
+        "global_eval": latest_global_eval(store, infos=infos),  # from `sync --eval-every`
         "errors": scan.errors,
     }
 

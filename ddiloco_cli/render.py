@@ -101,6 +101,10 @@ def render_status(status: dict[str, Any]) -> RenderableType:
         f"  vs data-parallel {fmt_bytes(b['data_parallel_bytes'])}",
         "" if b["reduction"] is None else f" ({b['reduction']:,.0f}x less)",
     )
+    if status.get("global_eval"):
+        e = status["global_eval"]
+        header.append_text(Text.assemble("\n", ("global val loss ", "bold"), f"{e['val_loss']:.4f}",
+                                         f" ({fmt_age(status['now_s'] - e['t'])} ago, after {e['step']:,} merges)"))
     parts: list[RenderableType] = [header]
     parts += [Text(f"ALERT: {alert}", style="bold red") for alert in status["alerts"]]
     parts.append(_fragments_view(status["fragments"]))

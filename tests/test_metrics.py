@@ -238,3 +238,26 @@ def test_reader_bounds_the_read_even_when_the_listing_understates_the_size_H2(st
     with caplog.at_level(logging.WARNING):
         assert read_metrics(Understating()) == []
     assert key in caplog.text and "bound" in caplog.text
+
+
+def test_status_shows_the_newest_global_val_loss(tmp_path):
+    from ddiloco_cli.observe import run_status
+    from ddiloco_cli.render import render_status
+    from ddiloco_cli.runinit import RunSpec, init_run
+    from rich.console import Console
+
+    store = open_store(str(tmp_path / "run"))
+    init_run(store, RunSpec())
+    assert run_status(store)["global_eval"] is None
+    old = MetricsWriter(store, role="syncer", writer_id="fragments-0-1", records_per_segment=1, flush_every_s=3600)
+    old.log(step=5, global_val_loss=3.0)
+    old.log(step=6, merges=6)  # a newer segment without an evaluation
+    old.close()
+    new = MetricsWriter(store, role="syncer", writer_id="fragments-2-3", flush_every_s=3600)
+    new.log(step=9, global_val_loss=2.5)
+    new.close()
+    status = run_status(store)
+    assert status["global_eval"]["val_loss"] == 2.5 and status["global_eval"]["step"] == 9
+    console = Console(width=200, record=True)
+    console.print(render_status(status))
+    assert "global val loss 2.5000" in console.export_text()
