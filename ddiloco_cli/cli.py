@@ -300,13 +300,21 @@ def learn(
     threads: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="torch CPU threads")] = None,
     poll: Annotated[float, typer.Option(
         "--poll", metavar="SECONDS", parser=_number("--poll"),
-        help="Seconds between polls for a new version of a fragment it waits for")] = 0.2,
+        help="Shortest seconds between polls for a wanted fragment (polls follow the step time above it)")] = 0.2,
     wait_for_run: Annotated[Optional[float], typer.Option(
         "--wait-for-run", metavar="SECONDS", parser=_number("--wait-for-run", allow_inf=True),
         help="Wait up to SECONDS (inf: forever) for the run to be created, polling with backoff, "
              "instead of exiting at once")] = None,
     log_with: LogWith = None,
     log_dir: LogDir = "ddiloco-logs",
+    task: Annotated[Optional[str], typer.Option(
+        metavar="MODULE:OBJECT", help="This machine's task, module:object or path/to/file.py:object (default: the "
+                                      "module run.json names); its source must match the run's")] = None,
+    precision: Annotated[str, typer.Option(
+        metavar="fp32|bf16", help="bf16: forward under bf16 autocast (weights and optimizer stay fp32)")] = "fp32",
+    grad_accum: Annotated[int, typer.Option("--grad-accum", metavar="N", min=1, help="Micro-batches per inner step")] = 1,
+    compile_model: Annotated[bool, typer.Option("--compile", metavar="", help="torch.compile the model")] = False,
+    parallel: Annotated[str, typer.Option(metavar="ddp|fsdp", help="Under torchrun: ddp, or fsdp (FSDP2 fully_shard)")] = "ddp",
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
 ) -> None:
@@ -321,6 +329,10 @@ def learn(
         raise UsageError("--shard and --num-shards go together")
     if shard is not None and not 0 <= shard < num_shards:
         raise UsageError(f"--shard must be in [0, {num_shards})")
+    opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards,
+                          poll_s=poll, task=task, precision=precision, grad_accum=grad_accum, compile=compile_model,
+                          parallel=parallel)
+    opts.check()
     log = logging.getLogger("ddiloco")
     store = _store(url, storage_option)
     if wait_for_run is not None:
@@ -332,8 +344,6 @@ def learn(
 
         torch.set_num_threads(threads)
     _maybe_init_distributed(device)
-    opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards,
-                          poll_s=poll)
     from ddiloco_cli import metrics
 
     writer = None

@@ -37,6 +37,7 @@ RECORD_TYPES = (
     "epoch",
     "syncer_heartbeat",
     "learner_heartbeat",
+    "learner_state",
     "checkpoint",
     "quarantine",
     "latest",

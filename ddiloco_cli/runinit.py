@@ -23,7 +23,7 @@ from ddiloco_cli.fragments import gather_fragment, named_shapes_of, plan_fragmen
 from ddiloco_cli.published import encode_version, upload_payloads
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, Store
-from ddiloco_cli.tasks import load_task
+from ddiloco_cli.tasks import load_task, task_source_sha256
 
 RunSpec = RunConfig  # the name init's library callers use for the config they pass
 
@@ -59,6 +59,7 @@ def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
         note(f"resuming the interrupted init of run {run_id} at {store.url} (same config)")
     if config is None:
         config = spec.to_record(run_id=run_id)
+        config["task_sha256"] = task_source_sha256(spec.task)  # learners check their own copy of the task against it
     plan_record = {**ledger.plan_record(plan, run_id=run_id), PENDING_RUN: config}
     # the exact bytes of both records, checked before the first write
     for record, kind in ((config, "run"), (plan_record, "plan")):

@@ -1,54 +1,47 @@
-"""The learner's receive rule: theta <- alpha*theta + (1-alpha)*(Theta_new + progress),
+"""The learner's receive rule, a pure function: theta <- alpha*theta + (1-alpha)*(Theta_new + progress),
 progress = what the overlap window trained after the send (kept or discarded by the run)."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import torch
 
-from ddiloco_cli.fragments import gather_fragment, scatter_fragment
-from ddiloco_cli.learner import InFlight, Learner, LearnerOptions, Receiver
-from ddiloco_cli.runinit import RunSpec, init_run
-from ddiloco_cli.schedule import FragmentCounters
-from ddiloco_cli.store import open_store
+from ddiloco_cli.learner import receive_rule
+from ddiloco_cli.merge import alpha_merge
 
 
-def _learner(keep: bool, alpha: float) -> tuple[Learner, dict[str, torch.Tensor]]:
-    store = open_store(f"memory://recv-{uuid.uuid4().hex}")
-    init_run(store, RunSpec(num_fragments=2, sync_every=4, overlap_steps=2, keep_overlap_progress=keep, alpha=alpha,
-                            codec="none"))
-    learner = Learner(store, options=LearnerOptions(learner_id="a"))
-    model = learner.task.build_model()
-    return learner, dict(model.named_parameters())
+def _fragment(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g), "s": torch.randn((), generator=g)}
 
 
-@pytest.mark.parametrize("keep,alpha", [(True, 0.0), (False, 0.0), (True, 0.5), (False, 0.5)])
-def test_receive_keeps_or_discards_overlap_progress(keep, alpha):
-    learner, params = _learner(keep, alpha)
-    p = 1
-    torch.manual_seed(0)
-    theta_send = gather_fragment(learner.plan, p, params)
-    progress = {k: torch.randn_like(v) * 0.01 for k, v in theta_send.items()}  # the tau steps after the send
-    scatter_fragment(learner.plan, p, params, {k: theta_send[k] + progress[k] for k in theta_send})
-    local = gather_fragment(learner.plan, p, params)
-    new_global = {k: v + 1.0 for k, v in theta_send.items()}
-    counters = FragmentCounters(2)
-    for _ in range(5):
-        counters.on_step(100)
-    sent_at = (3, 300)  # snapshot at the send: 3 steps, 300 tokens
+@pytest.mark.parametrize("keep,alpha", [(True, 0.0), (False, 0.0), (True, 0.5), (False, 0.5), (True, 1.0)])
+def test_receive_rule_keeps_or_discards_overlap_progress(keep, alpha):
+    theta_send, new_global = _fragment(0), _fragment(1)
+    progress = {k: v * 0.01 for k, v in _fragment(2).items()}  # the tau steps after the send
+    local = {k: theta_send[k] + progress[k] for k in theta_send}
+    before = {k: v.clone() for k, v in local.items()}
 
-    receiver = Receiver(learner.store, {}, poll_s=1.0, stats=learner.stats)
-    receiver.ready[p] = (7, new_global, {"high_water": {}})
-    base = {p: (6, theta_send)}
-    assert learner._receive(p, InFlight(5, 42, theta_send, sent_at), base, params, counters, receiver, block=False)
+    got = receive_rule(local, new_global, theta_send, alpha=alpha, keep_progress=keep)
 
-    got = gather_fragment(learner.plan, p, params)
     for k in got:
-        target = new_global[k] + progress[k] if keep else new_global[k]
+        target = new_global[k] + (local[k] - theta_send[k]) if keep else new_global[k]
         want = alpha * local[k] + (1 - alpha) * target
         torch.testing.assert_close(got[k], want, rtol=0, atol=1e-6)
-    assert base[p] == (7, new_global)
-    assert counters.snapshot(p) == ((2, 200) if keep else (0, 0))  # only what the overlap window trained
-    assert counters.snapshot(0) == (5, 500)
+    assert all(torch.equal(local[k], before[k]) for k in local), "the rule must not modify its inputs"
+
+
+def test_receive_rule_is_bit_identical_to_alpha_merge():
+    """The _foreach form computes exactly what the per-tensor alpha_merge does."""
+    theta_send, new_global, local = _fragment(3), _fragment(4), _fragment(5)
+    got = receive_rule(local, new_global, theta_send, alpha=0.3, keep_progress=True)
+    for k in local:
+        want = local[k].clone()
+        alpha_merge(want, new_global[k] + (local[k] - theta_send[k]), 0.3)
+        assert torch.equal(got[k], want), k
+
+
+def test_alpha_zero_without_progress_is_the_new_global_value():
+    new_global = _fragment(6)
+    got = receive_rule(_fragment(7), new_global, _fragment(8), alpha=0.0, keep_progress=False)
+    assert all(torch.equal(got[k], new_global[k]) for k in new_global)

@@ -17,13 +17,26 @@ A task is any object with these methods (a class or zero-argument factory works 
     to_device(batch, device) -> batch                      (optional)
         Move a batch to a device; without it, `to_device` below is used.
 
+    batches(..., start_step=0)  or  batches(..., state=None)  (optional resume)
+        A task that accepts ``start_step`` continues its stream after that many
+        batches; one that accepts ``state`` gets back what its iterator's
+        ``state_dict()`` returned. The learner saves the position at every send in
+        ``learners/ID/state.json``, so a restarted learner does not replay its data.
+
 Pick one on the command line with ``--task module.path:object``,
 ``--task path/to/file.py:object`` or a built-in name (``tiny``, ``small``, ``medium``).
 A class or function takes keyword arguments from a ``?key=value&...`` tail, e.g.
 ``ddiloco_cli.tasks.hf:causal_lm?config=llama&num_hidden_layers=2``; they are part of
 the spec recorded in run.json, so every process builds the same task.
+
+Tasks are code, never bucket data: ``run.json`` records the task's name and the
+sha256 of its module's source (``task_sha256``). A learner imports the task from
+its own environment (``load_run_task``): the module named in run.json, or its own
+``learn --task``; a file path is only ever taken from the learner's own command
+line, and a source that differs from the run's is refused.
 """
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -73,7 +86,7 @@ def move_batch(task: Task, batch: Any, device: torch.device | str) -> Any:
 
 
 def _import_module(module_ref: str):
-    if module_ref.endswith(".py") or os.sep in module_ref or "/" in module_ref:
+    if _is_path(module_ref):
         path = os.path.abspath(module_ref)
         if not os.path.isfile(path):
             raise UsageError(f"--task: no such file {module_ref!r}")
@@ -96,6 +109,10 @@ def _import_module(module_ref: str):
             raise UsageError(f"--task: cannot import module {module_ref!r} (no module named {e.name!r}); "
                              f"check the spelling and that it is on PYTHONPATH, or pass path/to/file.py:object") from e
         raise
+
+
+def _is_path(module_ref: str) -> bool:
+    return module_ref.endswith(".py") or os.sep in module_ref or "/" in module_ref
 
 
 def load_task(spec: str) -> Task:
@@ -150,6 +167,43 @@ def _task_args(spec: str, arg_text: str) -> dict[str, Any]:
     return args
 
 
+def _module_ref(spec: str) -> str:
+    """The module part of a task spec (built-in names resolved, ``?args`` dropped)."""
+    return BUILTIN_TASKS.get(spec, spec).partition("?")[0].rpartition(":")[0]
+
+
+def task_source_sha256(spec: str) -> str:
+    """sha256 of the source file of the module that defines task ``spec`` (what
+    ``run.json`` records as ``task_sha256``)."""
+    module_ref = _module_ref(spec)
+    module = _import_module(module_ref)
+    path = getattr(module, "__file__", None)
+    if not path or not os.path.isfile(path):
+        raise UsageError(f"--task {spec!r}: module {module_ref!r} has no source file to fingerprint")
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def load_run_task(run: dict[str, Any], *, override: str | None = None) -> Task:
+    """The task of ``run`` from this machine's own code: ``override`` (the learner's
+    ``--task``) if given, else the importable module named in run.json. A file path
+    in run.json is refused (code is never loaded from the bucket), and so is a task
+    whose source sha256 differs from the run's ``task_sha256``."""
+    spec = override or run["task"]
+    if override is None and _is_path(_module_ref(spec)):
+        raise UsageError(f"run.json names the task by a file path ({spec!r}); a learner never loads code named by "
+                         f"the bucket: pass --task MODULE:OBJECT or --task path/to/your/copy.py:OBJECT")
+    task = load_task(spec)
+    want = run.get("task_sha256")
+    if want is not None:
+        have = task_source_sha256(spec)
+        if have != want:
+            raise UsageError(f"task {spec!r}: its source (sha256 {have[:12]}...) differs from the run's "
+                             f"(task_sha256 {want[:12]}... for {run['task']!r}); install the same task code "
+                             f"as the run's creator, or pass --task pointing at it")
+    return task
+
+
 def _looks_like_task(obj: Any) -> bool:
     return all(callable(getattr(obj, m, None)) for m in REQUIRED_METHODS)
 
@@ -184,4 +238,4 @@ def evaluate(task: Task, model: nn.Module, *, batch_size: int, max_batches: int 
     return total_loss / total_tokens
 
 
-__all__ = ["Task", "BUILTIN_TASKS", "load_task", "to_device", "move_batch", "evaluate"]
+__all__ = ["Task", "BUILTIN_TASKS", "load_task", "load_run_task", "task_source_sha256", "to_device", "move_batch", "evaluate"]

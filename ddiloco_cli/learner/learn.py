@@ -1,0 +1,211 @@
+"""``ddiloco learn``: a nanoGPT-like training loop on top of ``DiLoCoSync``.
+
+Each iteration: determine the lr, forward/backward/update (with bf16 autocast
+and gradient accumulation if asked), ``sync.step``, timing and logging. Under
+torchrun the island trains with DDP or FSDP2 (``fully_shard``); rank 0 does the
+bucket I/O inside the wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from ddiloco_cli import ledger
+from ddiloco_cli.errors import UsageError
+from ddiloco_cli.learner.island import resolve_device
+from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions, check_learner_id
+from ddiloco_cli.store.base import Store
+from ddiloco_cli.tasks import Task, load_run_task, move_batch
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "bf16")
+PARALLEL = ("ddp", "fsdp")
+
+
+@dataclass
+class LearnerOptions:
+    learner_id: str
+    device: str = "cpu"
+    steps: int | None = None  # inner steps in this session (None: until the run's total_steps)
+    shard: int | None = None
+    num_shards: int | None = None
+    upload_queue: int = 4
+    upload_workers: int = 2
+    poll_s: float = 0.2  # the shortest gap between polls for a wanted fragment
+    log_every: int = 10
+    task: str | None = None  # this machine's task (module:object or a local file); default: run.json's module
+    precision: str = "fp32"  # bf16: forward and loss under bf16 autocast (weights and optimizer stay fp32)
+    grad_accum: int = 1  # micro-batches per inner step
+    compile: bool = False  # torch.compile the model's forward
+    parallel: str = "ddp"  # inside a torchrun island: ddp or fsdp (FSDP2 fully_shard)
+
+    def check(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"--precision {self.precision!r}: use {' or '.join(PRECISIONS)}")
+        if self.grad_accum < 1:
+            raise UsageError(f"--grad-accum must be >= 1, got {self.grad_accum}")
+        if self.parallel not in PARALLEL:
+            raise UsageError(f"--parallel {self.parallel!r}: use {' or '.join(PARALLEL)}")
+
+
+def lr_at(step: int, inner: dict[str, Any]) -> float:
+    """Inner learning rate: linear warmup, then constant or cosine decay to 10%."""
+    base, warmup, total = float(inner["lr"]), int(inner["warmup_steps"]), int(inner["total_steps"])
+    if warmup and step < warmup:
+        return base * (step + 1) / warmup
+    if inner["lr_schedule"] == "cosine" and total > warmup:
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return base
+
+
+def resumable_batches(task: Task, *, shard: int, num_shards: int, seed: int, batch_size: int,
+                      resume: dict[str, Any] | None) -> tuple[Iterator[Any], Callable[[int], dict[str, Any] | None]]:
+    """The task's batch stream, continued from ``resume`` when the task supports it,
+    and a function of the number of batches drawn this session giving the state to
+    save. A task supports resuming by accepting ``start_step`` (batches already
+    drawn) or ``state`` (what its iterator's ``state_dict()`` returned) in batches()."""
+    params = inspect.signature(task.batches).parameters
+    kwargs: dict[str, Any] = dict(shard=shard, num_shards=num_shards, seed=seed, batch_size=batch_size)
+    resume = resume or {}
+    start = int(resume.get("start_step", 0)) if "start_step" in params else 0
+    if "start_step" in params:
+        kwargs["start_step"] = start
+    if "state" in params and resume.get("state") is not None:
+        kwargs["state"] = resume["state"]
+    stream = task.batches(**kwargs)
+
+    def state(drawn: int) -> dict[str, Any] | None:
+        out: dict[str, Any] = {}
+        if "start_step" in params:
+            out["start_step"] = start + drawn
+        if "state" in params and callable(getattr(stream, "state_dict", None)):
+            out["state"] = stream.state_dict()
+        return out or None
+
+    return stream, state
+
+
+def shard_island(model: nn.Module, *, parallel: str, world: int) -> nn.Module:
+    """The module the loop calls: DDP or FSDP2 across the island's ranks (in place for
+    FSDP2: every block, then the root), the model itself on one process."""
+    if world == 1:
+        return model
+    if parallel == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - torchrun only
+
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block)
+    return fully_shard(model)
+
+
+@contextlib.contextmanager
+def grad_sync(net: nn.Module, *, enabled: bool) -> Iterator[None]:
+    """Gradient all-reduce inside an island only on the last micro-batch of a step."""
+    if enabled:
+        yield
+    elif hasattr(net, "no_sync"):  # DDP
+        with net.no_sync():
+            yield
+    elif hasattr(net, "set_requires_gradient_sync"):  # FSDP2
+        net.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            net.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+class Learner:
+    """One learner (island) of a run: ``train()`` runs inner steps until --steps, the
+    run's total_steps or SIGTERM."""
+
+    def __init__(self, store: Store, *, options: LearnerOptions, on_progress: Callable[[dict], None] | None = None):
+        options.check()
+        check_learner_id(options.learner_id)
+        self.store, self.opts, self.on_progress = store, options, on_progress
+        self.run = ledger.read_run(store)
+        self.task = load_run_task(self.run, override=options.task)
+        self.device = resolve_device(options.device)
+        self.stats = None
+        self.model: nn.Module | None = None
+
+    def train(self) -> str:
+        """Returns "finished", "left" (SIGTERM), "taken over" or "steps" (session limit)."""
+        run, inner, opts, task = self.run, self.run["inner"], self.opts, self.task
+        torch.manual_seed(int(run["seed"]))
+        model = task.build_model().to(self.device)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        net = shard_island(model, parallel=opts.parallel, world=world)
+        sync = DiLoCoSync(self.store, net, learner_id=opts.learner_id, run=run,
+                          options=SyncOptions(upload_queue=opts.upload_queue, upload_workers=opts.upload_workers,
+                                              min_poll_s=opts.poll_s))
+        self.stats, self.model = sync.stats, model
+        optimizer = torch.optim.AdamW([t for t in model.parameters() if t.requires_grad], lr=float(inner["lr"]),
+                                      betas=tuple(inner["betas"]), weight_decay=float(inner["weight_decay"]))
+        forward = torch.compile(net) if opts.compile else net
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"
+                    else contextlib.nullcontext())
+        clip = float(inner["grad_clip"])
+        with sync:
+            # distinct learners get distinct data without coordination: shard by --shard, else by id
+            num_shards, shard = (opts.num_shards or 1) * world, (opts.shard or 0) * world + rank
+            seed = int(run["seed"]) if opts.shard is not None else zlib.crc32(opts.learner_id.encode())
+            batches, data_state = resumable_batches(task, shard=shard, num_shards=num_shards, seed=seed,
+                                                    batch_size=int(inner["batch_size"]), resume=sync.resume_state)
+            sync.heartbeat_extra = {"shard": shard, "num_shards": num_shards}
+            end_step = sync.step_count + opts.steps if opts.steps is not None else None
+            drawn = 0
+            while not sync.should_stop and (end_step is None or sync.step_count < end_step):
+                t0 = time.perf_counter()
+                # determine the lr
+                lr = lr_at(sync.step_count, inner)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                # forward / backward / update
+                optimizer.zero_grad(set_to_none=True)
+                n_tok = 0
+                for micro in range(opts.grad_accum):
+                    batch = move_batch(task, next(batches), self.device)
+                    drawn += 1
+                    n_tok += int(task.num_tokens(batch))
+                    with grad_sync(net, enabled=micro == opts.grad_accum - 1):
+                        with autocast:
+                            loss = task.loss(forward, batch)
+                        (loss / opts.grad_accum if opts.grad_accum > 1 else loss).backward()
+                if clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                if self.device.type == "xla":
+                    import torch_xla  # noqa: PLC0415 - only on XLA devices
+
+                    torch_xla.sync()
+                sync.step(num_tokens=n_tok, data_state=data_state(drawn))
+                # timing and logging
+                step, s = sync.step_count, sync.stats
+                read_loss = step % opts.log_every == 0 or s.loss is None  # .item() syncs an accelerator
+                sync.record_step_time(time.perf_counter() - t0, loss=float(loss.detach()) if read_loss else None)
+                if self.on_progress is not None and rank == 0:
+                    self.on_progress({"step": step, "loss": s.loss, "lr": lr, "step_time_s": s.step_time_s,
+                                      "tokens": s.tokens, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down,
+                                      "versions": dict(s.versions), "blocked_s": s.blocked_s})
+                if step % opts.log_every == 0 and rank == 0:
+                    log.info("step %d loss %.4f lr %.2e %.1f ms/step up %.1f MB down %.1f MB", step, s.loss, lr,
+                             s.step_time_s * 1e3, s.bytes_up / 1e6, s.bytes_down / 1e6)
+        return sync.stop_reason or "steps"

@@ -1,0 +1,129 @@
+"""Receiving new global versions: the background ``Receiver`` that fetches and
+decodes them, and ``receive_rule``, the pure function that folds one into the
+learner's parameters."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ddiloco_cli import ledger
+from ddiloco_cli.learner.stats import LearnerStats
+from ddiloco_cli.published import FragmentReader
+from ddiloco_cli.store.base import Store
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class InFlight:
+    """A fragment sent and not yet received back."""
+
+    receive_step: int  # step + tau: from here on the learner takes a newer version
+    seq: int
+    theta: Tensors  # the learner's fragment at the send
+    counters: tuple[int, int]  # (c_steps, c_tokens) at the send
+    wanted: bool = False  # registered with the Receiver (from step receive_step - 1 on)
+
+
+def receive_rule(local: Tensors, new_global: Tensors, theta_at_send: Tensors, *, alpha: float,
+                 keep_progress: bool) -> Tensors:
+    """The learner's new fragment value after receiving ``new_global``:
+
+        theta <- alpha * theta + (1 - alpha) * (Theta_new + progress)
+
+    where progress = local - theta_at_send is what the overlap window trained after
+    the send (dropped unless ``keep_progress``). Pure: the inputs are not modified.
+    Every tensor is fp32 on one device; the arithmetic runs as one ``_foreach`` op
+    per term, not a Python loop over tensors."""
+    keys = list(local)
+    news = [new_global[k] for k in keys]
+    if keep_progress:
+        progress = torch._foreach_sub([local[k] for k in keys], [theta_at_send[k] for k in keys])
+        targets = torch._foreach_add(news, progress)
+    else:
+        targets = news
+    if alpha == 0.0:
+        return dict(zip(keys, targets))
+    if alpha == 1.0:
+        return {k: local[k].clone() for k in keys}
+    out = torch._foreach_mul([local[k] for k in keys], alpha)
+    torch._foreach_add_(out, targets, alpha=1.0 - alpha)
+    return dict(zip(keys, out))
+
+
+class Receiver(threading.Thread):
+    """Polls for newer committed versions of wanted fragments, downloads and decodes
+    them (the main thread only copies ready values in).
+
+    It polls only while something is wanted, at the pace of ``pace_s()`` (the
+    learner's step time: a version is only taken at a step boundary, so polling
+    faster buys nothing), never faster than ``min_poll_s``."""
+
+    def __init__(self, store: Store, readers: dict[int, FragmentReader], *, min_poll_s: float, stats: LearnerStats,
+                 pace_s: Callable[[], float] = lambda: 0.0):
+        super().__init__(name="ddiloco-receiver", daemon=True)
+        self.store, self.readers, self.min_poll_s, self.stats = store, readers, min_poll_s, stats
+        self.pace_s = pace_s
+        self.lock = threading.Lock()
+        self.wanted: dict[int, tuple[int, Tensors]] = {}  # fragment -> (have version, have value)
+        self.ready: dict[int, tuple[int, Tensors, dict[str, Any]]] = {}
+        self.stopping = threading.Event()
+        self.wake = threading.Event()
+        self.num_polls = 0
+
+    def want(self, p: int, have: tuple[int, Tensors]) -> None:
+        with self.lock:
+            self.wanted[p] = have
+        self.wake.set()
+
+    def take(self, p: int) -> tuple[int, Tensors, dict[str, Any]] | None:
+        with self.lock:
+            got = self.ready.pop(p, None)
+            if got is not None:
+                self.wanted.pop(p, None)
+            return got
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            with self.lock:
+                wanted = {p: have for p, have in self.wanted.items() if p not in self.ready}
+            if not wanted:  # nothing to look for: sleep until the loop registers a fragment
+                self.wake.wait()
+                self.wake.clear()
+                continue
+            for p, have in wanted.items():
+                try:
+                    self._fetch(p, have)
+                except Exception as exc:  # noqa: BLE001 - never stop training over a bad download
+                    log.warning("fragment %d: download failed: %s", p, exc)
+            self.wake.wait(max(self.min_poll_s, self.pace_s()))
+            self.wake.clear()
+
+    def _fetch(self, p: int, have: tuple[int, Tensors]) -> None:
+        # the hint costs a GET; every 8th poll LISTs, in case the hint is stale or lost
+        self.num_polls += 1
+        latest = ledger.read_latest_hint(self.store, p) if self.num_polls % 8 else None
+        if latest is None:
+            latest = ledger.latest_version(self.store, p)
+        if latest is None or latest <= have[0]:
+            return
+        reader = self.readers[p]
+        before = reader.bytes_down
+        value = reader.read(latest, have=have)
+        manifest = reader.manifest(latest)
+        self.stats.bytes_down += reader.bytes_down - before
+        with self.lock:
+            if p in self.wanted:
+                self.ready[p] = (latest, value, manifest)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.wake.set()
+        self.join(timeout=10)

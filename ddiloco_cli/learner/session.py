@@ -1,0 +1,230 @@
+"""A learner session's records in the bucket: ``learners/ID/heartbeat.json`` (who
+holds the id, and observability) and ``learners/ID/state.json`` (where its data
+stream stands), and the alerts its heartbeat thread raises.
+
+One live session per learner id: a session starts only when the id's heartbeat
+is not ``running`` within the lease, and before every heartbeat it re-reads the
+record; when a newer session holds the id, the older one stops writing and
+leaves (the newer one won a start race, or found this one's heartbeat past the
+lease, e.g. after a SIGSTOP).
+
+``heartbeat_bytes`` is the one place where a heartbeat's bytes are made (a
+signing step belongs there).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.store.base import NotFound, Store
+
+log = logging.getLogger(__name__)
+
+MAX_STATE_BYTES = 64 * 1024  # a data position, not a dataset: larger states are refused
+
+
+@dataclass(frozen=True)
+class HeldBy:
+    """The learner heartbeat at an id's key and its age by the store's clock."""
+
+    record: dict[str, Any]
+    age_s: float
+
+
+def heartbeat_bytes(record: dict[str, Any]) -> bytes:
+    return records.dumps(record)
+
+
+def read_heartbeat(store: Store, learner_id: str) -> HeldBy | None:
+    """The id's heartbeat and its store age, or None when absent or unreadable."""
+    key = layout.learner_heartbeat_key(learner_id)
+    infos = [i for i in store.list(key) if i.key == key]
+    if not infos:
+        return None
+    try:
+        rec = records.loads(store.get(key), "learner_heartbeat", where=f"{store.url}/{key}")
+    except (NotFound, DdilocoError) as exc:
+        log.warning("%s", exc)
+        return None
+    return HeldBy(rec, max(0.0, store.now() - infos[0].mtime_s))
+
+
+def describe(held: HeldBy) -> str:
+    rec = held.record
+    return (f"session {rec.get('session', '?')} on host {rec.get('host', '?')} (pid {rec.get('pid', '?')}), "
+            f"last heartbeat {held.age_s:.1f}s ago")
+
+
+def _crashed_here(rec: dict[str, Any]) -> bool:
+    """The session ran on this host and its process is gone (or is this very process,
+    as after a container restart): a crash, not a live twin."""
+    if rec.get("host") != socket.gethostname() or not isinstance(rec.get("pid"), int):
+        return False
+    pid = rec["pid"]
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False
+    return False
+
+
+def check_id_free(store: Store, learner_id: str, *, lease_s: float) -> HeldBy | None:
+    """Raise UsageError when a live session holds ``learner_id`` (state running, a
+    heartbeat within the lease, and not a crashed process of this host); else return
+    the previous session's heartbeat."""
+    held = read_heartbeat(store, learner_id)
+    if (held is not None and held.record["state"] == "running" and held.age_s <= lease_s
+            and not _crashed_here(held.record)):
+        raise UsageError(f"learner id {learner_id!r} is live: {describe(held)}. Stop that session, wait "
+                         f"{max(0.0, lease_s - held.age_s):.0f}s for its lease to lapse, or pick another --learner-id")
+    return held
+
+
+def read_state(store: Store, learner_id: str) -> dict[str, Any] | None:
+    """The ``data`` a previous session saved in learners/ID/state.json, or None."""
+    key = layout.learner_state_key(learner_id)
+    where = f"{store.url}/{key}"
+    try:
+        data = store.get(key)
+    except NotFound:
+        return None
+    if len(data) > MAX_STATE_BYTES:
+        log.warning("%s: %d bytes, over the %d-byte bound; starting the data stream afresh", where, len(data),
+                    MAX_STATE_BYTES)
+        return None
+    try:
+        return records.loads(data, "learner_state", where=where)["data"]
+    except (DdilocoError, RecursionError, ValueError) as exc:
+        log.warning("%s; starting the data stream afresh", exc)
+        return None
+
+
+class SessionWriter(threading.Thread):
+    """Writes the heartbeat every ``every_s`` (and at once on ``wake``), the data state
+    when it changed, and the stall alert the loop asked for."""
+
+    def __init__(self, store: Store, *, learner_id: str, session: int, make_record: Callable[[], dict],
+                 run_id: str, lease_s: float, every_s: float):
+        super().__init__(name="ddiloco-heartbeat", daemon=True)
+        self.store, self.learner_id, self.session = store, learner_id, session
+        self.make_record, self.run_id, self.lease_s, self.every_s = make_record, run_id, lease_s, every_s
+        self.hb_key = layout.learner_heartbeat_key(learner_id)
+        self.stopping = threading.Event()
+        self.wakeup = threading.Event()
+        self.lock = threading.Lock()
+        self.taken_over_by: HeldBy | None = None
+        self._state: dict[str, Any] | None = None
+        self._state_written: dict[str, Any] | None = None
+        self._alert: tuple[int, int] | None = None  # (step, last step a version arrived)
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def save_state(self, data: dict[str, Any]) -> None:
+        """Write ``data`` (JSON-able) to learners/ID/state.json on the next beat."""
+        with self.lock:
+            self._state = data
+        self.wakeup.set()
+
+    def alert_stalled(self, *, step: int, since_step: int) -> None:
+        with self.lock:
+            self._alert = (step, since_step)
+        self.wakeup.set()
+
+    def beat(self) -> None:
+        """Write the heartbeat unless a newer session took the id over."""
+        if self.taken_over_by is not None:
+            return
+        try:
+            held = read_heartbeat(self.store, self.learner_id)
+            if held is not None and int(held.record.get("session", 0)) > self.session:
+                self.taken_over_by = held
+                log.error("learner id %r was taken over by a newer session (%s); this session stops",
+                          self.learner_id, describe(held))
+                return
+            self.store.put(self.hb_key, heartbeat_bytes(self.make_record()))
+        except Exception as exc:  # noqa: BLE001 - a missed heartbeat is not fatal
+            log.warning("heartbeat failed: %s", exc)
+
+    def _write_state(self) -> None:
+        with self.lock:
+            state = self._state
+        if state is None or state == self._state_written or self.taken_over_by is not None:
+            return
+        rec = records.make("learner_state", run_id=self.run_id, learner_id=self.learner_id, session=self.session,
+                           data=state)
+        data = records.dumps(rec)
+        if len(data) > MAX_STATE_BYTES:
+            log.warning("data state of %d bytes is over the %d-byte bound; not saved", len(data), MAX_STATE_BYTES)
+        else:
+            try:
+                self.store.put(layout.learner_state_key(self.learner_id), data)
+            except Exception as exc:  # noqa: BLE001 - the next send saves it again
+                log.warning("saving the data state failed: %s", exc)
+                return
+        self._state_written = state
+
+    def _raise_alert(self) -> None:
+        with self.lock:
+            alert, self._alert = self._alert, None
+        if alert is None:
+            return
+        step, since = alert
+        try:
+            beats = ledger.read_heartbeats(self.store, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")
+        except Exception as exc:  # noqa: BLE001 - the alert still goes out
+            beats, why = [], f"the syncer heartbeats could not be read ({exc})"
+        else:
+            why = ""
+        live = [b for b in beats if b.record["state"] == "serving" and b.age_s <= self.lease_s]
+        if live:
+            b = live[-1]
+            syncer = (f"a syncer heartbeat is live ({b.record['syncer_id'] or 'epoch ' + str(b.record['epoch'])}, "
+                      f"{b.age_s:.1f}s old): it may be waiting for a quorum or failing to commit")
+        else:
+            syncer = why or "no syncer heartbeat is live: start one with `ddiloco sync URL`"
+        log.warning("no new version of any fragment in %d steps (last at step %d, now step %d); %s",
+                    step - since, since, step, syncer)
+
+    def run(self) -> None:
+        next_beat = 0.0
+        while not self.stopping.is_set():
+            self._raise_alert()
+            self._write_state()
+            now = time.monotonic()
+            if now >= next_beat:
+                self.beat()
+                next_beat = now + self.every_s
+            self.wakeup.wait(max(0.0, next_beat - time.monotonic()))
+            self.wakeup.clear()
+
+    def close(self, *, final_beat: bool = True) -> None:
+        self.stopping.set()
+        self.wakeup.set()
+        if self.is_alive():
+            self.join(timeout=10)
+        self._write_state()
+        if final_beat:
+            self.beat()
+
+
+def jsonable(data: Any) -> Any:
+    """``data`` round-tripped through JSON: a clear error now rather than a failed
+    write later when a task's state is not JSON-able."""
+    try:
+        return json.loads(json.dumps(data))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"the data state {data!r:.80} is not JSON-able: {exc}") from exc

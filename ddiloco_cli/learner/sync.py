@@ -1,0 +1,357 @@
+"""``DiLoCoSync``: Decoupled DiLoCo for any training loop.
+
+    with DiLoCoSync(url, model, learner_id="a") as sync:
+        for batch in loader:
+            loss = loss_fn(model, batch); loss.backward(); opt.step(); opt.zero_grad()
+            sync.step(num_tokens=n)
+            if sync.should_stop:
+                break
+
+On entry it claims the learner id (one live session per id), loads the latest
+global version of every fragment into ``model`` and starts three worker
+threads: the uploader, the receiver and the heartbeat. ``step()`` counts one
+inner step; when a fragment is due it queues its outer gradient
+``delta = Theta_base - theta`` (fp32, against the fp32 published base) and,
+``overlap_steps`` later, folds a newer global version into the model if one has
+arrived (``receive_rule``). It never waits for the network in decoupled mode:
+only a full upload queue blocks. In lock-step mode it waits for the version
+that merged its own contribution. On exit it finishes the uploads and marks
+the learner ``finished`` (the run's ``total_steps`` reached) or ``left``.
+
+Under torchrun every rank enters and steps together; rank 0 does all bucket
+I/O and broadcasts what it received (``island.Island``). DDP, FSDP2
+(``fully_shard``) and ``torch.compile`` wrappers may be passed as ``model``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.learner.island import Island
+from ddiloco_cli.learner.receiver import InFlight, Receiver, receive_rule
+from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state
+from ddiloco_cli.learner.stats import LearnerStats
+from ddiloco_cli.learner.uploader import Uploader
+from ddiloco_cli.published import FragmentReader
+from ddiloco_cli.schedule import FragmentCounters, fragments_due
+from ddiloco_cli.store import open_store
+from ddiloco_cli.store.base import Store
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    upload_queue: int = 4  # contributions waiting for an upload worker; a full queue blocks step()
+    upload_workers: int = 2
+    min_poll_s: float = 0.2  # the receiver polls at the step time, never more often than this
+    handle_sigterm: bool = True  # SIGTERM sets should_stop (the loop leaves cleanly) instead of killing
+    stall_alert: bool = True  # warn when no new version arrived in 2*H steps
+
+
+def check_learner_id(learner_id: str) -> None:
+    if not layout.valid_learner_id(learner_id):
+        raise UsageError(f"--learner-id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose parameter names the run's plan uses: DDP's ``.module`` and
+    torch.compile's ``._orig_mod`` are peeled off (FSDP2 keeps the names)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class DiLoCoSync:
+    """Attach a model to a Decoupled DiLoCo run. See the module docstring.
+
+    ``num_tokens`` given to ``step`` is what this process trained in that step;
+    under torchrun the island counts ``world_size`` times it (every rank trains an
+    equal batch). ``data_state`` (JSON-able, optional) is saved in
+    ``learners/ID/state.json`` at each send; the next session of the same id reads
+    it back as ``resume_state`` to continue its data stream."""
+
+    def __init__(self, url: str | Store, model: nn.Module, *, learner_id: str,
+                 storage_options: dict[str, Any] | None = None, options: SyncOptions = SyncOptions(),
+                 run: dict[str, Any] | None = None):
+        check_learner_id(learner_id)
+        self.store = url if not isinstance(url, str) else open_store(url, options=storage_options)
+        self.learner_id, self.opts = learner_id, options
+        self.run = run if run is not None else ledger.read_run(self.store)
+        self.run_id = self.run["run_id"]
+        self.plan = ledger.read_plan(self.store, run_id=self.run_id)
+        self.model = unwrap(model)
+        self.params = dict(self.model.named_parameters())
+        self._check_model()
+        self.island = Island(next(iter(self.params.values())).device)
+        self.lockstep = self.run["mode"] == "lockstep"
+        self.H, self.tau = int(self.run["sync_every"]), int(self.run["overlap_steps"])
+        self.alpha = float(self.run["alpha"])
+        # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
+        self.keep_progress = bool(self.run.get("keep_overlap_progress", False)) and self.tau > 0 and not self.lockstep
+        self.total_steps = int(self.run["inner"]["total_steps"])
+        self.stats = LearnerStats()
+        self.counters = FragmentCounters(self.plan.num_fragments)
+        self.base: dict[int, tuple[int, Tensors]] = {}  # fragment -> (version, fp32 published value)
+        self.in_flight: dict[int, InFlight] = {}
+        self.session = 0
+        self.seq = 0
+        self.resume_state: dict[str, Any] | None = None
+        self.stop_reason: str | None = None
+        self._data_state: dict[str, Any] | None = None
+        self._last_arrival_step = 0
+        self._last_alert_step = 0
+        self._uploader: Uploader | None = None
+        self._receiver: Receiver | None = None
+        self._writer: SessionWriter | None = None
+        self._previous_sigterm: Any = None
+        self._started = False
+        self.started_s = 0.0
+        self.heartbeat_extra: dict[str, Any] = {}  # more heartbeat fields, e.g. the loop's data shard
+
+    # ------------------------------------------------------------- public API
+    @property
+    def step_count(self) -> int:
+        """Inner steps this learner id has completed (over all its sessions)."""
+        return self.stats.step
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the loop should end: SIGTERM, the run's total_steps reached, or a
+        newer session took the learner id over. Every rank agrees."""
+        return self.stop_reason is not None
+
+    def __enter__(self) -> "DiLoCoSync":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(crashed=exc_type is not None)
+
+    def start(self) -> None:
+        """Claim the id, load the global model, start the workers."""
+        io = self.island.io
+        self.session = int(self.store.now() * 1e6) if io else 0
+        self.started_s = time.time()
+        held = check_id_free(self.store, self.learner_id, lease_s=float(self.run["lease_s"])) if io else None
+        if held is not None:
+            # carry step, tokens and byte counters over (a hint: keeps the LR schedule and totals continuous)
+            rec, s = held.record, self.stats
+            s.step, s.tokens = int(rec["step"]), int(rec["tokens"])
+            s.bytes_up, s.bytes_down = int(rec.get("bytes_up", 0)), int(rec.get("bytes_down", 0))
+            s.num_contributions, s.blocked_s = int(rec.get("num_contributions", 0)), float(rec.get("blocked_s", 0.0))
+        state = read_state(self.store, self.learner_id) if io else None
+        self.stats.step, self.stats.tokens, self.resume_state = self.island.agree(
+            [self.stats.step, self.stats.tokens, state])
+        self._last_arrival_step = self._last_alert_step = self.stats.step
+        self.seq = self.session
+        self.readers = {p: FragmentReader(self.store, run_id=self.run_id, plan=self.plan, fragment=p)
+                        for p in range(self.plan.num_fragments)}
+        self._bootstrap()
+        if io:
+            self._uploader = Uploader(self.store, codec_name=self.run["codec"], block_size=int(self.run["codec_block"]),
+                                      maxsize=self.opts.upload_queue, stats=self.stats,
+                                      num_workers=self.opts.upload_workers, newest_wins=not self.lockstep)
+            self._receiver = Receiver(self.store, self.readers, min_poll_s=self.opts.min_poll_s, stats=self.stats,
+                                      pace_s=lambda: self.stats.step_time_s)
+            self._writer = SessionWriter(self.store, learner_id=self.learner_id, session=self.session,
+                                         make_record=self._heartbeat_record, run_id=self.run_id,
+                                         lease_s=float(self.run["lease_s"]), every_s=float(self.run["heartbeat_s"]))
+            self._writer.beat()  # announce ourselves before any contribution
+            for worker in (self._uploader, self._receiver, self._writer):
+                worker.start()
+        if self.opts.handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._started = True
+        self._update_stop()
+
+    def step(self, *, num_tokens: int, data_state: dict[str, Any] | None = None) -> list[int]:
+        """Count one inner step (call it after ``optimizer.step()``); send the fragments
+        that are due and fold in the ones whose overlap window has passed. Returns the
+        fragments received at this step."""
+        if not self._started:
+            raise UsageError("DiLoCoSync.step() before start(): use it as a context manager")
+        if data_state is not None:
+            self._data_state = jsonable(data_state)
+        s = self.stats
+        step = s.step + 1
+        n_tok = int(num_tokens) * self.island.world
+        self.counters.on_step(n_tok)
+        s.step, s.tokens = step, s.tokens + n_tok
+        due = fragments_due(step, num_fragments=self.plan.num_fragments, sync_every=self.H)
+        for p in due:
+            self.seq += 1
+            theta = self._send(p, self.seq, step)
+            self.in_flight[p] = InFlight(step + self.tau, self.seq, theta, self.counters.snapshot(p))
+        if due and self._writer is not None:
+            if self._data_state is not None:
+                self._writer.save_state(self._data_state)
+            if self.lockstep:
+                # a restart must resume past every fragment it already sent, or it would
+                # send one again and wait for a merge the other learners never join
+                self._writer.beat()
+        received = []
+        for p, flight in sorted(self.in_flight.items()):
+            if step >= flight.receive_step - 1 and not flight.wanted:
+                flight.wanted = True  # one step ahead: the download overlaps the last step of the window
+                if self._receiver is not None:
+                    self._receiver.want(p, self.base[p])
+            if step >= flight.receive_step and self._receive(p, flight):
+                del self.in_flight[p]
+                received.append(p)
+        if received:
+            self._last_arrival_step = step
+        elif self.opts.stall_alert and self._writer is not None:
+            quiet = step - max(self._last_arrival_step, self._last_alert_step)
+            if quiet >= 2 * self.H:
+                self._last_alert_step = step
+                self._writer.alert_stalled(step=step, since_step=self._last_arrival_step)
+        self._update_stop()
+        return received
+
+    def record_step_time(self, step_time_s: float, *, loss: float | None = None) -> None:
+        """Tell the heartbeat (and the syncer's grace window) how long a step takes."""
+        s = self.stats
+        s.step_time_s = step_time_s if s.step_time_s == 0 else 0.9 * s.step_time_s + 0.1 * step_time_s
+        if loss is not None:
+            s.loss = loss
+
+    def close(self, *, crashed: bool = False) -> None:
+        """Finish the uploads in flight, stop the workers, write the final heartbeat
+        (``finished`` when the run's total_steps is reached, else ``left``)."""
+        if not self._started:
+            return
+        self._started = False
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+        finished = not crashed and self.total_steps > 0 and self.stats.step >= self.total_steps
+        self.stats.state = "finished" if finished else "left"
+        if self._receiver is not None:
+            self._receiver.close()
+            self._uploader.close()
+            if self._data_state is not None:
+                self._writer.save_state(self._data_state)
+            self._writer.close(final_beat=True)
+
+    # -------------------------------------------------------------- internals
+    def _check_model(self) -> None:
+        """The model must have the run's tensors and shapes; any float dtype trains
+        (payloads are fp32 either way)."""
+        want = self.plan.tensor_shapes()
+        self.plan.check_model({n: (tuple(t.shape), want[n][1] if n in want and t.is_floating_point() else t.dtype)
+                               for n, t in self.params.items()})
+
+    def _update_stop(self) -> None:
+        reason = self.stop_reason
+        if reason is None and self.total_steps and self.stats.step >= self.total_steps:
+            reason = "finished"
+        if reason is None and self._writer is not None and self._writer.taken_over_by is not None:
+            reason = "taken over"
+        self.stop_reason = self.island.agree([reason])[0]  # every rank stops at the same step
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        log.info("SIGTERM: finishing the upload in flight, then leaving")
+        if self.stop_reason is None:
+            self.stop_reason = "left"
+
+    def _heartbeat_record(self) -> dict[str, Any]:
+        s = self.stats
+        return records.make(
+            "learner_heartbeat", run_id=self.run_id, learner_id=self.learner_id, state=s.state, step=s.step,
+            tokens=s.tokens, step_time_s=s.step_time_s, loss=s.loss, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
+            num_contributions=s.num_contributions, blocked_s=s.blocked_s,
+            versions={str(p): v for p, v in s.versions.items()}, device=str(self.island.device),
+            session=self.session, host=socket.gethostname(), pid=os.getpid(), started_s=self.started_s,
+            time_s=time.time(), **self.heartbeat_extra,
+        )
+
+    def _bootstrap(self) -> None:
+        """Load the latest committed version of every fragment into the model."""
+        for p in range(self.plan.num_fragments):
+            v, value = -1, {}
+            if self.island.io:
+                v = ledger.latest_version(self.store, p)
+                if v is None:
+                    raise DdilocoError(f"fragment {p} has no committed version at {self.store.url}")
+                reader = self.readers[p]
+                before = reader.bytes_down
+                value = reader.read(v)
+                self.stats.bytes_down += reader.bytes_down - before
+            v, value = self.island.broadcast(self.plan, p, v, value)
+            self.island.scatter(self.plan, p, self.params, value)
+            self.base[p] = (v, value)
+            self.stats.versions[p] = v
+
+    def _send(self, p: int, seq: int, step: int) -> Tensors:
+        """Queue the outer gradient delta = Theta_base - theta of fragment p; returns
+        theta. Both are fp32: for a bf16 model the base is the fp32 published value the
+        learner received, not its bf16 rounding."""
+        theta = self.island.gather(self.plan, p, self.params)
+        if not self.island.io:
+            return theta
+        base_version, base_value = self.base[p]
+        delta = dict(zip(theta, torch._foreach_sub([base_value[k] for k in theta], list(theta.values()))))
+        c_steps, c_tokens = self.counters.snapshot(p)
+        header = records.make(
+            "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
+            base_version=base_version, c_tokens=c_tokens, c_steps=max(1, c_steps), step=step,
+            nonce=records.new_nonce(), created_s=time.time(),
+        )
+        self.stats.blocked_s += self._uploader.submit(layout.contribution_key(p, self.learner_id, seq), delta, header)
+        return theta
+
+    def _take(self, p: int, flight: InFlight) -> tuple[int, Tensors, dict[str, Any]] | None:
+        """Rank 0: a ready newer version of p, or None (lock-step: wait for the one
+        that merged our contribution)."""
+        receiver = self._receiver
+        t0 = time.monotonic()
+        while True:
+            got = receiver.take(p)
+            if got is not None and self.lockstep and got[2]["high_water"].get(self.learner_id, -1) < flight.seq:
+                receiver.want(p, (got[0], got[1]))  # not ours yet: keep waiting for a later version
+                got = None
+            if got is not None or not self.lockstep or self.stop_reason is not None:
+                break
+            time.sleep(0.005)
+        if self.lockstep:
+            self.stats.blocked_s += time.monotonic() - t0
+        return got
+
+    def _receive(self, p: int, flight: InFlight) -> bool:
+        """Fold a newer committed version of p into the model if one is ready.
+        Returns True when p was received."""
+        got = self._take(p, flight) if self.island.io else None
+        version = self.island.agree([got[0] if got is not None else -1])[0]
+        if version < 0:
+            return False
+        version, value = self.island.broadcast(self.plan, p, version, got[1] if got is not None else {})
+        if self.alpha == 0.0 and not self.keep_progress:
+            self.island.scatter(self.plan, p, self.params, value)
+        else:
+            local = self.island.gather(self.plan, p, self.params)
+            new = receive_rule(local, value, flight.theta, alpha=self.alpha, keep_progress=self.keep_progress)
+            self.island.scatter(self.plan, p, self.params, new)
+        self.base[p] = (version, value)
+        # the next contribution covers exactly the steps since this send (or since now)
+        self.counters.reset(p, since=flight.counters if self.keep_progress else None)
+        self.stats.versions[p] = version
+        return True

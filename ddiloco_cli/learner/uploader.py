@@ -1,0 +1,107 @@
+"""Contribution uploads: a bounded queue drained by a few worker threads.
+
+``contribution_bytes`` is the one place where a contribution's bytes are made
+(a signing step belongs there).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ddiloco_cli import codec
+from ddiloco_cli.learner.stats import LearnerStats
+from ddiloco_cli.store.base import Store
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int) -> bytes:
+    """The object a learner creates at contributions/pP/LEARNER/SEQ.safetensors."""
+    return codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header)
+
+
+class Uploader:
+    """Encodes and uploads contributions from a bounded queue with ``num_workers``
+    threads (several PUTs in flight hide round trips on long links), retrying with
+    backoff.
+
+    With ``newest_wins`` (decoupled mode) a contribution replaces a queued, not yet
+    started one of the same fragment *with the same base version* instead of waiting
+    behind it: the newer delta, taken against the same base, already carries the
+    older one's progress. Across a re-base (the learner received a new version in
+    between) both are uploaded: the newer delta no longer contains the older one's
+    steps. Lock-step never replaces (the learner waits for the merge of exactly the
+    contribution it sent)."""
+
+    def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats,
+                 num_workers: int = 2, newest_wins: bool = True):
+        self.store, self.codec_name, self.block_size, self.stats = store, codec_name, block_size, stats
+        self.newest_wins = newest_wins
+        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.lock = threading.Lock()
+        self.failed = 0
+        self.replaced = 0
+        self.threads = [threading.Thread(target=self._run, name=f"ddiloco-uploader-{i}", daemon=True)
+                        for i in range(num_workers)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def submit(self, key: str, delta: Tensors, header: dict[str, Any]) -> float:
+        """Queue an upload; returns seconds spent blocked because the queue was full."""
+        item = (key, delta, header)
+        if self.newest_wins:
+            with self.queue.mutex:  # the queue's own lock: replace in place, nobody sees a gap
+                for i, queued in enumerate(self.queue.queue):
+                    if (queued is not None and queued[2]["fragment"] == header["fragment"]
+                            and queued[2]["base_version"] == header["base_version"]):
+                        self.queue.queue[i] = item
+                        self.replaced += 1
+                        return 0.0
+        t0 = time.monotonic()
+        self.queue.put(item)
+        return time.monotonic() - t0
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                self._upload(*item)
+            finally:
+                self.queue.task_done()
+
+    def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
+        data = contribution_bytes(delta, header, codec_name=self.codec_name, block_size=self.block_size)
+        for attempt in range(8):
+            try:
+                if not self.store.put_if_absent(key, data):
+                    log.warning("contribution %s already exists with other content; dropped", key)
+                    return
+                with self.lock:
+                    self.stats.bytes_up += len(data)
+                    self.stats.num_contributions += 1
+                return
+            except Exception as exc:  # noqa: BLE001 - the network may be down for a while
+                delay = min(30.0, 0.5 * 2**attempt)
+                log.warning("upload of %s failed (%s); retry in %.1fs", key, exc, delay)
+                time.sleep(delay)
+        self.failed += 1
+        log.error("giving up on %s: the next contribution of this fragment carries its progress", key)
+
+    def close(self) -> None:
+        """Finish every queued upload, then stop."""
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
