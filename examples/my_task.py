@@ -1,11 +1,23 @@
 """A task of your own: a character bigram model, in one file.
 
-    ddiloco learn --task examples/my_task.py:task ...
+A task is code on each machine, never something read from the bucket. Either
+make it importable everywhere (a package, or PYTHONPATH) and name the module:
+
+    PYTHONPATH=examples ddiloco init URL --task my_task:task ...
+    PYTHONPATH=examples ddiloco learn URL --learner-id a
+
+or give every command its own copy of the file:
+
+    ddiloco init URL --task examples/my_task.py:task ...
+    ddiloco learn URL --learner-id a --task examples/my_task.py:task
+
+run.json records the sha256 of this file; a learner whose copy differs is refused.
 
 Any object with build_model / batches / loss / num_tokens (and optionally
 val_batches, to_device) is a task; see ddiloco_cli/tasks/__init__.py. This one
 learns next-character probabilities of a text file (default: the Shakespeare
 excerpt shipped with ddiloco; set MY_TASK_TEXT=path/to/file.txt for your own).
+Its batches() takes start_step, so a restarted learner continues its stream.
 """
 
 import os
@@ -28,11 +40,13 @@ class BigramTask:
         torch.manual_seed(0)
         return nn.Embedding(len(self.vocab), len(self.vocab))  # row i: logits of the char after i
 
-    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
+    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int, start_step: int = 0):
         # Shard s trains on the s-th contiguous slice only: distinct data without coordination.
         n = len(self.train_ids)
         lo, hi = n * shard // num_shards, n * (shard + 1) // num_shards
         g = torch.Generator().manual_seed(seed * 1_000_003 + shard)
+        for _ in range(start_step):  # resume: replay the skipped draws, not the batches
+            torch.randint(lo, hi - 1, (batch_size,), generator=g)
         while True:
             i = torch.randint(lo, hi - 1, (batch_size,), generator=g)
             yield {"x": self.train_ids[i], "y": self.train_ids[i + 1]}

@@ -294,10 +294,12 @@ class GPTTask:
         """A freshly initialised model; identical in every process (fixed init seed)."""
         return GPT(self.model_config())
 
-    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int) -> Iterator[tuple]:
+    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int,
+                start_step: int = 0) -> Iterator[tuple]:
         """Endless random windows from the shard-th contiguous 1/num_shards slice of train
         tokens, drawn with a generator seeded by (seed, shard): the same arguments give
-        the same stream, distinct shards never share a window start."""
+        the same stream, distinct shards never share a window start. ``start_step``
+        continues the stream after that many batches (a restarted learner's resume)."""
         if not 0 <= shard < num_shards:
             raise UsageError(f"shard {shard} is outside 0..{num_shards - 1}")
         data = self._tokens("train")
@@ -307,6 +309,8 @@ class GPTTask:
             raise UsageError(f"{num_shards} shards leave {hi - lo} tokens each, fewer than one window "
                              f"of {T + 1}; use fewer learners or more data (scripts/prepare_data.py)")
         g = _generator(seed, shard)
+        for _ in range(start_step):  # the same draws as the skipped batches, without reading tokens
+            torch.randint(lo, hi - T - 1 + 1, (batch_size,), generator=g)
         while True:
             starts = torch.randint(lo, hi - T - 1 + 1, (batch_size,), generator=g).tolist()
             yield self._windows(data, starts)

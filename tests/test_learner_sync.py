@@ -1,0 +1,126 @@
+"""DiLoCoSync and the learn loop in one process (memory store): data resume, fp32
+deltas of bf16 models, lock-step without keep-overlap, tasks loaded from the
+learner's own code, the training features of `learn`."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+
+import pytest
+import torch
+
+from ddiloco_cli import DiLoCoSync, codec, layout, ledger, records
+from ddiloco_cli.errors import UsageError
+from ddiloco_cli.learner import Learner, LearnerOptions
+from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.store import open_store
+from ddiloco_cli.tasks import load_run_task, load_task
+
+TINY = "ddiloco_cli.tasks.gpt:tiny"
+
+
+def _run(**spec) -> object:
+    store = open_store(f"memory://sync-{uuid.uuid4().hex}")
+    init_run(store, RunSpec(**{"task": TINY, "num_fragments": 2, "sync_every": 4, "overlap_steps": 1, "codec": "none",
+                               "total_steps": 0, "warmup_steps": 0, "batch_size": 4, **spec}))
+    return store
+
+
+def _record_first_batch(learner: Learner, seen: list) -> None:
+    original = learner.task.batches
+
+    @functools.wraps(original)  # keeps the signature: the loop looks for start_step in it
+    def batches(**kwargs):
+        stream = original(**kwargs)
+        first = next(stream)
+        seen.append(first)
+        yield first
+        yield from stream
+
+    learner.task.batches = batches
+
+
+def test_a_restarted_learner_continues_its_data_stream():
+    store = _run()
+    firsts: list = []
+    for _ in range(2):
+        learner = Learner(store, options=LearnerOptions(learner_id="a", steps=3))
+        _record_first_batch(learner, firsts)
+        assert learner.train() == "steps"
+    state = records.loads(store.get(layout.learner_state_key("a")), "learner_state", where="state")
+    assert state["data"] == {"start_step": 6}
+    assert not torch.equal(firsts[0][0], firsts[1][0]), "the second session replayed the first one's data"
+    seed = __import__("zlib").crc32(b"a")
+    stream = load_task(TINY).batches(shard=0, num_shards=1, seed=seed, batch_size=4)
+    expected = [next(stream) for _ in range(4)][3]
+    assert torch.equal(firsts[1][0], expected[0]), "the second session must start at batch 3 of the stream"
+
+
+def test_bf16_model_sends_fp32_delta_against_the_fp32_base():
+    store = _run(num_fragments=1, sync_every=2, overlap_steps=0)
+    model = load_task(TINY).build_model().to(torch.bfloat16)
+    with DiLoCoSync(store, model, learner_id="b") as sync:
+        base = {k: v.clone() for k, v in sync.base[0][1].items()}
+        assert all(v.dtype == torch.float32 for v in base.values())
+        with torch.no_grad():
+            for t in model.parameters():
+                t.add_(0.25)  # stands in for training
+        theta = {s.key: s.view_of(dict(model.named_parameters())[s.name]).float() for s in sync.plan.fragments[0]}
+        sync.step(num_tokens=1)
+        sync.step(num_tokens=1)  # fragment 0 is due after step 2
+    (info,) = store.list(layout.contribution_prefix(0))
+    delta, _ = codec.decode_tensors(store.get(info.key), max_numel=10**7)
+    for k, d in delta.items():
+        assert torch.equal(d, base[k] - theta[k]), k
+    # against the bf16-rounded base the delta would lose the published value's low bits
+    rounded = {k: base[k].bfloat16().float() - theta[k] for k in theta}
+    assert any(not torch.equal(delta[k], rounded[k]) for k in delta)
+
+
+def test_lockstep_never_keeps_overlap_progress():
+    store = _run(mode="lockstep", keep_overlap_progress=True, overlap_steps=2)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="c") as sync:
+        assert not sync.keep_progress
+    store = _run(keep_overlap_progress=True, overlap_steps=2)
+    with DiLoCoSync(store, model, learner_id="c") as sync:
+        assert sync.keep_progress
+
+
+def test_task_comes_from_the_learners_own_code(tmp_path):
+    task_file = tmp_path / "task_here.py"
+    task_file.write_text(open("examples/my_task.py").read())
+    store = _run(task=f"{task_file}:task")
+    run = ledger.read_run(store)
+    assert len(run["task_sha256"]) == 64
+    with pytest.raises(UsageError, match="file path"):
+        load_run_task(run)  # a path from the bucket is never imported
+    assert load_run_task(run, override=f"{task_file}:task") is not None
+    task_file.write_text(task_file.read_text() + "\n# changed\n")
+    with pytest.raises(UsageError, match="differs from the run's"):
+        load_run_task(run, override=f"{task_file}:task")
+    builtin = ledger.read_run(_run())
+    assert load_run_task(builtin) is not None  # an importable module from run.json is fine
+    with pytest.raises(UsageError, match="differs from the run's"):
+        load_run_task({**builtin, "task_sha256": "0" * 64})
+
+
+def test_learn_features_bf16_autocast_and_grad_accum():
+    store = _run(total_steps=4)
+    seen: list = []
+    learner = Learner(store, options=LearnerOptions(learner_id="d", precision="bf16", grad_accum=2))
+    _record_first_batch(learner, seen)
+    assert learner.train() == "finished"
+    hb = records.loads(store.get(layout.learner_heartbeat_key("d")), "learner_heartbeat", where="hb")
+    assert hb["state"] == "finished" and hb["step"] == 4
+    assert hb["tokens"] == 4 * 2 * 4 * 64  # two micro-batches of 4 windows of 64 tokens per step
+    state = records.loads(store.get(layout.learner_state_key("d")), "learner_state", where="state")
+    assert state["data"] == {"start_step": 8}
+    assert all(t.dtype == torch.float32 for t in learner.model.parameters())
+
+
+@pytest.mark.parametrize("bad", [dict(precision="fp8"), dict(grad_accum=0), dict(parallel="tp")])
+def test_bad_learn_options_are_usage_errors(bad):
+    with pytest.raises(UsageError):
+        LearnerOptions(learner_id="e", **bad).check()
