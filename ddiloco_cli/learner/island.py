@@ -88,12 +88,13 @@ class Island:
 
     def gather(self, plan: FragmentPlan, p: int, params: Mapping[str, torch.Tensor]) -> Tensors:
         """{slice key: fp32 CPU copy} of fragment p's full values, on every rank."""
-        names = {s.name for s in plan.fragments[p]}
+        # plan order, the same on every rank (a set's order differs between processes)
+        names = dict.fromkeys(s.name for s in plan.fragments[p])
         return gather_fragment(plan, p, {n: self._full(params[n]) for n in names})
 
     def scatter(self, plan: FragmentPlan, p: int, params: Mapping[str, torch.Tensor], value: Tensors) -> None:
         """Write fragment p's full values into the parameters (each rank its own shard)."""
-        sharded = {s.name for s in plan.fragments[p] if _is_dtensor(params[s.name])}
+        sharded = list(dict.fromkeys(s.name for s in plan.fragments[p] if _is_dtensor(params[s.name])))
         if not sharded:
             scatter_fragment(plan, p, params, value)
             return
@@ -102,7 +103,7 @@ class Island:
         full = {n: self._full(params[n]).detach().clone() for n in sharded}
         scatter_fragment(plan, p, {**params, **full}, value)
         with torch.no_grad():
-            for n in sorted(sharded):
+            for n in sharded:
                 t = params[n]
                 # every rank holds the same full value: cut out our own shard, no communication
                 mine = distribute_tensor(full[n], t.device_mesh, t.placements, src_data_rank=None)
