@@ -124,3 +124,23 @@ def test_learn_features_bf16_autocast_and_grad_accum():
 def test_bad_learn_options_are_usage_errors(bad):
     with pytest.raises(UsageError):
         LearnerOptions(learner_id="e", **bad).check()
+
+
+def test_a_compiled_model_is_attached_by_its_original_parameters():
+    """torch.compile's wrapper prefixes parameter names with _orig_mod.; the wrapper peels it off,
+    so a compiled model trains and sends like the plain one (inductor itself is exercised by
+    `learn --compile` on accelerators; the eager backend keeps this test fast)."""
+    store = _run(num_fragments=1, sync_every=2, overlap_steps=0)
+    task = load_task(TINY)
+    model = task.build_model()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = task.batches(shard=0, num_shards=1, seed=0, batch_size=2)
+    with DiLoCoSync(store, compiled, learner_id="f") as sync:
+        assert sync.model is model
+        for _ in range(2):
+            task.loss(compiled, next(batches)).backward()
+            opt.step()
+            opt.zero_grad()
+            sync.step(num_tokens=128)
+    assert len(store.list(layout.contribution_prefix(0))) == 1
