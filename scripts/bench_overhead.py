@@ -142,7 +142,7 @@ def plain_worker(steps: int, out: str) -> None:
 
 def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
     torch.set_num_threads(1)
-    from ddiloco_cli.learner import Learner, LearnerOptions
+    from ddiloco_cli.learner import DiLoCoSync, Learner, LearnerOptions
     from ddiloco_cli.store import open_store
 
     # main-thread time inside the loop's own ddiloco calls (send: gather + delta + queue;
@@ -159,8 +159,8 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
                 spent[name + "_cpu_s"] += time.thread_time() - c0
         return wrapped
 
-    Learner._send = timed("send", Learner._send)
-    Learner._receive = timed("receive", Learner._receive)
+    DiLoCoSync._send = timed("send", DiLoCoSync._send)
+    DiLoCoSync._receive = timed("receive", DiLoCoSync._receive)
     stamps = [_stamp()]
     threads: dict[str, float] = {}
 

@@ -144,3 +144,34 @@ def test_a_compiled_model_is_attached_by_its_original_parameters():
             opt.zero_grad()
             sync.step(num_tokens=128)
     assert len(store.list(layout.contribution_prefix(0))) == 1
+
+
+def test_a_refused_contribution_is_logged_and_the_fragment_re_based(caplog):
+    """PROTOCOL.md, ledger entries: a learner that finds its contribution refused in a new
+    manifest logs the reason and re-bases the fragment on that version."""
+    import time
+
+    from ddiloco_cli.published import FragmentReader, encode_version, upload_payloads
+
+    store = _run(num_fragments=1, sync_every=2, overlap_steps=0)
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    v0 = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=0).read(0)
+    encoded = encode_version(fragment=0, version=1, new_value={k: v + 0.5 for k, v in v0.items()}, prev_published=v0,
+                             publish_codec="none", block_size=64, keyframe_every=8)
+    upload_payloads(store, encoded)
+    refused = {"learner_id": "g", "seq": 7, "key": layout.contribution_key(0, "g", 7), "size": 10, "used": False,
+               "status": "refused", "reason": "stale: base 0 is 9 cycles behind (max_staleness 8)"}
+    model = load_task(TINY).build_model()
+    with caplog.at_level("WARNING"), DiLoCoSync(store, model, learner_id="g") as sync:
+        assert ledger.commit_manifest(store, records.make(
+            "manifest", run_id=run["run_id"], fragment=0, version=1, epoch=1, syncer_id="s", nonce=records.new_nonce(),
+            numel=plan.fragment_numel(0), payloads=[e for _, _, e in encoded.payloads], contributions=[refused],
+            quorum_size=0, outer_steps=1, high_water={"g": 7}))
+        deadline = time.monotonic() + 60
+        while sync.stats.versions[0] < 1 and time.monotonic() < deadline:
+            sync.step(num_tokens=1)
+            time.sleep(0.01)
+        assert sync.base[0][0] == 1 and sync.stats.num_refused == 1
+    assert "contribution seq 7 was refused by the syncer (stale: base 0 is 9 cycles behind" in caplog.text
+    assert "re-basing on version 1" in caplog.text

@@ -14,9 +14,11 @@ import torch
 from ddiloco_cli import ledger
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.published import FragmentReader
-from ddiloco_cli.store.base import Store
+from ddiloco_cli.store.base import NotFound, Store
 
 log = logging.getLogger(__name__)
+
+MAX_SCAN = 64  # manifests a receive looks through for refusals of this learner's contributions
 
 Tensors = dict[str, torch.Tensor]
 
@@ -58,6 +60,22 @@ def receive_rule(local: Tensors, new_global: Tensors, theta_at_send: Tensors, *,
     return dict(zip(keys, out))
 
 
+@dataclass(frozen=True)
+class Ready:
+    """A newer version of a fragment, downloaded and decoded."""
+
+    version: int
+    value: Tensors
+    manifest: dict[str, Any]
+    refused: list[dict[str, Any]]  # ledger entries refusing this learner's contributions, since the version it had
+
+
+def refusals(manifests: list[dict[str, Any]], learner_id: str) -> list[dict[str, Any]]:
+    """The ledger entries in ``manifests`` that refuse a contribution of ``learner_id``."""
+    return [c for m in manifests for c in m["contributions"]
+            if c.get("status") == "refused" and c.get("learner_id") == learner_id]
+
+
 class Receiver(threading.Thread):
     """Polls for newer committed versions of wanted fragments, downloads and decodes
     them (the main thread only copies ready values in).
@@ -66,14 +84,15 @@ class Receiver(threading.Thread):
     learner's step time: a version is only taken at a step boundary, so polling
     faster buys nothing), never faster than ``min_poll_s``."""
 
-    def __init__(self, store: Store, readers: dict[int, FragmentReader], *, min_poll_s: float, stats: LearnerStats,
-                 pace_s: Callable[[], float] = lambda: 0.0):
+    def __init__(self, store: Store, readers: dict[int, FragmentReader], *, learner_id: str, min_poll_s: float,
+                 stats: LearnerStats, pace_s: Callable[[], float] = lambda: 0.0):
         super().__init__(name="ddiloco-receiver", daemon=True)
         self.store, self.readers, self.min_poll_s, self.stats = store, readers, min_poll_s, stats
+        self.learner_id = learner_id
         self.pace_s = pace_s
         self.lock = threading.Lock()
         self.wanted: dict[int, tuple[int, Tensors]] = {}  # fragment -> (have version, have value)
-        self.ready: dict[int, tuple[int, Tensors, dict[str, Any]]] = {}
+        self.ready: dict[int, Ready] = {}
         self.stopping = threading.Event()
         self.wake = threading.Event()
         self.num_polls = 0
@@ -83,7 +102,7 @@ class Receiver(threading.Thread):
             self.wanted[p] = have
         self.wake.set()
 
-    def take(self, p: int) -> tuple[int, Tensors, dict[str, Any]] | None:
+    def take(self, p: int) -> Ready | None:
         with self.lock:
             got = self.ready.pop(p, None)
             if got is not None:
@@ -117,11 +136,23 @@ class Receiver(threading.Thread):
         reader = self.readers[p]
         before = reader.bytes_down
         value = reader.read(latest, have=have)
-        manifest = reader.manifest(latest)
+        refused = refusals(self._manifests_since(reader, have[0], latest), self.learner_id)
         self.stats.bytes_down += reader.bytes_down - before
         with self.lock:
             if p in self.wanted:
-                self.ready[p] = (latest, value, manifest)
+                self.ready[p] = Ready(latest, value, reader.manifest(latest), refused)
+
+    @staticmethod
+    def _manifests_since(reader: FragmentReader, have: int, latest: int) -> list[dict[str, Any]]:
+        """Manifests (have, latest], the newest MAX_SCAN of them; gone ones are skipped.
+        The reader caches them: those a delta chain needed cost nothing more."""
+        out = []
+        for v in range(max(have + 1, latest - MAX_SCAN + 1), latest + 1):
+            try:
+                out.append(reader.manifest(v))
+            except NotFound:
+                continue
+        return out
 
     def close(self) -> None:
         self.stopping.set()

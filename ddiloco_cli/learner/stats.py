@@ -15,5 +15,6 @@ class LearnerStats:
     bytes_down: int = 0
     num_contributions: int = 0
     blocked_s: float = 0.0
+    num_refused: int = 0  # own contributions the syncer's ledger refused
     versions: dict[int, int] = field(default_factory=dict)
     state: str = "running"

@@ -40,7 +40,7 @@ import torch.nn as nn
 from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.learner.island import Island
-from ddiloco_cli.learner.receiver import InFlight, Receiver, receive_rule
+from ddiloco_cli.learner.receiver import InFlight, Ready, Receiver, receive_rule
 from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
@@ -170,7 +170,8 @@ class DiLoCoSync:
             self._uploader = Uploader(self.store, codec_name=self.run["codec"], block_size=int(self.run["codec_block"]),
                                       maxsize=self.opts.upload_queue, stats=self.stats,
                                       num_workers=self.opts.upload_workers, newest_wins=not self.lockstep)
-            self._receiver = Receiver(self.store, self.readers, min_poll_s=self.opts.min_poll_s, stats=self.stats,
+            self._receiver = Receiver(self.store, self.readers, learner_id=self.learner_id,
+                                      min_poll_s=self.opts.min_poll_s, stats=self.stats,
                                       pace_s=lambda: self.stats.step_time_s)
             self._writer = SessionWriter(self.store, learner_id=self.learner_id, session=self.session,
                                          make_record=self._heartbeat_record, run_id=self.run_id,
@@ -319,15 +320,21 @@ class DiLoCoSync:
         self.stats.blocked_s += self._uploader.submit(layout.contribution_key(p, self.learner_id, seq), delta, header)
         return theta
 
-    def _take(self, p: int, flight: InFlight) -> tuple[int, Tensors, dict[str, Any]] | None:
+    def _take(self, p: int, flight: InFlight) -> Ready | None:
         """Rank 0: a ready newer version of p, or None (lock-step: wait for the one
         that merged our contribution)."""
         receiver = self._receiver
         t0 = time.monotonic()
         while True:
             got = receiver.take(p)
-            if got is not None and self.lockstep and got[2]["high_water"].get(self.learner_id, -1) < flight.seq:
-                receiver.want(p, (got[0], got[1]))  # not ours yet: keep waiting for a later version
+            if got is not None:
+                for entry in got.refused:
+                    # the ledger's word: that progress is gone; receiving this version re-bases p
+                    self.stats.num_refused += 1
+                    log.warning("fragment %d: contribution seq %d was refused by the syncer (%s); re-basing on "
+                                "version %d", p, entry["seq"], entry.get("reason", "no reason given"), got.version)
+            if got is not None and self.lockstep and got.manifest["high_water"].get(self.learner_id, -1) < flight.seq:
+                receiver.want(p, (got.version, got.value))  # not ours yet: keep waiting for a later version
                 got = None
             if got is not None or not self.lockstep or self.stop_reason is not None:
                 break
@@ -340,10 +347,10 @@ class DiLoCoSync:
         """Fold a newer committed version of p into the model if one is ready.
         Returns True when p was received."""
         got = self._take(p, flight) if self.island.io else None
-        version = self.island.agree([got[0] if got is not None else -1])[0]
+        version = self.island.agree([got.version if got is not None else -1])[0]
         if version < 0:
             return False
-        version, value = self.island.broadcast(self.plan, p, version, got[1] if got is not None else {})
+        version, value = self.island.broadcast(self.plan, p, version, got.value if got is not None else {})
         if self.alpha == 0.0 and not self.keep_progress:
             self.island.scatter(self.plan, p, self.params, value)
         else:
