@@ -30,7 +30,7 @@ from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import NotFound
 from ddiloco_cli.syncer import Syncer, SyncerOptions
 
-TASK = f"{os.path.abspath(__file__)}:TinyTask"
+TASK = "test_protocol:TinyTask"  # a module name: learners never import a file path from run.json [L1]
 LOCAL_BACKENDS = ["local", "memory"]
 STORE_BACKENDS = ["local", "memory", pytest.param("s3", marks=pytest.mark.s3)]
 
