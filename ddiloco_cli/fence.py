@@ -27,7 +27,7 @@ import time
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import FencedError
 from ddiloco_cli.records import NewerProtocolError
-from ddiloco_cli.store.base import ObjectInfo, Store
+from ddiloco_cli.store.base import ObjectInfo, Store, StoreWrapper
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,12 @@ def fence_interval_s(lease_s: float) -> float:
     return min(1.0, lease_s / 4)
 
 
-class FencedStore:
+class FencedStore(StoreWrapper):
     """A Store that checks the fence of ``epoch`` before each write (see module doc).
     Reads pass through unchecked."""
 
     def __init__(self, inner: Store, *, run_id: str, epoch: ledger.Epoch, interval_s: float):
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.run_id = run_id
         self.epoch = epoch
         self.interval_s = interval_s
@@ -92,7 +91,7 @@ class FencedStore:
         if (kind is not None and kind[0] == "manifests") or time.monotonic() - self._checked_t >= self.interval_s:
             self.check_fence()
 
-    # ------------------------------------------------------------ the Store API
+    # ------------------------------------------------------------ the writes
     def put_if_absent(self, key: str, data: bytes) -> bool:
         self._before_write(key)
         return self.inner.put_if_absent(key, data)
@@ -107,14 +106,5 @@ class FencedStore:
 
     def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False) -> list[ObjectInfo]:
         if not dry_run:
-            self._before_write("")  # deletes, like delete()
+            self._before_write(layout.CLOCK_PREFIX)
         return self.inner.remove_stale_temp(older_than_s=older_than_s, dry_run=dry_run)
-
-    def get(self, key: str, **kwargs) -> bytes:
-        return self.inner.get(key, **kwargs)
-
-    def list(self, prefix: str = "", **kwargs) -> list[ObjectInfo]:
-        return self.inner.list(prefix, **kwargs)
-
-    def now(self) -> float:
-        return self.inner.now()

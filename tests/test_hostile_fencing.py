@@ -47,8 +47,8 @@ def _fenced_store(store, epoch: ledger.Epoch, *, interval_s: float) -> tuple[Fen
 
 
 def test_every_kind_of_write_is_fenced_for_good_F5(run_store):
-    """[F5] once an overlapping epoch above ours exists: put, put_if_absent and delete raise
-    FencedError and reach no store; the fence is sticky (no further LIST needed)."""
+    """[F5] once an overlapping epoch above ours exists: put, put_if_absent, delete and the
+    temp-file sweep raise FencedError and reach no store; the fence is sticky."""
     mine = _claim(run_store, "old", [0, 1])
     fenced, recording = _fenced_store(run_store, mine, interval_s=0.0)
     fenced.put(layout.syncer_heartbeat_key(mine.epoch), b"{}")
@@ -56,7 +56,8 @@ def test_every_kind_of_write_is_fenced_for_good_F5(run_store):
     writes = [lambda: fenced.put(layout.syncer_heartbeat_key(mine.epoch), b"{}"),
               lambda: fenced.put_if_absent(layout.quarantine_key("contributions/p00000/a/x"), b"{}"),
               lambda: fenced.delete(layout.contribution_key(0, "a", 1)),
-              lambda: fenced.put_if_absent(layout.manifest_key(0, 1), b"{}")]
+              lambda: fenced.put_if_absent(layout.manifest_key(0, 1), b"{}"),
+              lambda: fenced.remove_stale_temp(older_than_s=0.0)]
     for write in writes:
         with pytest.raises(FencedError, match=r"epoch 2 \(new\) took over fragments \[1\]"):
             write()
