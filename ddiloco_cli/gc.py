@@ -45,11 +45,11 @@ class GCReport:
 _VALID_CHECKPOINTS: set[tuple[str, str]] = set()  # (store url, key): checked once per process
 
 
-def _checkpoint_ok(store: Store, key: str, *, run_id: str) -> bool:
+def _checkpoint_ok(store: Store, key: str, *, run_id: str, expected: dict[str, tuple[int, ...]]) -> bool:
     if (store.url, key) in _VALID_CHECKPOINTS:
         return True
-    try:
-        _, meta = codec.decode_tensors(store.get(key), where=key)
+    try:  # the plan's shapes bound what is decoded: a checkpoint declaring terabytes is just invalid
+        _, meta = codec.decode_tensors(store.get(key), expected=expected, where=key)
         records.validate(meta, "checkpoint", where=key)
     except (NotFound, InvalidPayloadError, ProtocolError) as exc:
         log.warning("gc: ignoring checkpoint %s: %s", key, exc)
@@ -78,6 +78,7 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
     report = GCReport()
     now_s = store.now()
     frags = list(fragments) if fragments is not None else list(range(int(run["num_fragments"])))
+    plan = ledger.read_plan(store, run_id=run["run_id"])
 
     def drop(info: ObjectInfo) -> None:
         report.deleted.append(info.key)
@@ -96,7 +97,8 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
         checkpoints = [(layout.parse_num(i.key), i) for i in store.list(layout.checkpoint_prefix(p))]
         checkpoints = [(v, i) for v, i in checkpoints if v is not None and v <= latest]
         # only a checkpoint that decodes counts: a corrupt one must not license deleting the ledger behind it
-        newest_ckpt = max((v for v, i in checkpoints if _checkpoint_ok(store, i.key, run_id=run["run_id"])), default=0)
+        newest_ckpt = max((v for v, i in checkpoints if _checkpoint_ok(store, i.key, run_id=run["run_id"],
+                                                                          expected=plan.fragment_shapes(p))), default=0)
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
                                  retain_versions=int(run["retain_versions"]),
                                  publish_codec=run["publish_codec"], keyframe_every=int(run["keyframe_every"]),
