@@ -437,6 +437,7 @@ class Syncer:
                 raise InvalidPayloadError(f"{where}: header names fragment {header['fragment']} learner "
                                           f"{header['learner_id']} seq {header['seq']}, not its key")
             if header["base_version"] > state.version:
+                self.check_fence()  # a base it never committed: another syncer commits (then it stops), or a lie
                 raise InvalidPayloadError(f"{where}: base version {header['base_version']} is newer than "
                                           f"the committed version {state.version}")
         except (InvalidPayloadError, ProtocolError) as exc:

@@ -95,6 +95,25 @@ def test_only_valid_overlapping_or_newer_epochs_fence_F5(run_store):
         fenced.put(layout.syncer_heartbeat_key(mine.epoch), b"{}")
 
 
+def test_base_newer_than_known_checks_the_fence_before_quarantine_F5(run_store):
+    """[F5] a contribution based on a version this syncer never committed means another
+    syncer commits: it checks the fence at once (whatever its interval) and stops,
+    instead of quarantining valid work."""
+    beat(run_store, "a")
+    a = live_syncer(run_store, syncer_id="A")
+    a.store.interval_s = math.inf  # no write would check the fence on its own
+    b = Syncer(RecordingStore(run_store, clock_shift_s=1000.0), options=SyncerOptions(syncer_id="B", gc=False))
+    assert b.acquire()
+    b.check_fence()
+    b.restore()
+    contribution(run_store, 0, "a", 1)
+    assert step(b, 0)
+    contribution(run_store, 0, "a", 2, base_version=1)
+    with pytest.raises(FencedError, match=r"epoch 2 \(B\) took over"):
+        a.poll_contributions()
+    assert run_store.list(layout.QUARANTINE_PREFIX) == []
+
+
 class _TakeoverBeforeManifest:
     """Runs ``takeover`` once, just before the first manifest create reaches the store:
     a pause after the fence check let a standby claim and restore (the known window)."""
