@@ -169,7 +169,8 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
         if len(stamps) == steps + 1:  # last step: the workers are still alive
             threads.update(thread_cpu_s())
 
-    learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9),
+    learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9,
+                                                              task=f"{THIS}:mid"),
                       on_progress=on_progress)
     reason = learner.train()
     s = learner.stats

@@ -141,7 +141,9 @@ class Cluster:
     def start_learner(self, learner_id: str, *extra: str) -> subprocess.Popen:
         """Start (or, with the same id, restart: it resumes its step count) a learner."""
         if extra or learner_id not in self.learner_args:
-            self.learner_args[learner_id] = ["learn", self.url, "--learner-id", learner_id, "--threads", "1", *extra]
+            # the task from our own command line: a learner never imports a file path named by run.json
+            self.learner_args[learner_id] = ["learn", self.url, "--learner-id", learner_id, "--threads", "1",
+                                             "--task", self.run["task"], *extra]
         self.spawned_s[learner_id] = time.time()
         proc = self._spawn(f"learner-{learner_id}", self.learner_args[learner_id])
         self.learners[learner_id] = proc
