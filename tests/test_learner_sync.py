@@ -175,3 +175,17 @@ def test_a_refused_contribution_is_logged_and_the_fragment_re_based(caplog):
         assert sync.base[0][0] == 1 and sync.stats.num_refused == 1
     assert "contribution seq 7 was refused by the syncer (stale: base 0 is 9 cycles behind" in caplog.text
     assert "re-basing on version 1" in caplog.text
+
+
+def test_receiver_is_idle_until_one_step_before_the_overlap_window_ends():
+    """The receiver polls only for fragments the loop registered, from step t + tau - 1 on
+    (t: the send), so its download overlaps the window's last step; before that it sleeps."""
+    store = _run(num_fragments=1, sync_every=4, overlap_steps=2)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="h") as sync:
+        for _ in range(4):  # the send happens after step 4: receive_step = 6
+            sync.step(num_tokens=1)
+        assert sync.in_flight[0].receive_step == 6 and not sync._receiver.wanted
+        assert sync._receiver.num_polls == 0
+        sync.step(num_tokens=1)  # step 5 = t + tau - 1
+        assert set(sync._receiver.wanted) == {0}

@@ -153,7 +153,11 @@ class Learner:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         net = shard_island(model, parallel=opts.parallel, world=world)
+        # distinct learners get distinct data without coordination: shard by --shard, else by id
+        num_shards, shard = (opts.num_shards or 1) * world, (opts.shard or 0) * world + rank
+        seed = int(run["seed"]) if opts.shard is not None else zlib.crc32(opts.learner_id.encode())
         sync = DiLoCoSync(self.store, net, learner_id=opts.learner_id, run=run,
+                          heartbeat_fields={"shard": shard, "num_shards": num_shards},
                           options=SyncOptions(upload_queue=opts.upload_queue, upload_workers=opts.upload_workers,
                                               min_poll_s=opts.poll_s))
         self.stats, self.model = sync.stats, model
@@ -164,12 +168,8 @@ class Learner:
                     else contextlib.nullcontext())
         clip = float(inner["grad_clip"])
         with sync:
-            # distinct learners get distinct data without coordination: shard by --shard, else by id
-            num_shards, shard = (opts.num_shards or 1) * world, (opts.shard or 0) * world + rank
-            seed = int(run["seed"]) if opts.shard is not None else zlib.crc32(opts.learner_id.encode())
             batches, data_state = resumable_batches(task, shard=shard, num_shards=num_shards, seed=seed,
                                                     batch_size=int(inner["batch_size"]), resume=sync.resume_state)
-            sync.heartbeat_extra = {"shard": shard, "num_shards": num_shards}
             end_step = sync.step_count + opts.steps if opts.steps is not None else None
             drawn = 0
             while not sync.should_stop and (end_step is None or sync.step_count < end_step):

@@ -85,13 +85,14 @@ class DiLoCoSync:
 
     ``num_tokens`` given to ``step`` is what this process trained in that step;
     under torchrun the island counts ``world_size`` times it (every rank trains an
-    equal batch). ``data_state`` (JSON-able, optional) is saved in
+    equal batch). ``run`` (run.json, if already read) and ``heartbeat_fields`` (more
+    fields of the learner heartbeat) are optional. ``data_state`` (JSON-able) is saved in
     ``learners/ID/state.json`` at each send; the next session of the same id reads
     it back as ``resume_state`` to continue its data stream."""
 
     def __init__(self, url: str | Store, model: nn.Module, *, learner_id: str,
                  storage_options: dict[str, Any] | None = None, options: SyncOptions = SyncOptions(),
-                 run: dict[str, Any] | None = None):
+                 run: dict[str, Any] | None = None, heartbeat_fields: dict[str, Any] | None = None):
         check_learner_id(learner_id)
         self.store = url if not isinstance(url, str) else open_store(url, options=storage_options)
         self.learner_id, self.opts = learner_id, options
@@ -125,7 +126,7 @@ class DiLoCoSync:
         self._previous_sigterm: Any = None
         self._started = False
         self.started_s = 0.0
-        self.heartbeat_extra: dict[str, Any] = {}  # more heartbeat fields, e.g. the loop's data shard
+        self.heartbeat_fields = dict(heartbeat_fields or {})  # e.g. the loop's data shard
 
     # ------------------------------------------------------------- public API
     @property
@@ -282,7 +283,7 @@ class DiLoCoSync:
             num_contributions=s.num_contributions, blocked_s=s.blocked_s,
             versions={str(p): v for p, v in s.versions.items()}, device=str(self.island.device),
             session=self.session, host=socket.gethostname(), pid=os.getpid(), started_s=self.started_s,
-            time_s=time.time(), **self.heartbeat_extra,
+            time_s=time.time(), **self.heartbeat_fields,
         )
 
     def _bootstrap(self) -> None:
