@@ -30,6 +30,7 @@ from ddiloco_cli.store.base import NotFound, Store
 log = logging.getLogger(__name__)
 
 MAX_STATE_BYTES = 64 * 1024  # a data position, not a dataset: larger states are refused
+LEASE_MARGIN_S = 0.5  # past the lease by the store's clock, whose object times may be coarse
 
 
 @dataclass(frozen=True)
@@ -81,16 +82,30 @@ def _crashed_here(rec: dict[str, Any]) -> bool:
     return False
 
 
+def _live(held: HeldBy | None, lease_s: float) -> bool:
+    return (held is not None and held.record["state"] == "running" and held.age_s <= lease_s
+            and not _crashed_here(held.record))
+
+
 def check_id_free(store: Store, learner_id: str, *, lease_s: float) -> HeldBy | None:
-    """Raise UsageError when a live session holds ``learner_id`` (state running, a
-    heartbeat within the lease, and not a crashed process of this host); else return
-    the previous session's heartbeat."""
+    """Raise UsageError when a live session holds ``learner_id``; else return the
+    previous session's heartbeat (or None).
+
+    Live: state running, a heartbeat within the lease, and not a crashed process of
+    this host. A running heartbeat is watched for up to one lease first: a session
+    that crashed on another machine stops beating, a live one beats again."""
     held = read_heartbeat(store, learner_id)
-    if (held is not None and held.record["state"] == "running" and held.age_s <= lease_s
-            and not _crashed_here(held.record)):
-        raise UsageError(f"learner id {learner_id!r} is live: {describe(held)}. Stop that session, wait "
-                         f"{max(0.0, lease_s - held.age_s):.0f}s for its lease to lapse, or pick another --learner-id")
-    return held
+    if not _live(held, lease_s):
+        return held
+    wait_s = lease_s - held.age_s + LEASE_MARGIN_S
+    log.info("learner id %r has a running heartbeat (%s); waiting %.1fs to see whether that session is alive",
+             learner_id, describe(held), wait_s)
+    time.sleep(wait_s)
+    again = read_heartbeat(store, learner_id)
+    if not _live(again, lease_s):
+        return again
+    raise UsageError(f"learner id {learner_id!r} is live: {describe(again)}. Stop that session, or pick "
+                     f"another --learner-id")
 
 
 def read_state(store: Store, learner_id: str) -> dict[str, Any] | None:
