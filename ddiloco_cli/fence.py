@@ -27,6 +27,7 @@ import time
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import FencedError
 from ddiloco_cli.records import NewerProtocolError
+from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import ObjectInfo, Store, StoreWrapper
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ class FencedStore(StoreWrapper):
     """A Store that checks the fence of ``epoch`` before each write (see module doc).
     Reads pass through unchecked."""
 
-    def __init__(self, inner: Store, *, run_id: str, epoch: ledger.Epoch, interval_s: float):
+    def __init__(self, inner: Store, *, run_id: str, epoch: ledger.Epoch, interval_s: float,
+                 trust: Trust | None = None):
         super().__init__(inner)
+        self.trust = trust  # in a run that requires signatures, an unsigned epoch fences nobody
         self.run_id = run_id
         self.epoch = epoch
         self.interval_s = interval_s
@@ -65,7 +68,7 @@ class FencedStore(StoreWrapper):
             if n <= mine.epoch or n in self._harmless:
                 continue
             try:
-                other = ledger.read_epoch(self.inner, n, run_id=self.run_id)
+                other = ledger.read_epoch(self.inner, n, run_id=self.run_id, trust=self.trust)
             except NewerProtocolError as exc:
                 self._fence(f"epoch {n} was claimed by a newer ddiloco ({exc}); this syncer (epoch {mine.epoch}) stops")
             if other is None or not other.fragments & mine.fragments:

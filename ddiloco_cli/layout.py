@@ -206,6 +206,7 @@ _KEY_KINDS = [
     (re.compile(r"tmp/.+", re.DOTALL), "other"),
     (re.compile(rf"metrics/(?:learner|syncer)/{LEARNER_ID}/{_NUM}-[0-9a-f]{{8}}\.jsonl"), "other"),
     (re.compile(r"(?:run|plan)\.json"), "other"),
+    (re.compile(rf"admissions/{LEARNER_ID}\.json"), "other"),
 ]
 
 
@@ -223,3 +224,11 @@ def key_kind(key: str) -> tuple[str, int | None] | None:
 
 # scratch area for store-clock probes and temp objects; safe to delete any time
 CLOCK_PREFIX = "tmp/clock/"
+
+
+# -- admissions: which public key may sign as which learner or syncer id (signed by the admin key) --
+ADMISSION_PREFIX = "admissions/"
+
+
+def admission_key(member_id: str) -> str:
+    return f"{ADMISSION_PREFIX}{member_id}.json"

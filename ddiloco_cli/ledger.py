@@ -26,6 +26,7 @@ from ddiloco_cli.store.base import NotFound, Store
 
 if TYPE_CHECKING:
     from ddiloco_cli.fragments import FragmentPlan
+    from ddiloco_cli.signing import Signer, Trust
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,10 @@ def read_latest_hint(store: Store, fragment: int) -> int | None:
 _MAX_HINT_BYTES = 4096  # a hint is ~100 bytes
 
 
-def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | None = None) -> dict[str, Any]:
-    """A committed manifest, validated. Raises NotFound or ProtocolError."""
+def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | None = None,
+                  trust: "Trust | None" = None) -> dict[str, Any]:
+    """A committed manifest, validated (and its signature checked by ``trust``, [A5]).
+    Raises NotFound or ProtocolError."""
     key = layout.manifest_key(fragment, version)
     where = f"{store.url}/{key}"
     manifest = records.loads(store.get(key), "manifest", where=where)
@@ -146,6 +149,8 @@ def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | No
     for e in manifest["contributions"]:
         if layout.key_kind(e["key"]) != ("contributions", fragment):
             raise ProtocolError(f"{where} names contribution {e['key']!r}, not a contribution to fragment {fragment}")
+    if trust is not None:
+        trust.check_record(manifest, key=key, role="syncer", where=where)
     return manifest
 
 
@@ -186,8 +191,9 @@ def listed_epochs(store: Store) -> list[tuple[int, str]]:
     return out
 
 
-def read_epoch(store: Store, n: int, *, run_id: str) -> Epoch | None:
-    """The valid claim of epoch ``n`` of this run, or None (skipped with a warning).
+def read_epoch(store: Store, n: int, *, run_id: str, trust: "Trust | None" = None) -> Epoch | None:
+    """The valid claim of epoch ``n`` of this run, or None (skipped with a warning); with
+    ``trust``, an unsigned or forged claim is skipped too ([A5]: it fences nobody).
 
     Raises NewerProtocolError when a newer ddiloco wrote it: this one must not serve next to it.
     """
@@ -202,27 +208,33 @@ def read_epoch(store: Store, n: int, *, run_id: str) -> Epoch | None:
     if rec["epoch"] != n or rec["run_id"] != run_id:
         log.warning("ignoring epoch object %s: wrong epoch number or run", key)
         return None
+    if trust is not None and not trust.admits(rec, key=key, role="syncer"):
+        log.warning("ignoring epoch object %s: not signed by an admitted syncer key", key)
+        return None
     return Epoch(n, rec["syncer_id"], frozenset(rec["fragments"]), rec)
 
 
-def list_epochs(store: Store, *, run_id: str, above: int = -1) -> list[Epoch]:
+def list_epochs(store: Store, *, run_id: str, above: int = -1, trust: "Trust | None" = None) -> list[Epoch]:
     """Every valid epoch claim numbered above ``above``, ascending. Invalid or foreign
-    objects are skipped with a warning; a newer protocol's raises NewerProtocolError."""
-    epochs = (read_epoch(store, n, run_id=run_id) for n, _ in listed_epochs(store) if n > above)
+    objects (with ``trust``: unsigned ones too) are skipped with a warning; a newer
+    protocol's raises NewerProtocolError."""
+    epochs = (read_epoch(store, n, run_id=run_id, trust=trust) for n, _ in listed_epochs(store) if n > above)
     return [e for e in epochs if e is not None]
 
 
 def claim_epoch(
     store: Store, *, run_id: str, syncer_id: str, fragments: Iterable[int], created_s: float,
-    stop: Callable[[], bool] = lambda: False,
+    stop: Callable[[], bool] = lambda: False, signer: "Signer | None" = None,
 ) -> Epoch | None:
     """Claim the next epoch for ``fragments``: one above the highest epoch key LISTED,
     valid or not, so no object at a key can stall the claim [F4]. Create-only; on a
     conflict it re-lists and tries again until ``stop()``, then returns None.
 
     Raises NewerProtocolError when the newest claim is a newer ddiloco's: this one
-    must not serve next to it.
+    must not serve next to it. The claim is signed by ``signer`` when given ([A5]).
     """
+    from ddiloco_cli.signing import sign_record
+
     frags = sorted(set(fragments))
     while not stop():
         listed = listed_epochs(store)
@@ -237,23 +249,27 @@ def claim_epoch(
             nonce=records.new_nonce(), created_s=created_s,
         )
         records.validate(rec, "epoch", where="new epoch claim")
+        if signer is not None:
+            rec = sign_record(rec, run_id=run_id, key=layout.epoch_key(n), signer=signer)
         if store.put_if_absent(layout.epoch_key(n), records.dumps(rec)):
             return Epoch(n, syncer_id, frozenset(frags), rec)
         log.info("epoch %d was claimed by someone else; retrying", n)
     return None
 
 
-def fencing_epoch(store: Store, *, run_id: str, mine: Epoch) -> Epoch | None:
-    """The highest valid epoch above ``mine`` that overlaps its fragments, if any (then halt).
-    Raises NewerProtocolError when a newer ddiloco claimed an epoch above ``mine``."""
-    above = [e for e in list_epochs(store, run_id=run_id, above=mine.epoch) if e.fragments & mine.fragments]
+def fencing_epoch(store: Store, *, run_id: str, mine: Epoch, trust: "Trust | None" = None) -> Epoch | None:
+    """The highest valid (with ``trust``: signed) epoch above ``mine`` that overlaps its
+    fragments, if any (then halt). Raises NewerProtocolError when a newer ddiloco claimed
+    an epoch above ``mine``."""
+    above = [e for e in list_epochs(store, run_id=run_id, above=mine.epoch, trust=trust)
+             if e.fragments & mine.fragments]
     return above[-1] if above else None
 
 
-def current_owner(store: Store, *, run_id: str, fragments: Iterable[int]) -> Epoch | None:
+def current_owner(store: Store, *, run_id: str, fragments: Iterable[int], trust: "Trust | None" = None) -> Epoch | None:
     """The highest epoch overlapping ``fragments``: whoever holds (or last held) their lease."""
     frags = set(fragments)
-    owners = [e for e in list_epochs(store, run_id=run_id) if e.fragments & frags]
+    owners = [e for e in list_epochs(store, run_id=run_id, trust=trust) if e.fragments & frags]
     return owners[-1] if owners else None
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli import codec, layout, ledger, records, signing
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.fragspec import format_fragment_spec
@@ -455,8 +455,12 @@ def run_status(store: Store) -> dict[str, Any]:
         if parsed is not None:
             last_contribution[parsed[1]] = max(last_contribution.get(parsed[1], 0.0), info.mtime_s)
     learners, starts = [], []
+    trust = signing.Trust(store, run=run)
     for rec, age in _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
         lid, step, tokens = rec["learner_id"], int(rec["step"]), int(rec["tokens"])
+        if not trust.admits(rec, key=layout.learner_heartbeat_key(lid), role="learner", member_id=lid):
+            scan.errors.append(f"learner {lid}: heartbeat not signed by its admitted key; the syncer ignores it")
+            continue
         step_time_s = float(rec.get("step_time_s") or 0.0)
         alive = rec["state"] == "running" and age <= lease_s
         held = {int(p): int(v) for p, v in (rec.get("versions") or {}).items() if str(p).isdigit()}

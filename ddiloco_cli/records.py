@@ -26,8 +26,9 @@ from ddiloco_cli.errors import DdilocoError, ProtocolError
 
 PROTOCOL_VERSION = 1
 PROTOCOL_MINOR = 0
-FEATURES: tuple[str, ...] = ()  # features this writer uses; a run.json listing a feature not here is refused
-KNOWN_FEATURES = frozenset(FEATURES)
+FEATURES: tuple[str, ...] = ()  # features every run of this writer uses
+SIGNATURES = "signatures"  # listed by runs that require signed contributions (PROTOCOL.md, "Signatures")
+KNOWN_FEATURES = frozenset((*FEATURES, SIGNATURES))  # a run.json listing a feature not here is refused
 
 RECORD_TYPES = (
     "run",
@@ -41,6 +42,7 @@ RECORD_TYPES = (
     "checkpoint",
     "quarantine",
     "latest",
+    "admission",
 )
 
 

@@ -22,6 +22,7 @@ from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.fragments import gather_fragment, named_shapes_of, plan_fragments
 from ddiloco_cli.published import encode_version, upload_payloads
 from ddiloco_cli.runconfig import RunConfig
+from ddiloco_cli.signing import Signer, sign_record
 from ddiloco_cli.store.base import NotFound, Store
 from ddiloco_cli.tasks import load_task, task_source_sha256
 
@@ -31,8 +32,11 @@ PENDING_RUN = "pending_run"  # plan.json field: the run.json an interrupted init
 
 
 def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
-             note: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+             note: Callable[[str], None] = lambda _: None, admin: Signer | None = None) -> dict[str, Any]:
     """Create a run at ``store``: plan, version 0 of every fragment, then run.json.
+
+    With ``admin`` (the run's admin key) the run requires signatures: run.json
+    records the admin's public key, and the admin key signs the version-0 manifests.
 
     Returns the run.json record. Raises UsageError, changing nothing, if a run
     exists, or if an interrupted init with another config is there and
@@ -60,6 +64,12 @@ def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
     if config is None:
         config = spec.to_record(run_id=run_id)
         config["task_sha256"] = task_source_sha256(spec.task)  # learners check their own copy of the task against it
+        if admin is not None:
+            config = {**config, "require_signatures": True, "admin_key": admin.public_key,
+                      "features": [*config["features"], records.SIGNATURES]}
+    elif config.get("admin_key") != (admin.public_key if admin else None):
+        raise UsageError(f"the interrupted init at {store.url} was started with another admin key or signature "
+                         "setting: run it again with the same --admin-key and --require-signatures, or add --force-clean")
     plan_record = {**ledger.plan_record(plan, run_id=run_id), PENDING_RUN: config}
     # the exact bytes of both records, checked before the first write
     for record, kind in ((config, "run"), (plan_record, "plan")):
@@ -81,6 +91,8 @@ def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
                 payloads=[e for _, _, e in encoded.payloads], contributions=[], quorum_size=0, grace_s=0.0,
                 outer_steps=0, high_water={},
             )
+            if admin is not None:
+                manifest = sign_record(manifest, run_id=run_id, key=layout.manifest_key(p, 0), signer=admin)
             if not ledger.commit_manifest(store, manifest) and not _has_version_zero(store, p, run_id=run_id):
                 raise UsageError(f"fragment {p} version 0 already exists at {store.url}: another init raced; "
                                  "nothing more was written")

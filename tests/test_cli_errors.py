@@ -76,6 +76,10 @@ CASES = [
     (["sync", "RUN", "--max-runtime", "0"], 2, "--max-runtime"),
     (["sync", "RUN", "--max-versions", "0"], 2, "--max-versions"),
     (["sync", "NEW", "--max-runtime", "5"], 3, "no ddiloco run"),
+    # keys and admissions
+    (["admit", "RUN", "a", "zz"], 2, "64 hex digits"),
+    (["admit", "RUN", "a", "0" * 64, "--admin-key", "DIR/missing.pem"], 2, "no such file"),
+    (["keys", "new", "RUN/run.json"], 2, "already exists"),
     # observers and maintenance
     (["status", "NEW"], 3, "no ddiloco run"),
     (["status", "RUN", "--watch", "--interval", "0"], 2, "--interval"),
