@@ -546,16 +546,17 @@ class WandbLogger:
 
 
 class MlflowLogger:
-    """MLflow to a local file store unless MLFLOW_TRACKING_URI says otherwise
-    (``pip install 'ddiloco[mlflow]'``)."""
+    """MLflow to a local SQLite store (``<log_dir>/mlflow.db``; MLflow's file store is
+    frozen) unless MLFLOW_TRACKING_URI says otherwise (``pip install 'ddiloco[mlflow]'``)."""
 
     def __init__(self, *, run_id: str, role: str, writer_id: str, log_dir: str):
         try:
             import mlflow
         except ImportError:
             raise UsageError("MLflow logging needs the mlflow package: pip install 'ddiloco[mlflow]'") from None
+        os.makedirs(log_dir, exist_ok=True)
         self.client = mlflow.MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI")
-                                          or f"file://{os.path.abspath(log_dir)}")
+                                          or f"sqlite:///{os.path.abspath(os.path.join(log_dir, 'mlflow.db'))}")
         exp = self.client.get_experiment_by_name(f"ddiloco-{run_id}")
         exp_id = exp.experiment_id if exp else self.client.create_experiment(f"ddiloco-{run_id}")
         self.run_id = self.client.create_run(exp_id, run_name=f"{role}-{writer_id}").info.run_id

@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import math
+import os
 
 import pytest
 
@@ -261,3 +262,32 @@ def test_status_shows_the_newest_global_val_loss(tmp_path):
     console = Console(width=200, record=True)
     console.print(render_status(status))
     assert "global val loss 2.5000" in console.export_text()
+
+
+def test_log_with_mlflow_writes_a_local_run(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    logger = metrics.make_logger("mlflow", run_id="r1", role="learner", writer_id="a", log_dir=str(tmp_path))
+    logger.log({"step": 10, "t": 1.0e9, "loss": 2.5, "event": "start"}, role="learner", writer_id="a")
+    logger.log({"step": 20, "t": 1.0e9 + 5, "loss": 2.0}, role="learner", writer_id="a")
+    logger.close()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    history = client.get_metric_history(logger.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(10, 2.5), (20, 2.0)]
+
+
+def test_log_with_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = metrics.make_logger("wandb", run_id="r1", role="learner", writer_id="a", log_dir=str(tmp_path))
+    assert os.environ["WANDB_MODE"] == "offline"
+    logger.log({"step": 10, "t": 1.0e9, "loss": 2.5}, role="learner", writer_id="a")
+    logger.close()
+    from procs import wait_for
+
+    def logged() -> bool:  # wandb's core process writes the run file (what `wandb sync` uploads)
+        return any(b"loss" in f.read_bytes() and b"2.5" in f.read_bytes()
+                   for f in tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+
+    wait_for(logged, timeout_s=60, what="the loss in wandb's offline run file")
