@@ -92,6 +92,9 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Debu
 LogTarget = Enum("LogTarget", {n: n for n in LOGGERS}, type=str)  # type: ignore[misc]
 LogWith = Annotated[Optional[list[LogTarget]], typer.Option(
     "--log-with", metavar="tensorboard|wandb|mlflow", help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local files); repeatable")]
+TaskOverride = Annotated[Optional[str], typer.Option(
+    metavar="MODULE:OBJECT", help="This machine's task, module:object or path/to/file.py:object (default: the "
+                                  "module run.json names); its source must match the run's")]
 LogDir = Annotated[str, typer.Option("--log-dir", metavar="DIR", help="Directory for --log-with output")]
 
 
@@ -359,9 +362,7 @@ def learn(
              "instead of exiting at once")] = None,
     log_with: LogWith = None,
     log_dir: LogDir = "ddiloco-logs",
-    task: Annotated[Optional[str], typer.Option(
-        metavar="MODULE:OBJECT", help="This machine's task, module:object or path/to/file.py:object (default: the "
-                                      "module run.json names); its source must match the run's")] = None,
+    task: TaskOverride = None,
     precision: Annotated[str, typer.Option(
         metavar="fp32|bf16", help="bf16: forward under bf16 autocast (weights and optimizer stay fp32)")] = "fp32",
     grad_accum: Annotated[int, typer.Option("--grad-accum", metavar="N", min=1, help="Micro-batches per inner step")] = 1,
@@ -576,6 +577,7 @@ def export(
     hf_dir: Annotated[Optional[str], typer.Option(
         "--hf-dir", metavar="DIR",
         help="Write a Hugging Face save_pretrained directory instead (tasks built on transformers)")] = None,
+    task: TaskOverride = None,
     storage_option: StorageOpts = None,
 ) -> None:
     """Assemble the latest global model into one safetensors file (run config in its metadata),
@@ -585,7 +587,7 @@ def export(
     if (output is None) == (hf_dir is None):
         raise UsageError("give either OUT.safetensors or --hf-dir DIR")
     store = _store(url, storage_option)
-    info = export_hf(store, hf_dir) if hf_dir else export_model(store, output)
+    info = export_hf(store, hf_dir, task_spec=task) if hf_dir else export_model(store, output, task_spec=task)
     console.print(f"wrote {info['path']}: {info['num_params']:,} parameters, versions {info['versions']}", soft_wrap=True)
 
 
@@ -598,13 +600,15 @@ def eval_(
         metavar="N", min=1, help="Validation batch size (default: the run's)")] = None,
     device: Annotated[str, typer.Option(metavar="cpu|cuda[:N]", envvar="DDILOCO_DEVICE", show_envvar=True,
                                         help="Device to evaluate on")] = "cpu",
+    task: TaskOverride = None,
     json_out: JsonOut = False,
     storage_option: StorageOpts = None,
 ) -> None:
     """Evaluate the latest global model on the task's val_batches (mean loss per token)."""
     from ddiloco_cli.evaluation import evaluate_global
 
-    result = evaluate_global(_store(url, storage_option), max_batches=max_batches, batch_size=batch_size, device=device)
+    result = evaluate_global(_store(url, storage_option), max_batches=max_batches, batch_size=batch_size,
+                             device=device, task_spec=task)
     if json_out:
         out.print_json(json.dumps(result))
     else:

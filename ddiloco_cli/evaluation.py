@@ -8,21 +8,22 @@ from typing import Any
 
 from ddiloco_cli import ledger, published
 from ddiloco_cli.store.base import Store
-from ddiloco_cli.tasks import evaluate, load_task
+from ddiloco_cli.tasks import evaluate, load_run_task
 
 log = logging.getLogger(__name__)
 
 
 class GlobalEvaluator:
     """The run's task and one model, built once; ``__call__`` loads the newest global
-    parameters into it and returns the mean validation loss per token."""
+    parameters into it and returns the mean validation loss per token. ``task_spec``
+    overrides the task run.json names (like ``learn --task``)."""
 
     def __init__(self, store: Store, *, batch_size: int | None = None, max_batches: int | None = 8,
                  device: str = "cpu", task_spec: str | None = None):
         self.store = store
         self.run = ledger.read_run(store)
         self.plan = ledger.read_plan(store, run_id=self.run["run_id"])
-        self.task = load_task(task_spec or self.run["task"])
+        self.task = load_run_task(self.run, override=task_spec)  # this machine's code, checked by hash
         self.model = self.task.build_model().to(device)
         self.plan.check_model(dict(self.model.named_parameters()))
         self.batch_size = batch_size or int(self.run["inner"]["batch_size"])

@@ -26,10 +26,10 @@ from ddiloco_cli.fragments import assemble_parameters  # noqa: F401 - re-exporte
 from ddiloco_cli.metrics import check_output_path, make_parent
 from ddiloco_cli.published import read_global_params
 from ddiloco_cli.store.base import Store
-from ddiloco_cli.tasks import load_task
+from ddiloco_cli.tasks import load_run_task, load_task
 
 
-def export_model(store: Store, out_path: str) -> dict[str, Any]:
+def export_model(store: Store, out_path: str, *, task_spec: str | None = None) -> dict[str, Any]:
     """Write the newest committed version of every fragment, assembled into the run's
     task model, to ``out_path`` (a local file, replaced atomically).
 
@@ -38,7 +38,7 @@ def export_model(store: Store, out_path: str) -> dict[str, Any]:
     UsageError when the task cannot be built or does not match the run's plan.
     """
     check_output_path(out_path)  # a bad OUT fails before any bucket read
-    run, plan, model, versions = _global_model(store)
+    run, plan, model, versions = _global_model(store, task_spec)
     state = {k: t.detach().to("cpu").clone().contiguous() for k, t in model.state_dict().items()}
     metadata = {"ddiloco_run": json.dumps(run, sort_keys=True),
                 "versions": json.dumps({str(p): v for p, v in versions.items()})}
@@ -54,12 +54,13 @@ def export_model(store: Store, out_path: str) -> dict[str, Any]:
     return {"run_id": run["run_id"], "num_params": plan.total_numel(), "versions": versions, "path": out_path}
 
 
-def _global_model(store: Store) -> tuple[dict[str, Any], Any, torch.nn.Module, dict[int, int]]:
-    """(run, plan, the task model holding the newest global parameters, versions)."""
+def _global_model(store: Store, task_spec: str | None) -> tuple[dict[str, Any], Any, torch.nn.Module, dict[int, int]]:
+    """(run, plan, the task model holding the newest global parameters, versions); the
+    task is this machine's code (``task_spec`` overrides run.json's, like ``learn --task``)."""
     run = ledger.read_run(store)
     plan = ledger.read_plan(store, run_id=run["run_id"])
     params, versions = read_global_params(store, run_id=run["run_id"], plan=plan)
-    model = load_task(run["task"]).build_model()
+    model = load_run_task(run, override=task_spec).build_model()
     named = dict(model.named_parameters())
     plan.check_model(named)
     with torch.no_grad():
@@ -68,13 +69,13 @@ def _global_model(store: Store) -> tuple[dict[str, Any], Any, torch.nn.Module, d
     return run, plan, model, versions
 
 
-def export_hf(store: Store, out_dir: str) -> dict[str, Any]:
+def export_hf(store: Store, out_dir: str, *, task_spec: str | None = None) -> dict[str, Any]:
     """Write the newest global model as a Hugging Face ``save_pretrained`` directory
     (config.json + model.safetensors) that ``AutoModelForCausalLM.from_pretrained(out_dir)``
     loads. The run's task must build a transformers ``PreTrainedModel`` (e.g.
     ``ddiloco_cli.tasks.hf:causal_lm``). Returns like export_model."""
     check_output_path(out_dir, directory=True)
-    run, plan, model, versions = _global_model(store)
+    run, plan, model, versions = _global_model(store, task_spec)
     if not callable(getattr(model, "save_pretrained", None)):
         raise UsageError(f"the run's task {run['task']!r} builds a {type(model).__name__}, not a transformers "
                          f"model; export it as OUT.safetensors instead of --hf-dir")
