@@ -1,5 +1,6 @@
 """A task that streams a Hugging Face ``datasets`` corpus, sharded per learner, resumable.
 
+    export DDILOCO_TEXT_FILES='data/*.txt'                          # local text files, one example per line
     ddiloco init URL --task examples.hf_streaming_task:task ...      (module form: run from the repo root)
     ddiloco learn URL --learner-id a --shard 0 --num-shards 4
 
