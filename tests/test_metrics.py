@@ -291,3 +291,17 @@ def test_log_with_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
                    for f in tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
 
     wait_for(logged, timeout_s=60, what="the loss in wandb's offline run file")
+
+
+def test_bench_metrics_smoke(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "metrics.json"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_metrics.py")
+    res = subprocess.run([sys.executable, script, "--records", "50", "--backends", "memory", "--json", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = json.loads(out.read_text())["results"]["memory"]
+    assert rep["bytes_per_record"] > 0 and rep["max_records_kept"] == 32000
+    assert "loop_us_per_record_median" in res.stdout
