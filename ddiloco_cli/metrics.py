@@ -260,11 +260,14 @@ def open_writer(store: Store, *, role: str, writer_id: str, log_with: Iterable[s
 def chain(*hooks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None] | None:
     """One ``on_progress`` callback calling every given one (None entries skipped)."""
     live = [h for h in hooks if h is not None]
-    if not live:
-        return None
-    if len(live) == 1:
-        return live[0]
-    return lambda p: [h(p) for h in live] and None
+    if len(live) <= 1:
+        return live[0] if live else None
+
+    def each(progress: dict[str, Any]) -> None:
+        for hook in live:
+            hook(progress)
+
+    return each
 
 
 def add_versions_behind(records: list["Record"]) -> None:
