@@ -45,16 +45,23 @@ def heartbeat_bytes(record: dict[str, Any]) -> bytes:
     return records.dumps(record)
 
 
+def _read_record(store: Store, learner_id: str) -> dict[str, Any] | None:
+    key = layout.learner_heartbeat_key(learner_id)
+    try:
+        return records.loads(store.get(key), "learner_heartbeat", where=f"{store.url}/{key}")
+    except NotFound:
+        return None
+    except DdilocoError as exc:
+        log.warning("%s", exc)
+        return None
+
+
 def read_heartbeat(store: Store, learner_id: str) -> HeldBy | None:
     """The id's heartbeat and its store age, or None when absent or unreadable."""
     key = layout.learner_heartbeat_key(learner_id)
     infos = [i for i in store.list(key) if i.key == key]
-    if not infos:
-        return None
-    try:
-        rec = records.loads(store.get(key), "learner_heartbeat", where=f"{store.url}/{key}")
-    except (NotFound, DdilocoError) as exc:
-        log.warning("%s", exc)
+    rec = _read_record(store, learner_id) if infos else None
+    if rec is None:
         return None
     return HeldBy(rec, max(0.0, store.now() - infos[0].mtime_s))
 
@@ -164,8 +171,9 @@ class SessionWriter(threading.Thread):
         if self.taken_over_by is not None:
             return
         try:
-            held = read_heartbeat(self.store, self.learner_id)
-            if held is not None and int(held.record.get("session", 0)) > self.session:
+            current = _read_record(self.store, self.learner_id)  # one GET; the age only when it matters
+            if current is not None and int(current.get("session", 0)) > self.session:
+                held = read_heartbeat(self.store, self.learner_id) or HeldBy(current, 0.0)
                 self.taken_over_by = held
                 log.error("learner id %r was taken over by a newer session (%s); this session stops",
                           self.learner_id, describe(held))
