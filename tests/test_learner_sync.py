@@ -189,3 +189,46 @@ def test_receiver_is_idle_until_one_step_before_the_overlap_window_ends():
         assert sync._receiver.num_polls == 0
         sync.step(num_tokens=1)  # step 5 = t + tau - 1
         assert set(sync._receiver.wanted) == {0}
+
+
+def test_a_crashed_session_of_this_host_frees_its_id_at_once_a_live_one_does_not():
+    """[L2] unit level (the process test is tests/test_learner_processes.py): a running
+    heartbeat of this host whose process is gone is a crash; one that stops beating
+    frees the id after a lease; one that keeps beating is a live twin."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from ddiloco_cli.learner.session import check_id_free, heartbeat_bytes
+
+    store = open_store(f"memory://ids-{uuid.uuid4().hex}")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def running(pid: int) -> None:
+        store.put(layout.learner_heartbeat_key("i"), heartbeat_bytes(records.make(
+            "learner_heartbeat", learner_id="i", state="running", step=3, tokens=9, session=1,
+            host=socket.gethostname(), pid=pid)))
+
+    running(dead.pid)
+    assert check_id_free(store, "i", lease_s=3600.0).record["step"] == 3  # no wait: would take an hour
+    running(os.getppid())  # a live process that no longer beats: free after one lease
+    assert check_id_free(store, "i", lease_s=0.3) is not None
+
+    stop = threading.Event()
+
+    def twin() -> None:  # keeps beating
+        while not stop.wait(0.05):
+            running(os.getppid())
+
+    running(os.getppid())
+    beating = threading.Thread(target=twin)
+    beating.start()
+    try:
+        with pytest.raises(UsageError, match=r"learner id 'i' is live: session 1 on host .* \(pid \d+\)"):
+            check_id_free(store, "i", lease_s=0.3)
+    finally:
+        stop.set()
+        beating.join()
