@@ -268,7 +268,7 @@ def init(
     run; resumes an interrupted init with the same settings (or removes it with
     --force-clean).
     """
-    from ddiloco_cli.runconfig import default_config_toml, hyperparameters, load_config_file
+    from ddiloco_cli.runconfig import default_config_toml, hyperparameters, load_config_file, setting_key
     from ddiloco_cli.runinit import init_run
     from ddiloco_cli.signing import default_require_signatures, load_admin_key
 
@@ -277,7 +277,7 @@ def init(
         return
     if url is None:
         raise UsageError("give the run URL (or set DDILOCO_URL)")
-    keys = {f.metadata["flag"].replace("-", "_") for f in hyperparameters()}
+    keys = {setting_key(f) for f in hyperparameters()}
     values = {k: v for k, v in ctx.params.items() if k in keys}
     if config is not None:  # the file fills in what the command line left at its default
         for key, value in load_config_file(config).items():

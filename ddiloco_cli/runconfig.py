@@ -187,12 +187,12 @@ class RunConfig:
     def from_flags(cls, values: Mapping[str, Any]) -> RunConfig:
         """A config from {flag: value} (flag names without ``--``, ``-`` or ``_``);
         missing flags keep their defaults. Unknown flags are a UsageError."""
-        by_flag = {flag(f).replace("-", "_"): f for f in hyperparameters()}
+        by_key = {setting_key(f): f for f in hyperparameters()}
         kwargs = {}
         for key, value in values.items():
-            f = by_flag.get(key.replace("-", "_"))
+            f = by_key.get(key.replace("-", "_"))
             if f is None:
-                raise UsageError(f"unknown setting {key!r}; known: {', '.join(sorted(flag(f) for f in hyperparameters()))}")
+                raise UsageError(f"unknown setting {key!r}; `ddiloco init --print-config` lists them")
             kwargs[f.name] = value
         return cls(**kwargs)
 
@@ -203,7 +203,14 @@ def hyperparameters() -> list[dataclasses.Field]:
 
 
 def flag(f: dataclasses.Field) -> str:
+    """The field's flag of `ddiloco init`, without ``--``."""
     return f.metadata["flag"]
+
+
+def setting_key(f: dataclasses.Field) -> str:
+    """The field's key in ``from_flags`` and config files: its flag with ``_`` for ``-``
+    (also the name of init's parameter)."""
+    return flag(f).replace("-", "_")
 
 
 def _json_key(f: dataclasses.Field) -> str:
@@ -326,7 +333,7 @@ def load_config_file(path: str) -> dict[str, Any]:
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if not isinstance(parsed, dict):
         raise UsageError(f"--config {path}: expected a table of settings, e.g. sync-every = 24")
-    known = {flag(f).replace("-", "_") for f in hyperparameters()}
+    known = {setting_key(f) for f in hyperparameters()}
     for key in parsed:
         if not isinstance(key, str) or key.replace("-", "_") not in known:
             raise UsageError(f"--config {path}: unknown setting {key!r}; `ddiloco init --print-config` lists them")
@@ -371,4 +378,4 @@ def _toml_value(value: Any) -> str:
 
 
 __all__ = ["RunConfig", "Codec", "Merge", "OuterLrScaling", "Mode", "LrSchedule", "PANELS", "hyperparameters",
-           "flag", "read_run_config", "wait_for_run_config", "load_config_file", "default_config_toml"]
+           "flag", "setting_key", "read_run_config", "wait_for_run_config", "load_config_file", "default_config_toml"]

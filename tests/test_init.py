@@ -17,7 +17,7 @@ from test_inspect import invoke
 from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import ProtocolError, UsageError
 from ddiloco_cli.observe import verify_run
-from ddiloco_cli.runconfig import RunConfig, default_config_toml, hyperparameters, load_config_file
+from ddiloco_cli.runconfig import RunConfig, default_config_toml, flag, hyperparameters, load_config_file, setting_key
 from ddiloco_cli.runinit import PENDING_RUN, init_run
 from ddiloco_cli.store import open_store
 
@@ -51,23 +51,20 @@ def test_run_config_refuses_bad_values(field, value):
 
 
 def test_every_setting_is_an_init_flag_and_a_config_key():
+    import tomllib
+
     import typer
 
     from ddiloco_cli.cli import app
 
     init = typer.main.get_command(app).commands["init"]
-    flags = {opt for param in init.params for opt in param.opts}
-    printed = load_config_file_text(default_config_toml())
+    by_name = {param.name: param for param in init.params}
+    printed = tomllib.loads(default_config_toml())
     for f in hyperparameters():
-        assert f"--{f.metadata['flag']}" in flags
-        if getattr(RunConfig(), f.name) is not None and f.name not in ("codec_block", "publish_codec"):
-            assert f.metadata["flag"].replace("-", "_") in printed, f.name
-
-
-def load_config_file_text(text: str) -> dict:
-    import tomllib
-
-    return {k.replace("-", "_"): v for k, v in tomllib.loads(text).items()}
+        param = by_name[setting_key(f)]  # init reads its settings back by these names
+        assert f"--{flag(f)}" in param.opts
+        if f.name not in ("codec_block", "publish_codec"):  # None by default: commented out
+            assert flag(f) in printed, f.name
 
 
 def test_config_file_with_flag_overrides(tmp_path):
