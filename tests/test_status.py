@@ -186,6 +186,7 @@ def test_watch_piped_from_the_cli_prints_lines(built):
 
 # ------------------------------------------------------ what a person wants to see
 def test_versions_behind_eta_throughput_and_training_window(built):
+    write_learner_heartbeat(built.store, built.run, LEARNER)  # alive now, however long ago the template was built
     now = time.time()
     # bob holds fragment 0 at version 0 and fragment 1 at version 2 (the newest is 2): 2 behind;
     # his session started 100 s ago by his own clock, which runs 1000 s fast
