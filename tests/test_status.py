@@ -34,7 +34,12 @@ def template(tmp_path_factory):
 
 @pytest.fixture
 def built(template, tmp_path):
-    return copy_run(template, str(tmp_path / "run"))
+    """A copy of the template whose heartbeats are fresh: alive by the store clock however
+    long ago the template was built."""
+    run = copy_run(template, str(tmp_path / "run"))
+    for key in (layout.learner_heartbeat_key(LEARNER), layout.syncer_heartbeat_key(template.syncer.epoch.epoch)):
+        age_object(run.url, key, 0)
+    return run
 
 
 def age_object(root: str, key: str, seconds: float) -> None:
@@ -186,7 +191,6 @@ def test_watch_piped_from_the_cli_prints_lines(built):
 
 # ------------------------------------------------------ what a person wants to see
 def test_versions_behind_eta_throughput_and_training_window(built):
-    write_learner_heartbeat(built.store, built.run, LEARNER)  # alive now, however long ago the template was built
     now = time.time()
     # bob holds fragment 0 at version 0 and fragment 1 at version 2 (the newest is 2): 2 behind;
     # his session started 100 s ago by his own clock, which runs 1000 s fast
