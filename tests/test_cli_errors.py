@@ -121,7 +121,7 @@ def test_user_errors_exit_cleanly(args, exit_code, needle, run_url, tmp_path):
 def test_every_command_has_an_error_case():
     from ddiloco_cli.cli import app
 
-    names = {c.name or c.callback.__name__ for c in app.registered_commands}
+    names = {c.name or c.callback.__name__ for c in app.registered_commands} | {g.name for g in app.registered_groups}
     covered = {args[0] for args, _, _ in CASES}
     assert names <= covered, f"commands without a user-error case: {names - covered}"
 
@@ -155,3 +155,19 @@ def test_a_dotdot_key_in_a_manifest_is_a_clean_error(tmp_path, entry):
     for args in (["export", built.url, str(tmp_path / "model.safetensors")],
                  ["learn", built.url, "--learner-id", "z", "--steps", "1"]):
         _assert_clean(invoke(*args), 4, "../../../run.json")
+
+
+def test_help_of_every_command_names_no_bool_placeholder():
+    """Flags take no value, so no help line may show a "<bool>" placeholder for one."""
+    import typer
+
+    from ddiloco_cli.cli import app
+
+    def paths(command, prefix):
+        yield prefix
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from paths(sub, [*prefix, name])
+
+    for path in paths(typer.main.get_command(app), []):
+        result = invoke(*path, "--help")
+        assert result.exit_code == 0 and "<bool>" not in result.output, (path, result.output)
