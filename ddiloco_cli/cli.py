@@ -301,7 +301,8 @@ def init(
 
 
 # ------------------------------------------------------------------------ keys
-keys_app = typer.Typer(cls=_Commands, help="Signing keys of learners, syncers and run admins.", no_args_is_help=True)
+keys_app = typer.Typer(cls=_Commands, help="Signing keys of learners, syncers and run admins.",
+                       no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
 
