@@ -369,6 +369,9 @@ def learn(
     grad_accum: Annotated[int, typer.Option("--grad-accum", metavar="N", min=1, help="Micro-batches per inner step")] = 1,
     compile_model: Annotated[bool, typer.Option("--compile", metavar="", help="torch.compile the model")] = False,
     parallel: Annotated[str, typer.Option(metavar="ddp|fsdp", help="Under torchrun: ddp, or fsdp (FSDP2 fully_shard)")] = "ddp",
+    key: Annotated[Optional[str], typer.Option(
+        "--key", metavar="PATH", envvar="DDILOCO_KEY", show_envvar=True,
+        help="Signing key admitted for this learner id (runs that require signatures)")] = None,
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
 ) -> None:
@@ -385,7 +388,7 @@ def learn(
         raise UsageError(f"--shard must be in [0, {num_shards})")
     opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards,
                           poll_s=poll, task=task, precision=precision, grad_accum=grad_accum, compile=compile_model,
-                          parallel=parallel)
+                          parallel=parallel, key_path=key)
     opts.check()
     log = logging.getLogger("ddiloco")
     store = _store(url, storage_option)

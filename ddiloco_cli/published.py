@@ -25,6 +25,7 @@ import torch
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan, assemble_parameters
+from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import NotFound, Store
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,10 @@ def _cheapest_start(ms: list[dict[str, Any]]) -> int | None:
 class FragmentReader:
     """Reads published values of one fragment. Not thread-safe; one per thread."""
 
-    def __init__(self, store: Store, *, run_id: str, plan: FragmentPlan, fragment: int):
+    def __init__(self, store: Store, *, run_id: str, plan: FragmentPlan, fragment: int, trust: Trust | None = None):
         self.store = store
         self.run_id = run_id
+        self.trust = trust  # checks manifest signatures in runs that require them
         self.fragment = fragment
         self.expected = expected_shapes(plan, fragment)
         self.numel = plan.fragment_numel(fragment)
@@ -129,7 +131,7 @@ class FragmentReader:
         """A committed manifest (immutable, so cached: a few recent ones)."""
         cached = self._manifests.get(version)
         if cached is None:
-            cached = ledger.read_manifest(self.store, self.fragment, version, run_id=self.run_id)
+            cached = ledger.read_manifest(self.store, self.fragment, version, run_id=self.run_id, trust=self.trust)
             self._manifests[version] = cached
             while len(self._manifests) > 64:
                 del self._manifests[min(self._manifests)]

@@ -49,6 +49,7 @@ class LearnerOptions:
     grad_accum: int = 1  # micro-batches per inner step
     compile: bool = False  # torch.compile the model's forward
     parallel: str = "ddp"  # inside a torchrun island: ddp or fsdp (FSDP2 fully_shard)
+    key_path: str | None = None  # signing key admitted for this learner id (runs that require signatures)
 
     def check(self) -> None:
         if self.precision not in PRECISIONS:
@@ -159,7 +160,7 @@ class Learner:
         sync = DiLoCoSync(self.store, net, learner_id=opts.learner_id, run=run,
                           heartbeat_fields={"shard": shard, "num_shards": num_shards},
                           options=SyncOptions(upload_queue=opts.upload_queue, upload_workers=opts.upload_workers,
-                                              min_poll_s=opts.poll_s))
+                                              min_poll_s=opts.poll_s, key_path=opts.key_path))
         self.stats, self.model = sync.stats, model
         optimizer = torch.optim.AdamW([t for t in model.parameters() if t.requires_grad], lr=float(inner["lr"]),
                                       betas=tuple(inner["betas"]), weight_decay=float(inner["weight_decay"]))

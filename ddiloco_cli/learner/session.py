@@ -8,8 +8,8 @@ record; when a newer session holds the id, the older one stops writing and
 leaves (the newer one won a start race, or found this one's heartbeat past the
 lease, e.g. after a SIGSTOP).
 
-``heartbeat_bytes`` is the one place where a heartbeat's bytes are made (a
-signing step belongs there).
+``heartbeat_bytes`` is the one place where a heartbeat's bytes are made (and, in
+a run that requires signatures, signed: PROTOCOL.md, "Signatures", [A3]).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ddiloco_cli import layout, ledger, records
+from ddiloco_cli import layout, ledger, records, signing
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.store.base import NotFound, Store
 
@@ -41,7 +41,10 @@ class HeldBy:
     age_s: float
 
 
-def heartbeat_bytes(record: dict[str, Any]) -> bytes:
+def heartbeat_bytes(record: dict[str, Any], *, signer: signing.Signer | None = None) -> bytes:
+    if signer is not None:
+        record = signing.sign_record(record, run_id=record["run_id"],
+                                     key=layout.learner_heartbeat_key(record["learner_id"]), signer=signer)
     return records.dumps(record)
 
 
@@ -139,9 +142,10 @@ class SessionWriter(threading.Thread):
     when it changed, and the stall alert the loop asked for."""
 
     def __init__(self, store: Store, *, learner_id: str, session: int, make_record: Callable[[], dict],
-                 run_id: str, lease_s: float, every_s: float):
+                 run_id: str, lease_s: float, every_s: float, signer: signing.Signer | None = None):
         super().__init__(name="ddiloco-heartbeat", daemon=True)
         self.store, self.learner_id, self.session = store, learner_id, session
+        self.signer = signer
         self.make_record, self.run_id, self.lease_s, self.every_s = make_record, run_id, lease_s, every_s
         self.hb_key = layout.learner_heartbeat_key(learner_id)
         self.stopping = threading.Event()
@@ -178,7 +182,7 @@ class SessionWriter(threading.Thread):
                 log.error("learner id %r was taken over by a newer session (%s); this session stops",
                           self.learner_id, describe(held))
                 return
-            self.store.put(self.hb_key, heartbeat_bytes(self.make_record()))
+            self.store.put(self.hb_key, heartbeat_bytes(self.make_record(), signer=self.signer))
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat is not fatal
             log.warning("heartbeat failed: %s", exc)
 

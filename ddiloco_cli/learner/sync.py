@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ddiloco_cli import layout, ledger, records
+from ddiloco_cli import layout, ledger, records, signing
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.learner.island import Island
 from ddiloco_cli.learner.receiver import InFlight, Ready, Receiver, receive_rule
@@ -61,6 +61,7 @@ class SyncOptions:
     min_poll_s: float = 0.2  # the receiver polls at the step time, never more often than this
     handle_sigterm: bool = True  # SIGTERM sets should_stop (the loop leaves cleanly) instead of killing
     stall_alert: bool = True  # warn when no new version arrived in 2*H steps
+    key_path: str | None = None  # signing key admitted for this learner id (runs that require signatures)
 
 
 def check_learner_id(learner_id: str) -> None:
@@ -150,6 +151,9 @@ class DiLoCoSync:
     def start(self) -> None:
         """Claim the id, load the global model, start the workers."""
         io = self.island.io
+        # a run that requires signatures: refuse a key not admitted for this id now, not at the first merge
+        signer = signing.signer_for_run(self.store, run=self.run, key_path=self.opts.key_path,
+                                        member_id=self.learner_id, role="learner") if io else None
         self.session = int(self.store.now() * 1e6) if io else 0
         self.started_s = time.time()
         held = check_id_free(self.store, self.learner_id, lease_s=float(self.run["lease_s"])) if io else None
@@ -164,19 +168,22 @@ class DiLoCoSync:
             [self.stats.step, self.stats.tokens, state])
         self._last_arrival_step = self._last_alert_step = self.stats.step
         self.seq = self.session
-        self.readers = {p: FragmentReader(self.store, run_id=self.run_id, plan=self.plan, fragment=p)
+        trust = signing.Trust(self.store, run=self.run)  # checks manifest signatures in signed runs [A5]
+        self.readers = {p: FragmentReader(self.store, run_id=self.run_id, plan=self.plan, fragment=p, trust=trust)
                         for p in range(self.plan.num_fragments)}
         self._bootstrap()
         if io:
             self._uploader = Uploader(self.store, codec_name=self.run["codec"], block_size=int(self.run["codec_block"]),
                                       maxsize=self.opts.upload_queue, stats=self.stats,
-                                      num_workers=self.opts.upload_workers, newest_wins=not self.lockstep)
+                                      num_workers=self.opts.upload_workers, newest_wins=not self.lockstep,
+                                      signer=signer)
             self._receiver = Receiver(self.store, self.readers, learner_id=self.learner_id,
                                       min_poll_s=self.opts.min_poll_s, stats=self.stats,
                                       pace_s=lambda: self.stats.step_time_s)
             self._writer = SessionWriter(self.store, learner_id=self.learner_id, session=self.session,
                                          make_record=self._heartbeat_record, run_id=self.run_id,
-                                         lease_s=float(self.run["lease_s"]), every_s=float(self.run["heartbeat_s"]))
+                                         lease_s=float(self.run["lease_s"]), every_s=float(self.run["heartbeat_s"]),
+                                         signer=signer)
             self._writer.beat()  # announce ourselves before any contribution
             for worker in (self._uploader, self._receiver, self._writer):
                 worker.start()

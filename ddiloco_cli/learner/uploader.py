@@ -1,7 +1,7 @@
 """Contribution uploads: a bounded queue drained by a few worker threads.
 
 ``contribution_bytes`` is the one place where a contribution's bytes are made
-(a signing step belongs there).
+(and, in a run that requires signatures, signed: PROTOCOL.md, "Signatures", [A2]).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ddiloco_cli import codec
+from ddiloco_cli import codec, signing
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.store.base import Store
 
@@ -23,9 +23,14 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 
 
-def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int) -> bytes:
-    """The object a learner creates at contributions/pP/LEARNER/SEQ.safetensors."""
-    return codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header)
+def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int, key: str,
+                       signer: signing.Signer | None = None) -> bytes:
+    """The object a learner creates at ``key`` (contributions/pP/LEARNER/SEQ.safetensors),
+    signed by ``signer`` when the run requires signatures."""
+    data = codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header)
+    if signer is None:
+        return data
+    return signing.sign_payload(data, kind="contribution", run_id=header["run_id"], key=key, signer=signer)
 
 
 class Uploader:
@@ -42,8 +47,9 @@ class Uploader:
     contribution it sent)."""
 
     def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats,
-                 num_workers: int = 2, newest_wins: bool = True):
+                 num_workers: int = 2, newest_wins: bool = True, signer: signing.Signer | None = None):
         self.store, self.codec_name, self.block_size, self.stats = store, codec_name, block_size, stats
+        self.signer = signer
         self.newest_wins = newest_wins
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.lock = threading.Lock()
@@ -82,7 +88,8 @@ class Uploader:
                 self.queue.task_done()
 
     def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
-        data = contribution_bytes(delta, header, codec_name=self.codec_name, block_size=self.block_size)
+        data = contribution_bytes(delta, header, codec_name=self.codec_name, block_size=self.block_size, key=key,
+                                  signer=self.signer)
         for attempt in range(8):
             try:
                 if not self.store.put_if_absent(key, data):
