@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from ddiloco_cli import ledger, published
+from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import Store
 from ddiloco_cli.tasks import evaluate, load_run_task
 
@@ -32,7 +33,8 @@ class GlobalEvaluator:
     def __call__(self) -> dict[str, Any]:
         """{run_id, val_loss, versions: {fragment: version}}. Raises like read_global_params
         (ProtocolError / InvalidPayloadError on bad bucket content)."""
-        versions = published.load_global_model(self.store, run_id=self.run["run_id"], plan=self.plan, model=self.model)
+        versions = published.load_global_model(self.store, run_id=self.run["run_id"], plan=self.plan, model=self.model,
+                                               trust=Trust(self.store, run=self.run))
         loss = evaluate(self.task, self.model, batch_size=self.batch_size, max_batches=self.max_batches,
                         device=self.device)
         return {"run_id": self.run["run_id"], "val_loss": loss, "versions": versions}

@@ -25,6 +25,7 @@ from ddiloco_cli.errors import UsageError
 from ddiloco_cli.fragments import assemble_parameters  # noqa: F401 - re-exported
 from ddiloco_cli.metrics import check_output_path, make_parent
 from ddiloco_cli.published import read_global_params
+from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import Store
 from ddiloco_cli.tasks import load_run_task, load_task
 
@@ -59,7 +60,7 @@ def _global_model(store: Store, task_spec: str | None) -> tuple[dict[str, Any], 
     task is this machine's code (``task_spec`` overrides run.json's, like ``learn --task``)."""
     run = ledger.read_run(store)
     plan = ledger.read_plan(store, run_id=run["run_id"])
-    params, versions = read_global_params(store, run_id=run["run_id"], plan=plan)
+    params, versions = read_global_params(store, run_id=run["run_id"], plan=plan, trust=Trust(store, run=run))
     model = load_run_task(run, override=task_spec).build_model()
     named = dict(model.named_parameters())
     plan.check_model(named)

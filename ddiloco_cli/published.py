@@ -208,23 +208,26 @@ class FragmentReader:
         return value
 
 
-def read_global_params(store: Store, *, run_id: str, plan: FragmentPlan) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+def read_global_params(store: Store, *, run_id: str, plan: FragmentPlan,
+                       trust: Trust | None = None) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
     """The latest published value of every fragment, reassembled into whole fp32
-    tensors keyed by parameter name. Returns (params, {fragment: version})."""
+    tensors keyed by parameter name (manifests checked by ``trust`` in signed runs).
+    Returns (params, {fragment: version})."""
     values: dict[int, Tensors] = {}
     versions: dict[int, int] = {}
     for p in range(plan.num_fragments):
         version = ledger.latest_version(store, p)
         if version is None:
             raise ProtocolError(f"{store.url}: fragment {p} has no committed version (was `ddiloco init` interrupted?)")
-        values[p] = FragmentReader(store, run_id=run_id, plan=plan, fragment=p).read(version)
+        values[p] = FragmentReader(store, run_id=run_id, plan=plan, fragment=p, trust=trust).read(version)
         versions[p] = version
     return assemble_parameters(plan, values), versions
 
 
-def load_global_model(store: Store, *, run_id: str, plan: FragmentPlan, model: torch.nn.Module) -> dict[int, int]:
+def load_global_model(store: Store, *, run_id: str, plan: FragmentPlan, model: torch.nn.Module,
+                      trust: Trust | None = None) -> dict[int, int]:
     """Copy the latest global parameters into ``model`` (by parameter name). Returns versions."""
-    params, versions = read_global_params(store, run_id=run_id, plan=plan)
+    params, versions = read_global_params(store, run_id=run_id, plan=plan, trust=trust)
     with torch.no_grad():
         for name, t in model.named_parameters():
             t.copy_(params[name].to(t.dtype))
