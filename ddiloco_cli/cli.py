@@ -446,6 +446,9 @@ def sync(
     max_runtime: Annotated[Optional[float], typer.Option(
         "--max-runtime", metavar="SECONDS", parser=_number("--max-runtime", positive=True),
         help="Stop after this many seconds")] = None,
+    key: Annotated[Optional[str], typer.Option(
+        "--key", metavar="PATH", envvar="DDILOCO_KEY", show_envvar=True,
+        help="Signing key admitted with --role syncer (runs that require signatures)")] = None,
     eval_every: Annotated[Optional[int], typer.Option(
         "--eval-every", metavar="N", min=1,
         help="Evaluate the global model on the task's val_batches every N merges (in the background; "
@@ -470,7 +473,7 @@ def sync(
     stopping = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
     opts = SyncerOptions(fragments=frags, syncer_id=syncer_id or "", poll_s=poll,
-                         gc=not no_gc, max_versions=max_versions, max_runtime_s=max_runtime)
+                         gc=not no_gc, max_versions=max_versions, max_runtime_s=max_runtime, key_path=key)
     store = _store(url, storage_option)
     writer = metrics.open_writer(store, role="syncer", writer_id=metrics.writer_id_from(f"fragments-{fragments or 'all'}"),
                                  log_with=[t.value for t in log_with or ()], log_dir=log_dir)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli import codec, layout, ledger, records, signing
 from ddiloco_cli.errors import DdilocoError, InvalidPayloadError, ProtocolError
 from ddiloco_cli.fence import FencedStore, fence_interval_s
 from ddiloco_cli.merge import is_embedding_key, merge_outer_gradients, token_weight
@@ -44,6 +44,7 @@ class SyncerOptions:
     gc_every_s: float = 30.0
     max_versions: int | None = None  # stop after committing this many versions (tests, benchmarks)
     max_runtime_s: float | None = None
+    key_path: str | None = None  # signing key admitted with role syncer (runs that require signatures)
 
 
 @dataclass
@@ -124,10 +125,14 @@ class Syncer:
         if bad:
             raise ProtocolError(f"fragments {bad} do not exist in this run (it has {self.plan.num_fragments})")
         self.syncer_id = options.syncer_id or f"{socket.gethostname()}-{os.getpid()}"
+        # signed runs [A2][A3][A5]: what this syncer accepts, and the key it signs epochs and manifests with
+        self.trust = signing.Trust(store, run=self.run)
+        self.signer = signing.signer_for_run(store, run=self.run, key_path=options.key_path, member_id=None, role="syncer")
         self.on_progress = on_progress
         self.epoch: ledger.Epoch | None = None
         self.states: dict[int, FragmentState] = {}
-        self.readers = {p: FragmentReader(store, run_id=self.run_id, plan=self.plan, fragment=p) for p in self.fragments}
+        self.readers = {p: FragmentReader(store, run_id=self.run_id, plan=self.plan, fragment=p, trust=self.trust)
+                        for p in self.fragments}
         self.bad_keys: set[str] = set()
         self.sync_time_s = 0.0  # EMA of merge + commit time
         self.step_time_s: float | None = None
@@ -150,7 +155,7 @@ class Syncer:
         lease_s = float(self.run["lease_s"])
         announced = None
         while not stop():
-            owner = ledger.current_owner(self.store, run_id=self.run_id, fragments=self.fragments)
+            owner = ledger.current_owner(self.store, run_id=self.run_id, fragments=self.fragments, trust=self.trust)
             if owner is not None:
                 age = ledger.syncer_heartbeat_age(self.store, owner.epoch)
                 if age is None:
@@ -166,12 +171,13 @@ class Syncer:
                     continue
             self.epoch = ledger.claim_epoch(
                 self.store, run_id=self.run_id, syncer_id=self.syncer_id, fragments=self.fragments,
-                created_s=time.time(), stop=stop,
+                created_s=time.time(), stop=stop, signer=self.signer,
             )
             if self.epoch is None:
                 return False
             # the one place the syncer's store is wrapped: from here on every write checks the fence
-            self.store = FencedStore(self.store, run_id=self.run_id, epoch=self.epoch, interval_s=fence_interval_s(lease_s))
+            self.store = FencedStore(self.store, run_id=self.run_id, epoch=self.epoch, interval_s=fence_interval_s(lease_s),
+                                     trust=self.trust)
             self.heartbeat(force=True)
             log.info("claimed epoch %d for fragments %s", self.epoch.epoch, _spec(self.fragments))
             return True
@@ -208,7 +214,8 @@ class Syncer:
     def _refresh_learners(self) -> None:
         """Which learners are live, and their median step time (for the grace window)."""
         self._last_learners_t = time.monotonic()
-        beats = ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
+        beats = [b for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
+                 if self.trust.admits(b.record, key=b.key, role="learner", member_id=b.record["learner_id"])]  # [A3]
         lease_s = float(self.run["lease_s"])
         self.known_learners = {b.record["learner_id"] for b in beats}
         live = [b for b in beats if b.record["state"] == "running" and b.age_s <= lease_s]
@@ -428,6 +435,7 @@ class Syncer:
             return None
         self.bytes_in += len(data)
         try:
+            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)  # [A2]
             tensors, header = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
                                                    max_numel=self.plan.fragment_numel(p), where=where)
             records.validate(header, "contribution", where=where)
@@ -517,6 +525,9 @@ class Syncer:
             quorum_size=len(contributions), grace_s=grace_s, outer_steps=outer.num_steps, high_water=high_water,
             outer_lr=outer.lr,
         )
+        if self.signer is not None:  # [A5]
+            manifest = signing.sign_record(manifest, run_id=self.run_id, key=layout.manifest_key(p, version),
+                                           signer=self.signer)
         self.bytes_out += upload_payloads(self.store, encoded)
         # a pause (GC, SIGSTOP, preemption) since our last lease check may have let a standby take over
         if time.monotonic() - self._last_fence_check_t > float(self.run["lease_s"]) / 2:

@@ -18,10 +18,11 @@ from tests.procs import Procs, all_manifests, learner_heartbeat, terminate, vers
 pytestmark = pytest.mark.slow
 
 P = 2
+# s3:// runs require signatures by default (tests/test_signed_run.py covers them); this test is about faults
 INIT = ["--task", "ddiloco_cli.tasks.gpt:tiny", "-P", str(P), "-H", "6", "--overlap-steps", "1", "-K", "1",
         "--codec", "int4", "--inner-lr", "2e-3", "--warmup-steps", "0", "--lr-schedule", "constant",
         "--total-steps", "0", "--batch-size", "8", "--lease", "4", "--heartbeat", "1", "--checkpoint-every", "4",
-        "--max-staleness", "1000"]
+        "--max-staleness", "1000", "--no-require-signatures"]
 LEARN = ["--threads", "1", "--poll", "0.5"]
 
 

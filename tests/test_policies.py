@@ -121,8 +121,8 @@ def test_bucket_policy_and_gcs_condition_grant_what_the_identity_policy_grants_A
 @pytest.mark.s3
 @pytest.mark.slow
 def test_learner_under_the_policy_needs_no_other_write_A7(iam_s3, tmp_path, monkeypatch):
-    """A real learner whose credentials carry only the example policy trains, and its
-    contributions are merged by a syncer with full rights."""
+    """A real learner whose credentials carry only the example policy trains in a signed
+    run (the default on s3://), and its contributions are merged by a syncer with full rights."""
     for k, v in iam_s3["admin"].items():  # this process reads the bucket as the admin
         if k.startswith("AWS_"):
             monkeypatch.setenv(k, v)
@@ -130,12 +130,18 @@ def test_learner_under_the_policy_needs_no_other_write_A7(iam_s3, tmp_path, monk
     admin = Procs(tmp_path, iam_s3["admin"])
     learner = Procs(tmp_path, iam_s3["learner-a"])
     try:
+        # an s3:// run requires signatures by default: the admin admits the learner's and the syncer's keys
         r = admin.run("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4", "--overlap-steps", "1",
                       "--total-steps", "0", "--batch-size", "4", "--lease", "4", "--heartbeat", "1",
-                      "--no-require-signatures")
+                      "--admin-key", str(tmp_path / "admin.pem"))
         assert r.returncode == 0, r.stderr
-        admin.start("syncer", "sync", url, "--poll", "0.2", "--no-gc")
-        proc = learner.start("learner-a", "learn", url, "--learner-id", "learner-a", "--steps", "12", "--threads", "1")
+        for name, role in (("learner-a", "learner"), ("syncer-1", "syncer")):
+            pub = admin.run("keys", "new", str(tmp_path / f"{name}.pem")).stdout.strip()
+            r = admin.run("admit", url, name, pub, "--role", role, "--admin-key", str(tmp_path / "admin.pem"))
+            assert r.returncode == 0, r.stderr
+        admin.start("syncer", "sync", url, "--poll", "0.2", "--no-gc", "--key", str(tmp_path / "syncer-1.pem"))
+        proc = learner.start("learner-a", "learn", url, "--learner-id", "learner-a", "--steps", "12", "--threads", "1",
+                             "--key", str(tmp_path / "learner-a.pem"))
         wait_for(lambda: proc.poll() is not None, timeout_s=240, what="the learner to finish", procs=learner)
         log = learner.log("learner-a")
         assert proc.returncode == 0, log[-3000:]
