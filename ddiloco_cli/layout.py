@@ -68,6 +68,13 @@ def latest_hint_key(p: int) -> str:
     return f"fragments/{frag(p)}/latest.json"
 
 
+_LATEST_HINT_KEY = re.compile(rf"fragments/{_FRAG}/latest\.json")
+
+
+def is_latest_hint_key(key: str) -> bool:
+    return _LATEST_HINT_KEY.fullmatch(key) is not None
+
+
 # -- learner contributions (outer gradients), named by (fragment, learner, seq) --
 CONTRIBUTION_ROOT = "contributions/"
 CHECKPOINT_ROOT = "checkpoints/"
@@ -195,7 +202,7 @@ def parse_checkpoint_key(key: str) -> tuple[int, int] | None:
 _KEY_KINDS = [
     (re.compile(rf"fragments/{_FRAG}/manifests/{_NUM}\.json"), "manifests"),
     (re.compile(rf"fragments/{_FRAG}/payloads/{_NUM}-(?:full|delta)-{_NONCE}\.safetensors"), "payloads"),
-    (re.compile(rf"fragments/{_FRAG}/latest\.json"), "other"),
+    (_LATEST_HINT_KEY, "other"),
     (re.compile(rf"contributions/{_FRAG}/{LEARNER_ID}/{_NUM}\.safetensors"), "contributions"),
     (_CHECKPOINT_KEY, "checkpoints"),
     (re.compile(rf"syncers/heartbeats/{_NUM}\.json"), "heartbeats"),
@@ -208,6 +215,16 @@ _KEY_KINDS = [
     (re.compile(r"(?:run|plan)\.json"), "other"),
     (re.compile(rf"admissions/{LEARNER_ID}\.json"), "other"),
 ]
+
+
+_TENSOR_DIR = re.compile(r"(?:contributions/p([0-9]{5})/|fragments/p([0-9]{5})/payloads/|checkpoints/p([0-9]{5})/)")
+
+
+def tensor_fragment(key: str) -> int | None:
+    """The fragment of any object under a directory of tensor payloads (contributions,
+    fragment payloads, checkpoints), whatever its name; None elsewhere."""
+    m = _TENSOR_DIR.match(key)
+    return int(next(g for g in m.groups() if g is not None)) if m else None
 
 
 def key_kind(key: str) -> tuple[str, int | None] | None:

@@ -425,6 +425,10 @@ def test_key_grammar_parsers_roundtrip():
     assert layout.key_kind(layout.learner_heartbeat_key("alice")) == ("heartbeats", None)
     assert layout.parse_learner_heartbeat_key(layout.learner_heartbeat_key("alice")) == "alice"
     assert layout.parse_learner_heartbeat_key("learners/a\n/heartbeat.json") is None
+    assert layout.tensor_fragment(layout.checkpoint_key(4, 1, "n")) == 4
+    assert layout.tensor_fragment("contributions/p00002/anything") == 2
+    assert layout.tensor_fragment(layout.manifest_key(2, 1)) is None
+    assert layout.is_latest_hint_key(layout.latest_hint_key(3)) and not layout.is_latest_hint_key("fragments/p3/latest.json")
 
 
 def test_heartbeat_naming_another_learner_is_skipped_R1(local_run):

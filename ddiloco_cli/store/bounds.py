@@ -18,7 +18,6 @@ puts it around every backend, so callers need not pass bounds themselves.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from typing import TYPE_CHECKING
 
@@ -39,8 +38,6 @@ _PER_TENSOR_SLACK_BYTES = 1 << 10
 
 _SMALL_PREFIXES = (layout.EPOCH_PREFIX, layout.SYNCER_HEARTBEAT_PREFIX, layout.LEARNER_HEARTBEAT_PREFIX,
                    layout.CLOCK_PREFIX)
-_LATEST_HINT = re.compile(r"^fragments/p\d{5}/latest\.json$")
-_TENSOR_KEY = re.compile(r"^(?:contributions/p(\d{5})/|fragments/p(\d{5})/payloads/|checkpoints/p(\d{5})/)")
 
 
 def tensor_max_bytes(plan: "FragmentPlan", fragment: int) -> int:
@@ -54,11 +51,10 @@ def tensor_max_bytes(plan: "FragmentPlan", fragment: int) -> int:
 def max_bytes_for(key: str, plan: "FragmentPlan | None") -> int:
     """The size bound of ``key`` (see the module docstring). Without a plan, or
     for a fragment the plan does not have, a tensor key gets ``RECORD_MAX_BYTES``."""
-    if key.startswith(_SMALL_PREFIXES) or _LATEST_HINT.match(key):
+    if key.startswith(_SMALL_PREFIXES) or layout.is_latest_hint_key(key):
         return SMALL_RECORD_MAX_BYTES
-    m = _TENSOR_KEY.match(key)
-    if m and plan is not None:
-        fragment = int(next(g for g in m.groups() if g is not None))
+    fragment = layout.tensor_fragment(key)
+    if fragment is not None and plan is not None:
         if fragment < plan.num_fragments:
             return tensor_max_bytes(plan, fragment)
     return RECORD_MAX_BYTES
@@ -96,6 +92,6 @@ class BoundedStore(StoreWrapper):
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         if max_bytes is None:
-            plan = self._get_plan() if _TENSOR_KEY.match(key) else None
+            plan = self._get_plan() if layout.tensor_fragment(key) is not None else None
             max_bytes = max_bytes_for(key, plan)
         return self.inner.get(key, max_bytes=max_bytes)
