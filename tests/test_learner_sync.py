@@ -232,3 +232,23 @@ def test_a_crashed_session_of_this_host_frees_its_id_at_once_a_live_one_does_not
     finally:
         stop.set()
         beating.join()
+
+
+def test_lockstep_learner_warns_while_it_waits_for_a_merge_that_does_not_come(caplog):
+    """No syncer: the lock-step learner blocks at its first send and says so (after the
+    10 s floor of the alert period), naming the syncer's state."""
+    import threading
+    import time
+
+    store = _run(mode="lockstep", num_fragments=1, sync_every=2, overlap_steps=0)
+    model = load_task(TINY).build_model()
+    with caplog.at_level("WARNING"), DiLoCoSync(store, model, learner_id="j") as sync:
+        stepping = threading.Thread(target=lambda: [sync.step(num_tokens=1) for _ in range(2)])
+        stepping.start()
+        deadline = time.monotonic() + 60
+        while "that merges this learner's contribution" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sync.stop_reason = "left"  # what SIGTERM does: the wait ends
+        stepping.join(timeout=30)
+    assert "at step 2 for the version of fragment 0 that merges this learner's contribution" in caplog.text
+    assert "no syncer heartbeat is live" in caplog.text

@@ -154,7 +154,7 @@ class SessionWriter(threading.Thread):
         self.taken_over_by: HeldBy | None = None
         self._state: dict[str, Any] | None = None
         self._state_written: dict[str, Any] | None = None
-        self._alert: tuple[int, int] | None = None  # (step, last step a version arrived)
+        self._alert: str | None = None  # what is wrong; the syncer's liveness is added when logged
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -166,8 +166,18 @@ class SessionWriter(threading.Thread):
         self.wakeup.set()
 
     def alert_stalled(self, *, step: int, since_step: int) -> None:
+        """Decoupled mode: no new version of any fragment since ``since_step``."""
+        self._set_alert(f"no new version of any fragment in {step - since_step} steps "
+                        f"(last at step {since_step}, now step {step})")
+
+    def alert_waiting(self, *, step: int, fragment: int, waited_s: float) -> None:
+        """Lock-step mode: blocked waiting for the version that merges our contribution."""
+        self._set_alert(f"waited {waited_s:.0f}s at step {step} for the version of fragment {fragment} "
+                        f"that merges this learner's contribution")
+
+    def _set_alert(self, what: str) -> None:
         with self.lock:
-            self._alert = (step, since_step)
+            self._alert = what
         self.wakeup.set()
 
     def beat(self) -> None:
@@ -207,24 +217,20 @@ class SessionWriter(threading.Thread):
     def _raise_alert(self) -> None:
         with self.lock:
             alert, self._alert = self._alert, None
-        if alert is None:
-            return
-        step, since = alert
+        if alert is not None:
+            log.warning("%s; %s", alert, self._syncer_liveness())
+
+    def _syncer_liveness(self) -> str:
         try:
             beats = ledger.read_heartbeats(self.store, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")
         except Exception as exc:  # noqa: BLE001 - the alert still goes out
-            beats, why = [], f"the syncer heartbeats could not be read ({exc})"
-        else:
-            why = ""
+            return f"the syncer heartbeats could not be read ({exc})"
         live = [b for b in beats if b.record["state"] == "serving" and b.age_s <= self.lease_s]
-        if live:
-            b = live[-1]
-            syncer = (f"a syncer heartbeat is live ({b.record['syncer_id'] or 'epoch ' + str(b.record['epoch'])}, "
-                      f"{b.age_s:.1f}s old): it may be waiting for a quorum or failing to commit")
-        else:
-            syncer = why or "no syncer heartbeat is live: start one with `ddiloco sync URL`"
-        log.warning("no new version of any fragment in %d steps (last at step %d, now step %d); %s",
-                    step - since, since, step, syncer)
+        if not live:
+            return "no syncer heartbeat is live: start one with `ddiloco sync URL`"
+        b = live[-1]
+        return (f"a syncer heartbeat is live ({b.record['syncer_id'] or 'epoch ' + str(b.record['epoch'])}, "
+                f"{b.age_s:.1f}s old): it may be waiting for a quorum or failing to commit")
 
     def run(self) -> None:
         next_beat = 0.0

@@ -333,6 +333,9 @@ class DiLoCoSync:
         that merged our contribution)."""
         receiver = self._receiver
         t0 = time.monotonic()
+        # like decoupled mode's alert after 2*H quiet steps: the time they take (at least 10 s)
+        alert_every_s = max(10.0, 2 * self.H * self.stats.step_time_s)
+        next_alert = t0 + alert_every_s
         while True:
             got = receiver.take(p)
             if got is not None:
@@ -346,6 +349,10 @@ class DiLoCoSync:
                 got = None
             if got is not None or not self.lockstep or self.stop_reason is not None:
                 break
+            now = time.monotonic()
+            if self.opts.stall_alert and now >= next_alert:
+                self._writer.alert_waiting(step=self.stats.step, fragment=p, waited_s=now - t0)
+                next_alert = now + alert_every_s
             time.sleep(0.005)
         if self.lockstep:
             self.stats.blocked_s += time.monotonic() - t0
