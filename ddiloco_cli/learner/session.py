@@ -160,10 +160,10 @@ class SessionWriter(threading.Thread):
         self.wakeup.set()
 
     def save_state(self, data: dict[str, Any]) -> None:
-        """Write ``data`` (JSON-able) to learners/ID/state.json on the next beat."""
+        """Write ``data`` (JSON-able) to learners/ID/state.json with the next heartbeat:
+        at most one write per heartbeat_s, however often the learner sends."""
         with self.lock:
             self._state = data
-        self.wakeup.set()
 
     def alert_stalled(self, *, step: int, since_step: int) -> None:
         """Decoupled mode: no new version of any fragment since ``since_step``."""
@@ -236,9 +236,9 @@ class SessionWriter(threading.Thread):
         next_beat = 0.0
         while not self.stopping.is_set():
             self._raise_alert()
-            self._write_state()
             now = time.monotonic()
             if now >= next_beat:
+                self._write_state()
                 self.beat()
                 next_beat = now + self.every_s
             self.wakeup.wait(max(0.0, next_beat - time.monotonic()))

@@ -87,9 +87,10 @@ class DiLoCoSync:
     ``num_tokens`` given to ``step`` is what this process trained in that step;
     under torchrun the island counts ``world_size`` times it (every rank trains an
     equal batch). ``run`` (run.json, if already read) and ``heartbeat_fields`` (more
-    fields of the learner heartbeat) are optional. ``data_state`` (JSON-able) is saved in
-    ``learners/ID/state.json`` at each send; the next session of the same id reads
-    it back as ``resume_state`` to continue its data stream."""
+    fields of the learner heartbeat) are optional. ``data_state`` (JSON-able) is saved
+    in ``learners/ID/state.json`` after the sends (at most once per heartbeat_s); the
+    next session of the same id reads it back as ``resume_state`` to continue its data
+    stream."""
 
     def __init__(self, url: str | Store, model: nn.Module, *, learner_id: str,
                  storage_options: dict[str, Any] | None = None, options: SyncOptions = SyncOptions(),
