@@ -16,27 +16,50 @@ faults:
 * temp debris: ``.tmp-*`` files left by injected partial writes (never listed
   as objects; ``gc`` removes them after the grace).
 
-    python scripts/bench_faults.py                           # ~2 min
+With ``--kills N`` the syncer is also killed with SIGKILL N times, each after a
+seeded random time (uniform in [--kill-min-s, --kill-max-s]) since its start,
+and restarted at once, while the learners train; after the last kill the
+learners stop (SIGTERM), the syncer drains and stops. Then also:
+
+* double-applied contributions: a (learner, seq) that more than one manifest
+  (or one manifest twice) lists as used; must be 0;
+* replay: a fresh syncer restores from checkpoints + ledger and another from
+  the ledger alone (checkpoints removed, replay from version 0); their
+  momentum, high-water marks and values must be bit-identical, their value
+  must equal the published latest version, and replaying from version 0 must
+  reproduce every checkpoint the killed syncers wrote, bit for bit.
+
+    python scripts/bench_faults.py                           # ~1 min
     python scripts/bench_faults.py --rate 0.05 --learners 3 --steps 60 --json /tmp/faults.json
+    python scripts/bench_faults.py --rate 0 --kills 40 --json /tmp/kill9.json     # ~5 min
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib  # noqa: E402
 
-from ddiloco_cli import layout  # noqa: E402
+import torch  # noqa: E402
+
+from ddiloco_cli import codec, layout, ledger  # noqa: E402
+from ddiloco_cli.published import FragmentReader  # noqa: E402
+from ddiloco_cli.store import open_store  # noqa: E402
 from ddiloco_cli.store.faults import FAULTS_ENV  # noqa: E402
+from ddiloco_cli.syncer import Syncer, SyncerOptions  # noqa: E402
 
 _FAULT_LINE = re.compile(r"faults: (\w+) injected")
 
@@ -70,6 +93,83 @@ def ledger_check(cluster: benchlib.Cluster) -> dict[str, int]:
             "quarantined": len(cluster.store.list("quarantine/"))}
 
 
+def double_applied(cluster: benchlib.Cluster) -> int:
+    """(fragment, learner, seq) listed as used more than once over all manifests."""
+    used = Counter((m["fragment"], e["learner_id"], e["seq"])
+                   for m in cluster.manifests() for e in m["contributions"] if e["used"])
+    return sum(n - 1 for n in used.values() if n > 1)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def replay_check(cluster: benchlib.Cluster) -> dict[str, int]:
+    """Restores from checkpoints + ledger and from the ledger alone agree bit for bit
+    with each other, with the published latest value and with every checkpoint."""
+    with_ckpt = Syncer(open_store(cluster.url), options=SyncerOptions(syncer_id="replay-ckpt", gc=False))
+    with_ckpt.restore()
+    bare_dir = os.path.join(cluster.workdir, "no-checkpoints")
+    shutil.copytree(cluster.bucket, bare_dir, ignore=lambda d, names: ["checkpoints"] if d == cluster.bucket else [])
+    from_zero = Syncer(open_store(bare_dir), options=SyncerOptions(syncer_id="replay-zero", gc=False))
+    from_zero.restore()
+    plan, run_id = with_ckpt.plan, with_ckpt.run_id
+    restore_mismatch = published_mismatch = checkpoints = checkpoint_mismatch = 0
+    for p, a in with_ckpt.states.items():
+        b = from_zero.states[p]
+        if (a.version, a.high_water, a.outer.num_steps) != (b.version, b.high_water, b.outer.num_steps) \
+                or not _same(a.outer.state_tensors(), b.outer.state_tensors()) or not _same(a.value, b.value):
+            restore_mismatch += 1
+        published = FragmentReader(with_ckpt.store, run_id=run_id, plan=plan, fragment=p).read(a.version)
+        published_mismatch += not _same(a.value, published)
+        # replay from version 0 through each checkpoint in turn: momentum must match what was written
+        outer, at = from_zero._new_outer(), 0
+        for info in with_ckpt.store.list(layout.checkpoint_prefix(p)):
+            v = layout.parse_num(info.key)
+            if v is None or v == 0 or v > a.version:
+                continue
+            if v > at:
+                from_zero._replay(p, at, v, outer)
+                at = v
+            tensors, _ = codec.decode_tensors(with_ckpt.store.get(info.key), where=info.key)
+            checkpoints += 1
+            checkpoint_mismatch += not _same(outer.state_tensors(), tensors)
+    shutil.rmtree(bare_dir, ignore_errors=True)
+    return {"replay_restore_mismatches": restore_mismatch, "replay_published_mismatches": published_mismatch,
+            "checkpoints_replayed": checkpoints, "checkpoint_mismatches": checkpoint_mismatch}
+
+
+def wait_for_first_version(cluster: benchlib.Cluster, ids: list[str], *, timeout_s: float) -> None:
+    """Until every learner trains and a version beyond 0 is committed (kills then hit a working run)."""
+    deadline = time.monotonic() + timeout_s
+    while len(cluster.learners_up()) < len(ids) or sum(cluster.versions()) == 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no training after {timeout_s}s:\n{cluster.log_tail('syncer')}\n"
+                               f"{cluster.log_tail('learner-' + ids[0])}")
+        time.sleep(0.25)
+
+
+def kill_loop(cluster: benchlib.Cluster, *, kills: int, seed: int, min_s: float, max_s: float,
+              syncer_args: list[str]) -> list[float]:
+    """SIGKILL the syncer ``kills`` times at seeded random ages, restarting it each time;
+    returns the ages (seconds since its start) at which it was killed."""
+    rng = random.Random(seed)
+    ages = []
+    for _ in range(kills):
+        age = rng.uniform(min_s, max_s)
+        started = time.monotonic()
+        while time.monotonic() - started < age:
+            if cluster.syncer.poll() is not None:
+                raise RuntimeError(f"the syncer exited on its own ({cluster.syncer.returncode}):\n"
+                                   f"{cluster.log_tail('syncer')}")
+            time.sleep(0.05)
+        cluster.syncer.send_signal(signal.SIGKILL)
+        cluster.syncer.wait()
+        ages.append(round(age, 2))
+        cluster.start_syncer(*syncer_args)
+    return ages
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=0.05, help="fault probability per store call")
@@ -79,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=60, help="inner steps per learner")
     ap.add_argument("--fragments", type=int, default=4)
     ap.add_argument("--sync-every", type=int, default=8)
+    ap.add_argument("--kills", type=int, default=0, help="SIGKILL the syncer this many times while training")
+    ap.add_argument("--kill-min-s", type=float, default=1.0, help="shortest syncer age at a kill")
+    ap.add_argument("--kill-max-s", type=float, default=6.0, help="longest syncer age at a kill")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None)
@@ -88,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = args.workdir or f"/tmp/bench_faults_{uuid.uuid4().hex[:8]}"
 
     def faults(i: int) -> list[str]:
+        if args.rate <= 0:
+            return []
         return ["-o", f"faults={args.rate},seed={args.seed * 1000 + i},spike_s={args.spike_s}"]
 
     cluster = benchlib.Cluster(workdir)
@@ -96,11 +201,21 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         run = cluster.init(task="tiny", fragments=args.fragments, sync_every=args.sync_every, overlap_steps=1,
                            codec="int8", total_steps=args.steps, lr_schedule="constant", warmup_steps=0,
-                           lease=10, heartbeat=1, max_staleness=16, quorum=1)
-        cluster.start_syncer("--poll", "0.1", *faults(0))
+                           lease=2, heartbeat=0.5, max_staleness=16, quorum=1, checkpoint_every=2)
+        syncer_args = ["--poll", "0.1", *faults(0)]
+        cluster.start_syncer(*syncer_args)
+        # with kills the learners train until the kills are done, then stop; else they run --steps
+        learner_steps = 10**6 if args.kills else args.steps
         for i, lid in enumerate(ids):
-            cluster.start_learner(lid, "--steps", str(args.steps), *faults(i + 1))
-        cluster.wait_learners_finished(ids, timeout_s=args.timeout_s)
+            cluster.start_learner(lid, "--steps", str(learner_steps), *faults(i + 1))
+        kill_ages: list[float] = []
+        if args.kills:
+            wait_for_first_version(cluster, ids, timeout_s=args.timeout_s)
+            kill_ages = kill_loop(cluster, kills=args.kills, seed=args.seed, min_s=args.kill_min_s,
+                                  max_s=args.kill_max_s, syncer_args=syncer_args)
+            cluster.terminate_learners()
+        else:
+            cluster.wait_learners_finished(ids, timeout_s=args.timeout_s)
         unmerged = cluster.drain(timeout_s=120)
         syncer_alive = cluster.syncer.poll() is None
         cluster.stop_syncer()
@@ -108,16 +223,20 @@ def main(argv: list[str] | None = None) -> dict:
         verify = subprocess.run([sys.executable, "-m", "ddiloco_cli", "inspect", cluster.url, "--verify"],
                                 env={k: v for k, v in cluster.env.items() if k != FAULTS_ENV},
                                 capture_output=True, text=True, timeout=300)
+        replay = replay_check(cluster) if args.kills else {}
         debris = sum(1 for d, _, names in os.walk(cluster.bucket) for n in names if n.startswith(".tmp-"))
         out = {
-            "rate": args.rate, "seed": args.seed, "learners": args.learners, "steps": args.steps,
+            "rate": args.rate, "seed": args.seed, "kill_ages_s": kill_ages, "learners": args.learners, "steps": args.steps,
             "fragments": int(run["num_fragments"]), "elapsed_s": round(elapsed_s, 1),
             "versions": cluster.versions(), "syncer_survived": syncer_alive,
             "faults_injected": fault_counts(cluster.log_dir),
             "retries_logged": count_in_logs(cluster.log_dir, "; retry "),
             "uploads_given_up": count_in_logs(cluster.log_dir, "giving up on"),
+            "syncer_kills": len(kill_ages),
             "unmerged_after_drain": unmerged,
             **ledger_check(cluster),
+            "double_applied": double_applied(cluster),
+            **replay,
             "verify_exit_code": verify.returncode,
             "temp_debris_files": debris,
         }
@@ -125,8 +244,9 @@ def main(argv: list[str] | None = None) -> dict:
             out["verify_output"] = (verify.stdout + verify.stderr)[-2000:]
     finally:
         cluster.close()
-    rows = [[k, v] for k, v in out.items() if k != "verify_output"]
-    print(f"training through {args.rate:.0%} injected store faults ({benchlib.load_text()})")
+    rows = [[k, v] for k, v in out.items() if k not in ("verify_output", "kill_ages_s")]
+    print(f"training through {args.rate:.0%} injected store faults and {args.kills} syncer kills "
+          f"({benchlib.load_text()})")
     print(benchlib.fmt_table(["figure", "value"], rows))
     if "verify_output" in out:
         print(out["verify_output"])

@@ -290,3 +290,24 @@ def test_training_through_injected_faults_loses_and_corrupts_nothing(tmp_path):
     assert out["unmerged_after_drain"] == 0
     assert out["lost_contributions"] == 0 and out["contribution_objects"] == out["ledger_entries"] > 0
     assert out["uploads_given_up"] == 0 and out["quarantined"] == 0
+
+
+@pytest.mark.slow
+def test_syncer_kill9_at_random_points_loses_nothing_and_replays_bit_exactly(tmp_path):
+    """The syncer is SIGKILLed at seeded random points while learners train: no
+    contribution is lost or applied twice, and a fresh restore (from checkpoints, or
+    from the ledger alone) reproduces the published value and every checkpoint."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_faults
+
+    out = bench_faults.main(["--rate", "0", "--kills", "3", "--kill-min-s", "0.5", "--kill-max-s", "3",
+                             "--learners", "2", "--fragments", "2", "--workdir", str(tmp_path / "run")])
+    assert out["syncer_kills"] == 3 and out["verify_exit_code"] == 0, out.get("verify_output")
+    assert out["unmerged_after_drain"] == 0
+    assert out["lost_contributions"] == 0 and out["contribution_objects"] == out["ledger_entries"] > 0
+    assert out["double_applied"] == 0 and out["quarantined"] == 0
+    assert out["replay_restore_mismatches"] == 0 and out["replay_published_mismatches"] == 0
+    assert out["checkpoint_mismatches"] == 0
