@@ -16,9 +16,9 @@ faults:
 * temp debris: ``.tmp-*`` files left by injected partial writes (never listed
   as objects; ``gc`` removes them after the grace).
 
-With ``--kills N`` the syncer is also killed with SIGKILL N times, each after a
-seeded random time (uniform in [--kill-min-s, --kill-max-s]) since its start,
-and restarted at once, while the learners train; after the last kill the
+With ``--kills N`` the syncer is also killed with SIGKILL N times, each a seeded
+random time (uniform in [--kill-min-s, --kill-max-s]) after it claimed its
+epoch, and restarted at once, while the learners train; after the last kill the
 learners stop (SIGTERM), the syncer drains and stops. Then also:
 
 * double-applied contributions: a (learner, seq) that more than one manifest
@@ -149,23 +149,37 @@ def wait_for_first_version(cluster: benchlib.Cluster, ids: list[str], *, timeout
         time.sleep(0.25)
 
 
+def latest_epoch(cluster: benchlib.Cluster) -> int:
+    epochs = ledger.list_epochs(cluster.store, run_id=cluster.run["run_id"])
+    return epochs[-1].epoch if epochs else 0
+
+
 def kill_loop(cluster: benchlib.Cluster, *, kills: int, seed: int, min_s: float, max_s: float,
-              syncer_args: list[str]) -> list[float]:
-    """SIGKILL the syncer ``kills`` times at seeded random ages, restarting it each time;
-    returns the ages (seconds since its start) at which it was killed."""
+              syncer_args: list[str], timeout_s: float) -> list[float]:
+    """SIGKILL the syncer ``kills`` times, each at a seeded random time after it claimed
+    its epoch (so it dies while restoring, merging, committing or checkpointing, not
+    while Python starts), restarting it each time; returns those times in seconds."""
     rng = random.Random(seed)
     ages = []
-    for _ in range(kills):
+    known = latest_epoch(cluster)  # the running syncer's: it has committed already
+    for i in range(kills):
+        deadline = time.monotonic() + timeout_s
+        while i and latest_epoch(cluster) <= known:  # a restarted syncer waits out the lease, then claims
+            if cluster.syncer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the syncer did not claim an epoch (exit {cluster.syncer.poll()}):\n"
+                                   f"{cluster.log_tail('syncer')}")
+            time.sleep(0.02)
+        known = latest_epoch(cluster)
         age = rng.uniform(min_s, max_s)
-        started = time.monotonic()
-        while time.monotonic() - started < age:
+        claimed = time.monotonic()
+        while time.monotonic() - claimed < age:
             if cluster.syncer.poll() is not None:
                 raise RuntimeError(f"the syncer exited on its own ({cluster.syncer.returncode}):\n"
                                    f"{cluster.log_tail('syncer')}")
-            time.sleep(0.05)
+            time.sleep(0.01)
         cluster.syncer.send_signal(signal.SIGKILL)
         cluster.syncer.wait()
-        ages.append(round(age, 2))
+        ages.append(round(age, 3))
         cluster.start_syncer(*syncer_args)
     return ages
 
@@ -180,8 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fragments", type=int, default=4)
     ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--kills", type=int, default=0, help="SIGKILL the syncer this many times while training")
-    ap.add_argument("--kill-min-s", type=float, default=1.0, help="shortest syncer age at a kill")
-    ap.add_argument("--kill-max-s", type=float, default=6.0, help="longest syncer age at a kill")
+    ap.add_argument("--kill-min-s", type=float, default=0.0, help="shortest time from a syncer's claim to its kill")
+    ap.add_argument("--kill-max-s", type=float, default=3.0, help="longest time from a syncer's claim to its kill")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None)
@@ -212,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.kills:
             wait_for_first_version(cluster, ids, timeout_s=args.timeout_s)
             kill_ages = kill_loop(cluster, kills=args.kills, seed=args.seed, min_s=args.kill_min_s,
-                                  max_s=args.kill_max_s, syncer_args=syncer_args)
+                                  max_s=args.kill_max_s, syncer_args=syncer_args, timeout_s=args.timeout_s)
             cluster.terminate_learners()
         else:
             cluster.wait_learners_finished(ids, timeout_s=args.timeout_s)
@@ -254,4 +268,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    benchlib.exit_on_sigterm()
     main()

@@ -53,3 +53,13 @@ def test_bench_overhead_smoke(tmp_path):
         assert key in rep
     assert set(rep["machinery_ms_per_step"]) >= {"main send CPU", "ddiloco-uploader CPU", "ddiloco-receiver CPU"}
     assert "syncer_memory" not in rep
+
+
+def test_bench_store_smoke(tmp_path):
+    out = tmp_path / "store.json"
+    text = _run("bench_store.py", "--puts", "2", "--sizes", "1024", "--latency-ms", "5", "--json", str(out))
+    assert "no-expect" in text
+    rep = json.loads(out.read_text())
+    assert [(r["latency_ms_one_way"], r["size_bytes"]) for r in rep["expect_100_continue"]] == [(0.0, 1024), (5.0, 1024)]
+    for r in rep["expect_100_continue"]:
+        assert set(r["median_ms"]) == {"expect", "no-expect"} and all(v > 0 for v in r["median_ms"].values())

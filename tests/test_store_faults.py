@@ -303,7 +303,7 @@ def test_syncer_kill9_at_random_points_loses_nothing_and_replays_bit_exactly(tmp
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     import bench_faults
 
-    out = bench_faults.main(["--rate", "0", "--kills", "3", "--kill-min-s", "0.5", "--kill-max-s", "3",
+    out = bench_faults.main(["--rate", "0", "--kills", "3",
                              "--learners", "2", "--fragments", "2", "--workdir", str(tmp_path / "run")])
     assert out["syncer_kills"] == 3 and out["verify_exit_code"] == 0, out.get("verify_output")
     assert out["unmerged_after_drain"] == 0

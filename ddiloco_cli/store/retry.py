@@ -59,6 +59,9 @@ class RetryPolicy:
         return cls(**kw)
 
 DEFAULT_POLICY = RetryPolicy()
+# for work that must outlive an outage longer than one call's policy (each attempt is a
+# whole store call, itself retried under DEFAULT_POLICY): the learner's contribution uploads
+OUTAGE_POLICY = RetryPolicy(attempts=8, base_delay_s=0.5, max_delay_s=30.0, deadline_s=900.0)
 
 
 def retrying(fn: Callable[[], T], *, what: str, policy: RetryPolicy = DEFAULT_POLICY,
