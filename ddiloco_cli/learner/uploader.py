@@ -17,6 +17,7 @@ import torch
 from ddiloco_cli import codec, signing
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.store.base import Store
+from ddiloco_cli.store.retry import OUTAGE_POLICY, retrying
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,8 @@ def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: st
 
 class Uploader:
     """Encodes and uploads contributions from a bounded queue with ``num_workers``
-    threads (several PUTs in flight hide round trips on long links), retrying with
-    backoff.
+    threads (several PUTs in flight hide round trips on long links), retrying under
+    ``store.retry.OUTAGE_POLICY`` (tenacity; each attempt a whole, itself retried, store call).
 
     With ``newest_wins`` (decoupled mode) a contribution replaces a queued, not yet
     started one of the same fragment *with the same base version* instead of waiting
@@ -90,21 +91,19 @@ class Uploader:
     def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
         data = contribution_bytes(delta, header, codec_name=self.codec_name, block_size=self.block_size, key=key,
                                   signer=self.signer)
-        for attempt in range(8):
-            try:
-                if not self.store.put_if_absent(key, data):
-                    log.warning("contribution %s already exists with other content; dropped", key)
-                    return
-                with self.lock:
-                    self.stats.bytes_up += len(data)
-                    self.stats.num_contributions += 1
-                return
-            except Exception as exc:  # noqa: BLE001 - the network may be down for a while
-                delay = min(30.0, 0.5 * 2**attempt)
-                log.warning("upload of %s failed (%s); retry in %.1fs", key, exc, delay)
-                time.sleep(delay)
-        self.failed += 1
-        log.error("giving up on %s: the next contribution of this fragment carries its progress", key)
+        try:  # each attempt is a whole store call (retried inside); this waits out a longer outage
+            created = retrying(lambda: self.store.put_if_absent(key, data), what=f"upload of {key}",
+                               policy=OUTAGE_POLICY)
+        except Exception as exc:  # noqa: BLE001 - an upload must never stop the learner
+            self.failed += 1
+            log.error("giving up on %s (%s): the next contribution of this fragment carries its progress", key, exc)
+            return
+        if not created:
+            log.warning("contribution %s already exists with other content; dropped", key)
+            return
+        with self.lock:
+            self.stats.bytes_up += len(data)
+            self.stats.num_contributions += 1
 
     def close(self) -> None:
         """Finish every queued upload, then stop."""
