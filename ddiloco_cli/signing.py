@@ -420,9 +420,11 @@ def signer_for_run(store: Store, *, run: RunLike, key_path: str | os.PathLike | 
     ring.refresh()
     admitted = ring.keys_of(member_id, role=role) if member_id is not None else ring.keys_with_role(role)
     if signer.public_key not in admitted:
-        who = f"{role} {member_id!r} has " + (f"key {next(iter(admitted))[:16]}..." if admitted else "no key") \
-            if member_id is not None else f"no {role} has this key"
-        raise UsageError(f"{who} admitted in this run, not {key_path}'s ({signer.public_key[:16]}...): ask the "
-                         f"run's admin to run `ddiloco admit {store.url} {member_id or 'NAME'} {signer.public_key}"
-                         f"{' --role syncer' if role == 'syncer' else ''}`")
+        if member_id is None:
+            what = f"{key_path}'s key ({signer.public_key[:16]}...) is not admitted as a {role} key in this run"
+        else:
+            have = f"key {next(iter(admitted))[:16]}..." if admitted else "no key"
+            what = f"{role} {member_id!r} has {have} admitted in this run, not {key_path}'s ({signer.public_key[:16]}...)"
+        raise UsageError(f"{what}: ask the run's admin to run `ddiloco admit {store.url} {member_id or 'NAME'} "
+                         f"{signer.public_key}{' --role syncer' if role == 'syncer' else ''}`")
     return signer

@@ -82,7 +82,7 @@ def test_signed_run_merges_admitted_and_quarantines_the_rest_A2_A3_A5(keys, tmp_
     impostor_key, impostor = _contribution(store, run, "a", 13, signer=keys["b"])  # b's key, a's name
     store.put_if_absent(impostor_key, impostor)
 
-    with pytest.raises(UsageError, match="no syncer has this key"):
+    with pytest.raises(UsageError, match="is not admitted as a syncer key"):
         Syncer(store, options=SyncerOptions(syncer_id="s", key_path=str(tmp_path / "a.pem"), gc=False))
     syncer = Syncer(store, options=SyncerOptions(syncer_id="s", key_path=str(tmp_path / "syncer.pem"), gc=False,
                                                  poll_s=0.01))

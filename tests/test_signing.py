@@ -317,6 +317,8 @@ def test_signer_for_run_fails_at_start_without_an_admitted_key_A1(keys, tmp_path
         signing.signer_for_run(store, run=run, key_path=tmp_path / "b.pem", member_id="a", role="learner")
     with pytest.raises(UsageError, match="syncer 'a' has no key"):  # admitted as a learner, not a syncer
         signing.signer_for_run(store, run=run, key_path=tmp_path / "a.pem", member_id="a", role="syncer")
+    with pytest.raises(UsageError, match="is not admitted as a syncer key"):  # syncers are not named
+        signing.signer_for_run(store, run=run, key_path=tmp_path / "a.pem", member_id=None, role="syncer")
 
 
 # ------------------------------------------------------------------------ status
