@@ -138,8 +138,8 @@ def read_state(store: Store, learner_id: str) -> dict[str, Any] | None:
 
 
 class SessionWriter(threading.Thread):
-    """Writes the heartbeat every ``every_s`` (and at once on ``wake``), the data state
-    when it changed, and the stall alert the loop asked for."""
+    """Writes the heartbeat every ``every_s`` with the data state (when it changed),
+    and logs the stall alert the loop asked for at once."""
 
     def __init__(self, store: Store, *, learner_id: str, session: int, make_record: Callable[[], dict],
                  run_id: str, lease_s: float, every_s: float, signer: signing.Signer | None = None):
@@ -155,9 +155,6 @@ class SessionWriter(threading.Thread):
         self._state: dict[str, Any] | None = None
         self._state_written: dict[str, Any] | None = None
         self._alert: str | None = None  # what is wrong; the syncer's liveness is added when logged
-
-    def wake(self) -> None:
-        self.wakeup.set()
 
     def save_state(self, data: dict[str, Any]) -> None:
         """Write ``data`` (JSON-able) to learners/ID/state.json with the next heartbeat:
