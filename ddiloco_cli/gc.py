@@ -3,13 +3,13 @@
 For each fragment, with ``latest`` its newest version and ``ckpt`` the newest
 outer-optimizer checkpoint at or below it, everything from
 
-    keep_from = keyframe_floor(min(latest - retain_versions + 1, ckpt - max_staleness))
+    keep_from = keyframe_floor(min(latest - retain_versions + 1, ckpt, staleness_floor))
 
 on is kept: the manifests and payloads a reader needs for any recent version
 (a keyframe plus the deltas after it), and the ledger plus contributions a
-restarting syncer needs to replay from its checkpoint (replaying version
-ckpt + 1 needs the value of every base it merged, and bases reach back
-max_staleness versions). Older manifests and
+restarting syncer needs to replay from its checkpoint, and the manifests of
+the versions a pending contribution may still name as its base (their cycle
+clock is within max_staleness cycles of the latest: replay.staleness_floor). Older manifests and
 payloads go; contributions go once merged (or superseded) at or before
 ``ckpt``; orphans (payloads no manifest names, quarantined inputs, older
 checkpoints, clock probes, temp files of writes that died midway) go only
@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, UsageError
+from ddiloco_cli.replay import staleness_floor
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,9 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
                                  retain_versions=int(run["retain_versions"]),
                                  publish_codec=run["publish_codec"], keyframe_every=int(run["keyframe_every"]),
-                                 max_staleness=int(run["max_staleness"]))
+                                 max_staleness=newest_ckpt - min(newest_ckpt, staleness_floor(
+                                     store, run_id=run["run_id"], fragment=p, latest=latest,
+                                     max_staleness=float(run["max_staleness"]))))
         report.keep_from[p] = keep
         referenced: set[str] = set()
         high_water: dict[str, int] = {}

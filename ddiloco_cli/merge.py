@@ -1,8 +1,9 @@
-"""Merging learner contributions into one outer gradient (DESIGN.md section 3).
+"""Merging learner contributions into one outer gradient (PROTOCOL.md "Merge semantics").
 
 - token weight  w = c_tokens^2 / c_steps
 - RDA           (sum w|v| / sum w) * phi(sum w phi(v) / sum w),  phi(x) = x/|x|, phi(0) = 0
-- weighted mean for embedding tensors (or everywhere with method="mean")
+- weighted mean for embedding tensors, 0-d and 1-d tensors (or everywhere with method="mean"),
+  and where the unit vectors cancel (||sum w phi(v)|| / sum w < RDA_MIN_ALIGNMENT)
 
 Numerics: vectors are summed in fp32 (a merge is memory-bound; fp64 cost 3x: 69 vs
 21 ms for RDA of 8 x 2.1M values), weights normalised in float64 first so tiny or
@@ -25,6 +26,10 @@ import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 
+# Below this norm of the weighted mean of unit vectors, ||sum w phi(v)|| / sum w, RDA returns
+# the weighted mean instead: as the directions cancel, RDA would keep the full mean norm in a
+# direction that is mostly rounding noise, while the mean shrinks continuously to zero.
+RDA_MIN_ALIGNMENT = 1e-2
 EMBEDDING_MARKERS = ("wte", "wpe", "embed", "tok_emb", "pos_emb", "lm_head", "word_embeddings")
 
 
@@ -139,7 +144,9 @@ def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tens
         if w and n > 0:
             direction.add_((v / n) * (w / total))  # unit vector, then a weight in [0, 1]: no over/underflow
     dnorm = float(torch.linalg.vector_norm(direction))
-    if dnorm == 0 or radial == 0:
+    if dnorm < RDA_MIN_ALIGNMENT:  # the directions (nearly) cancel: RDA's direction is noise there
+        return weighted_mean(vectors, weights)
+    if radial == 0:
         return _finish(torch.zeros_like(direction), vectors[0])
     return _finish(direction * (radial / dnorm), vectors[0])
 
@@ -183,7 +190,7 @@ def merge_outer_gradients(
     out = {}
     for k in keys:
         vs = [g[k] for g in grads]
-        if method == "mean" or k in mean_keys:
+        if method == "mean" or k in mean_keys or vs[0].dim() <= 1:  # biases, norms, scalars: no direction to keep
             out[k] = weighted_mean(vs, weights)
         else:
             out[k] = rda(vs, weights)

@@ -19,11 +19,13 @@ from typing import Any
 import torch
 
 from ddiloco_cli import codec, layout, ledger, records, signing
+from ddiloco_cli.audit import audit_ledger
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.fragspec import format_fragment_spec
 from ddiloco_cli.metrics import latest_global_eval
 from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.replay import checkpoint_shapes
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
@@ -287,6 +289,7 @@ def verify_run(store: Store) -> list[str]:
     _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
     _quarantined(scan)
     _verify_checkpoints(scan, problems)
+    problems.extend(audit_ledger(store, run_id=scan.run_id, fragments=scan.fragment_ids()).problems)
     return problems
 
 
@@ -375,10 +378,10 @@ def _verify_checkpoints(scan: _Scan, problems: list[str]) -> None:
         p, v = parsed
         if scan.plan is None or p >= scan.plan.num_fragments:
             continue  # nothing to check the tensors against (already reported)
-        shapes = expected_shapes(scan.plan, p)
+        shapes = checkpoint_shapes(scan.plan, p)
         try:
             tensors, header = codec.decode_tensors(scan.store.get(info.key), where=info.key,
-                                                   max_numel=scan.plan.fragment_numel(p))
+                                                   max_numel=2 * scan.plan.fragment_numel(p))
             records.validate(header, "checkpoint", where=info.key)
         except NotFound:
             continue  # collected since the LIST
@@ -389,7 +392,7 @@ def _verify_checkpoints(scan: _Scan, problems: list[str]) -> None:
             problems.append(f"{info.key}: header names run {header['run_id']} fragment {header['fragment']} "
                             f"version {header['version']}, not its key's")
         elif any(k not in shapes or tuple(t.shape) != shapes[k] for k, t in tensors.items()):
-            problems.append(f"{info.key}: momentum tensors do not match fragment {p}'s shapes")
+            problems.append(f"{info.key}: checkpoint tensors do not match fragment {p}'s shapes")
 
 
 # --------------------------------------------------------------------- status

@@ -36,6 +36,7 @@ class Merge(str, Enum):
 
 
 class OuterLrScaling(str, Enum):
+    cycle = "cycle"
     participation = "participation"
     none = "none"
 
@@ -96,7 +97,7 @@ class RunConfig:
     merge: str = _f("rda", "merge", _M, kind=str, choices=Merge)
     outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True)
     outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True)
-    outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling)
+    outer_lr_scaling: str = _f("cycle", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling)
     inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr")
     adam_betas: tuple[float, float] = _f((0.9, 0.95), "adam-betas", _I, kind=tuple, lo=0.0, hi=1.0, hi_open=True,
                                          json_key="inner.betas")
@@ -130,6 +131,11 @@ class RunConfig:
             object.__setattr__(self, "publish_codec", self.codec)
         if self.codec_block is None:
             object.__setattr__(self, "codec_block", codec.DEFAULT_BLOCK_SIZE.get(self.codec, 64))
+        if self.mode == "lockstep":  # Streaming DiLoCo: every learner in every merge (the syncer waits for all
+            # live ones), a plain mean, overwrite on receive, no lr scaling, exact published values
+            for name, value in (("merge", "mean"), ("keep_overlap_progress", False), ("outer_lr_scaling", "none"),
+                                ("publish_codec", "none")):
+                object.__setattr__(self, name, value)
         if self.num_fragments > self.sync_every:
             raise _bad("fragments", f"P={self.num_fragments} > H={self.sync_every}: each fragment needs its own "
                                     "step offset; use --fragments <= --sync-every")

@@ -1,11 +1,14 @@
 """The syncer: owns the global fragments and the outer optimizer.
 
-One loop (``Syncer.serve``): claim the lease (epoch), restore state, then poll
-the bucket for contributions; for each fragment whose quorum is met and whose
-grace window has passed, merge (token-weighted RDA), take an outer Nesterov
-step, upload the payloads and commit the next version's manifest.
+One loop (``Syncer.serve``): claim the lease (``lease.Lease``), restore every
+fragment (``replay.restore_value``: checkpoint + ledger replay), then poll the
+bucket for contributions (``intake.Intake``); for each fragment whose quorum is
+met and whose grace window has passed, take one outer update
+(``update.outer_update``) and commit the next version's manifest.
 
-The commit decision is ``ready_to_merge``; everything else is I/O around it.
+The commit decision is ``ready_to_merge``; what a commit computes is
+``outer_update``; everything here is the bookkeeping around them: the pending
+set, staleness in cycles, the ledger entries, and the fence checks.
 """
 
 from __future__ import annotations
@@ -15,24 +18,31 @@ import os
 import socket
 import statistics
 import time
-from collections import OrderedDict
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records, signing
+from ddiloco_cli import layout, ledger, records, signing
 from ddiloco_cli.errors import DdilocoError, InvalidPayloadError, ProtocolError
-from ddiloco_cli.fence import FencedStore, fence_interval_s
-from ddiloco_cli.merge import is_embedding_key, merge_outer_gradients, token_weight
-from ddiloco_cli.outer import OuterOptimizer
-from ddiloco_cli.published import FragmentReader, encode_version, expected_shapes, upload_payloads
-from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
+from ddiloco_cli.intake import REFUSED, USED, Contribution, Intake, add_pending, staleness_discount
+from ddiloco_cli.lease import Lease
+from ddiloco_cli.published import FragmentReader, upload_payloads
+from ddiloco_cli.replay import checkpoint_bytes, manifest_cycle, per_cycle, restore_value
+from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
+from ddiloco_cli.update import FragmentValue, NonFiniteUpdate, outer_update
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+
 RESTORE_RETRY_S = 30.0  # how often a fragment whose committed state is unreadable is tried again
+NORM_BOUND_FACTOR = 100.0  # a contribution whose norm exceeds this many running medians is refused
+NORM_WINDOW = 64  # accepted norms in the running median
+NORM_MIN_SAMPLES = 8  # no bound before this many accepted contributions
+TIP_WINDOW = 64  # versions searched on restore for each learner's last merged contribution
 
 
 @dataclass
@@ -44,50 +54,41 @@ class SyncerOptions:
     gc_every_s: float = 30.0
     max_versions: int | None = None  # stop after committing this many versions (tests, benchmarks)
     max_runtime_s: float | None = None
+    clock: Callable[[], float] = time.monotonic  # times the grace window (a fake clock in simulations)
     key_path: str | None = None  # signing key admitted with role syncer (runs that require signatures)
-
-
-@dataclass
-class Contribution:
-    learner_id: str
-    seq: int
-    key: str
-    sha256: str
-    size: int
-    base_version: int
-    c_tokens: int
-    c_steps: int
-    delta: Tensors
-
-    @property
-    def weight(self) -> float:
-        return token_weight(self.c_tokens, self.c_steps)
-
-    def ledger_entry(self, *, used: bool, reason: str = "") -> dict[str, Any]:
-        entry = {
-            "learner_id": self.learner_id, "seq": self.seq, "key": self.key, "sha256": self.sha256,
-            "size": self.size, "base_version": self.base_version, "c_tokens": self.c_tokens,
-            "c_steps": self.c_steps, "weight": self.weight, "used": used,
-        }
-        if reason:
-            entry["reason"] = reason
-        return entry
 
 
 @dataclass
 class FragmentState:
     fragment: int
-    version: int
-    value: Tensors  # the exact published value of `version`
-    outer: OuterOptimizer
+    current: FragmentValue
     high_water: dict[str, int]
-    history: OrderedDict[int, Tensors] = field(default_factory=OrderedDict)
-    pending: dict[str, Contribution] = field(default_factory=dict)
-    superseded: list[dict[str, Any]] = field(default_factory=list)  # ledger entries
+    cycles: dict[int, float] = field(default_factory=dict)  # cycle clock by version (for staleness)
+    pending: dict[str, list[Contribution]] = field(default_factory=dict)  # per learner, seq order
+    closed: list[dict[str, Any]] = field(default_factory=list)  # superseded/refused entries for the next manifest
     seen: set[str] = field(default_factory=set)
+    norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
+    # per learner: its last used ledger entry and (when in memory) that contribution's delta
+    tips: dict[str, tuple[dict[str, Any], Tensors | None]] = field(default_factory=dict)
     first_pending_t: float | None = None
     quorum_t: float | None = None
     last_quorum_size: int = 0
+
+    @property
+    def version(self) -> int:
+        return self.current.version
+
+    @property
+    def value(self) -> Tensors:
+        """The exact published value of ``version``."""
+        return self.current.published
+
+    @property
+    def outer(self):
+        return self.current.outer
+
+    def contributions(self) -> list[Contribution]:
+        return sorted((c for cs in self.pending.values() for c in cs), key=lambda c: (c.learner_id, c.seq))
 
 
 def ready_to_merge(
@@ -112,9 +113,12 @@ def ready_to_merge(
     return now_t - quorum_t >= grace, grace
 
 
+def delta_norm(delta: Tensors) -> float:
+    return float(torch.sqrt(sum((t.double().pow(2).sum() for t in delta.values()), torch.zeros((), dtype=torch.float64))))
+
+
 class Syncer:
     def __init__(self, store: Store, *, options: SyncerOptions, on_progress: Callable[[dict], None] | None = None):
-        self.store = store
         self.opts = options
         self.run = ledger.read_run(store)
         self.run_id = self.run["run_id"]
@@ -128,88 +132,74 @@ class Syncer:
         # signed runs [A2][A3][A5]: what this syncer accepts, and the key it signs epochs and manifests with
         self.trust = signing.Trust(store, run=self.run)
         self.signer = signing.signer_for_run(store, run=self.run, key_path=options.key_path, member_id=None, role="syncer")
+        self.lease = Lease(store, run=self.run, syncer_id=self.syncer_id, fragments=self.fragments, trust=self.trust,
+                           signer=self.signer)
+        self.store = store  # fenced by acquire (the one place it is wrapped): every write checks the lease
         self.on_progress = on_progress
-        self.epoch: ledger.Epoch | None = None
         self.states: dict[int, FragmentState] = {}
-        self.readers = {p: FragmentReader(store, run_id=self.run_id, plan=self.plan, fragment=p, trust=self.trust)
+        self.readers = {p: FragmentReader(self.store, run_id=self.run_id, plan=self.plan, fragment=p, trust=self.trust)
                         for p in self.fragments}
-        self.bad_keys: set[str] = set()
+        self.intake = Intake(self.store, run=self.run, plan=self.plan, syncer_id=self.syncer_id,
+                             epoch=lambda: self.epoch.epoch if self.epoch else 0, is_known_learner=self._known,
+                             trust=self.trust)
         self.sync_time_s = 0.0  # EMA of merge + commit time
         self.step_time_s: float | None = None
         self.live_learners: set[str] = set()
         self.known_learners: set[str] = set()
         self.num_merges = 0
-        self.num_quarantined = 0
-        self.bytes_in = 0
         self.bytes_out = 0
-        self._last_beat_t = 0.0
-        self._last_learners_t = 0.0
-        self._last_fence_check_t = 0.0
-        self._last_gc_t = time.monotonic()
         self.unavailable: dict[int, str] = {}  # fragments whose committed state cannot be read: why
         self._last_restore_t = time.monotonic()
+        self.stage_s: dict[str, float] = {}  # wall seconds per stage, cumulative (bench_syncer reads it)
+        self._last_learners_t = 0.0
+        self._last_gc_t = time.monotonic()
 
-    # ------------------------------------------------------------------ lease
+    @contextmanager
+    def _stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_s[name] = self.stage_s.get(name, 0.0) + time.perf_counter() - t0
+
+    # ----------------------------------------------------------------- lease
+    @property
+    def epoch(self) -> ledger.Epoch | None:
+        return self.lease.epoch
+
+    @property
+    def num_quarantined(self) -> int:
+        return self.intake.num_quarantined
+
+    @property
+    def bad_keys(self) -> set[str]:
+        return self.intake.bad_keys
+
+    @property
+    def bytes_in(self) -> int:
+        return self.intake.bytes_in
+
     def acquire(self, *, stop: Callable[[], bool] = lambda: False) -> bool:
         """Stand by until the fragments' lease is free or expired, then claim the next epoch."""
-        lease_s = float(self.run["lease_s"])
-        announced = None
-        while not stop():
-            owner = ledger.current_owner(self.store, run_id=self.run_id, fragments=self.fragments, trust=self.trust)
-            if owner is not None:
-                age = ledger.syncer_heartbeat_age(self.store, owner.epoch)
-                if age is None:
-                    infos = self.store.list(layout.epoch_key(owner.epoch))
-                    age = self.store.now() - infos[0].mtime_s if infos else lease_s + 1
-                state = self._owner_state(owner.epoch)
-                if state in ("serving", None) and age <= lease_s:  # a stopped owner frees the lease at once
-                    if announced != owner.epoch:
-                        log.info("standing by: epoch %d (%s) holds the lease (heartbeat %.1fs ago, lease %.0fs)",
-                                 owner.epoch, owner.syncer_id, age, lease_s)
-                        announced = owner.epoch
-                    time.sleep(min(1.0, float(self.run["heartbeat_s"])))
-                    continue
-            self.epoch = ledger.claim_epoch(
-                self.store, run_id=self.run_id, syncer_id=self.syncer_id, fragments=self.fragments,
-                created_s=time.time(), stop=stop, signer=self.signer,
-            )
-            if self.epoch is None:
-                return False
-            # the one place the syncer's store is wrapped: from here on every write checks the fence
-            self.store = FencedStore(self.store, run_id=self.run_id, epoch=self.epoch, interval_s=fence_interval_s(lease_s),
-                                     trust=self.trust)
-            self.heartbeat(force=True)
-            log.info("claimed epoch %d for fragments %s", self.epoch.epoch, _spec(self.fragments))
-            return True
-        return False
-
-    def _owner_state(self, epoch: int) -> str | None:
-        try:
-            rec = records.loads(self.store.get(layout.syncer_heartbeat_key(epoch)), "syncer_heartbeat", where="heartbeat")
-            return rec["state"]
-        except (NotFound, ProtocolError):
-            return None
+        if not self.lease.acquire(stop=stop):
+            return False
+        self.store = self.lease.guard(self.store)
+        self.intake.store = self.store
+        for reader in self.readers.values():
+            reader.store = self.store
+        self.heartbeat(force=True)
+        log.info("claimed epoch %d for fragments %s", self.epoch.epoch, _spec(self.fragments))
+        return True
 
     def check_fence(self) -> None:
-        """Raise FencedError if a higher epoch overlapping our fragments exists."""
-        assert isinstance(self.store, FencedStore)
-        self.store.check_fence()
-        self._last_fence_check_t = time.monotonic()
+        self.lease.check_fence()
 
     def heartbeat(self, *, force: bool = False, state: str = "serving") -> None:
-        now = time.monotonic()
-        if not force and now - self._last_beat_t < float(self.run["heartbeat_s"]):
-            return
-        assert self.epoch is not None
-        rec = records.make(
-            "syncer_heartbeat", run_id=self.run_id, epoch=self.epoch.epoch, syncer_id=self.syncer_id,
-            fragments=self.fragments, state=state,
-            versions={str(p): s.version for p, s in self.states.items()},
-            quorum_sizes={str(p): s.last_quorum_size for p, s in self.states.items()},
-            num_merges=self.num_merges, num_quarantined=self.num_quarantined, time_s=time.time(),
-        )
-        self.store.put(layout.syncer_heartbeat_key(self.epoch.epoch), records.dumps(rec))
-        self._last_beat_t = now
+        if force or self.lease.beat_due():
+            self.lease.write_heartbeat(
+                state=state, versions={str(p): s.version for p, s in self.states.items()},
+                quorum_sizes={str(p): s.last_quorum_size for p, s in self.states.items()},
+                num_merges=self.num_merges, num_quarantined=self.num_quarantined)
 
     def _refresh_learners(self) -> None:
         """Which learners are live, and their median step time (for the grace window)."""
@@ -223,13 +213,16 @@ class Syncer:
         times = [b.record["step_time_s"] for b in live if b.record.get("step_time_s")]
         self.step_time_s = statistics.median(times) if times else None
 
-    # ---------------------------------------------------------------- restore
+    def _known(self, learner_id: str) -> bool:
+        if learner_id not in self.known_learners:
+            self._refresh_learners()
+        return learner_id in self.known_learners
+
+    # --------------------------------------------------------------- restore
     def restore(self) -> None:
-        """Load every owned fragment: latest published value, momentum from the newest
-        checkpoint plus replay of the manifests after it, and the merged high-water marks."""
-        for info in self.store.list(layout.QUARANTINE_PREFIX):
-            if (original := layout.parse_quarantine_key(info.key)) is not None:
-                self.bad_keys.add(original)
+        """Load every owned fragment: checkpoint + ledger replay (raw value, momentum, cycle
+        clock) and the high-water marks. Quarantine reports are advisory: contributions not in
+        the ledger are validated afresh."""
         errors = [exc for p in self.fragments if (exc := self._try_restore(p)) is not None]
         if not self.states and errors:
             raise errors[0]  # nothing to serve (e.g. an interrupted init): say why
@@ -248,238 +241,127 @@ class Syncer:
             self.unavailable[p] = str(error)
             return error
         self.unavailable.pop(p, None)
-        log.info("fragment %d at version %d (%d outer steps)", p, self.states[p].version, self.states[p].outer.num_steps)
+        log.info("fragment %d at version %d (%d outer steps)", p, self.states[p].version,
+                 self.states[p].outer.num_steps)
         return None
-
-    def _new_outer(self) -> OuterOptimizer:
-        return OuterOptimizer(lr=float(self.run["outer_lr"]), momentum=float(self.run["outer_momentum"]))
 
     def _restore_fragment(self, p: int) -> FragmentState:
         reader = self.readers[p]
         latest = ledger.latest_version(self.store, p)
         if latest is None:
             raise ProtocolError(f"{self.store.url}: fragment {p} has no committed version (was `ddiloco init` interrupted?)")
-        manifest = reader.manifest(latest)
-        outer = self._new_outer()
-        start = self._load_checkpoint(p, latest, outer)
-        value = None
-        if start is not None and start < latest:
-            value = self._replay(p, start, latest, outer)
-        if value is None:
-            value = reader.read(latest)
-        state = FragmentState(p, latest, value, outer, dict(manifest["high_water"]))
-        state.history[latest] = value
+        value = restore_value(self.store, run=self.run, plan=self.plan, fragment=p, reader=reader,
+                              fetch=self.intake.fetch_used, latest=latest)
+        state = FragmentState(p, value, dict(reader.manifest(latest)["high_water"]))
+        state.cycles[latest] = value.cycle
+        for v in range(latest, max(0, latest - TIP_WINDOW), -1):
+            try:
+                entries = reader.manifest(v)["contributions"]
+            except (NotFound, ProtocolError):
+                break
+            for e in reversed(entries):
+                if e["used"]:
+                    state.tips.setdefault(e["learner_id"], (e, None))
         return state
 
-    def _load_checkpoint(self, p: int, latest: int, outer: OuterOptimizer) -> int | None:
-        """Load the newest valid checkpoint at or below ``latest``; return its version
-        (0 with fresh state when none: version 0 has no momentum)."""
-        infos = sorted(self.store.list(layout.checkpoint_prefix(p)), key=lambda i: i.key, reverse=True)
-        for info in infos:
-            v = layout.parse_num(info.key)
-            if v is None or v > latest:
-                continue
-            try:
-                tensors, meta = codec.decode_tensors(self.store.get(info.key), expected=expected_shapes(self.plan, p), where=f"{self.store.url}/{info.key}")
-                records.validate(meta, "checkpoint", where=info.key)
-                if meta["run_id"] != self.run_id or meta["fragment"] != p or meta["version"] != v:
-                    raise ProtocolError(f"{info.key}: checkpoint header does not match its name or run")
-            except (NotFound, InvalidPayloadError, ProtocolError) as exc:
-                log.warning("skipping checkpoint %s: %s", info.key, exc)
-                continue
-            outer.load_state_tensors(tensors)
-            outer.num_steps = int(meta["outer_steps"])
-            return v
-        return 0
+    def _reload(self, state: FragmentState) -> None:
+        """Re-read a fragment someone else advanced; keep what is not in their ledger yet."""
+        fresh = self._restore_fragment(state.fragment)
+        hw = fresh.high_water
+        state.current, state.high_water = fresh.current, hw
+        state.cycles, state.tips = fresh.cycles, fresh.tips
+        state.pending = {lid: kept for lid, cs in state.pending.items()
+                         if (kept := [c for c in cs if c.seq > hw.get(lid, -1)])}
+        state.closed = [e for e in state.closed if e["seq"] > hw.get(e["learner_id"], -1)]
 
-    def _replay(self, p: int, start: int, latest: int, outer: OuterOptimizer) -> Tensors | None:
-        """Recompute the outer momentum from version ``start`` to ``latest`` from the
-        ledger. Returns the published value at ``latest``, or None if replay was
-        impossible (missing contributions): momentum is then left at the checkpoint's."""
-        reader = self.readers[p]
-        values: dict[int, Tensors] = {start: reader.read(start)}
-        try:
-            for v in range(start + 1, latest + 1):
-                m = reader.manifest(v)
-                current = values[v - 1]
-                used = [c for c in m["contributions"] if c["used"]]
-                grads, weights = [], []
-                for c in used:
-                    delta = self._fetch_contribution_tensors(p, c)
-                    base = values.get(c["base_version"]) or reader.read(c["base_version"])
-                    grads.append(self._outer_gradient(current, base, delta, same_base=c["base_version"] == v - 1))
-                    weights.append(float(c["weight"]))
-                if grads:
-                    merged = self._merge(grads, weights)
-                    raw = {k: t.clone() for k, t in current.items()}
-                    outer.lr = float(m.get("outer_lr", self.run["outer_lr"]))
-                    outer.step(raw, merged)
-                values[v] = reader.read(v, have=(v - 1, current))
-                for old in [u for u in values if u < v - int(self.run["max_staleness"]) - 1]:
-                    del values[old]
-            return values[latest]
-        except (NotFound, InvalidPayloadError, ProtocolError) as exc:
-            log.error("fragment %d: cannot replay the ledger from checkpoint %d (%s); continuing with the "
-                      "checkpoint's momentum, which lags the committed trajectory", p, start, exc)
-            return None
-
-    def _fetch_contribution_tensors(self, p: int, entry: dict[str, Any]) -> Tensors:
-        key = entry["key"]
-        data = self.store.get(key)
-        if records.sha256_hex(data) != entry["sha256"]:
-            raise InvalidPayloadError(f"{key}: sha256 differs from the ledger")
-        tensors, _ = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
-                                          max_numel=self.plan.fragment_numel(p), where=key)
-        return tensors
-
-    # ------------------------------------------------------------------ merge
-    @staticmethod
-    def _outer_gradient(current: Tensors, base: Tensors, delta: Tensors, *, same_base: bool) -> Tensors:
-        # v_m = current - theta_m = (current - base_m) + delta_m
-        if same_base:
-            return delta
-        return {k: (current[k] - base[k]) + delta[k] for k in current}
-
-    def _merge(self, grads: list[Tensors], weights: list[float]) -> Tensors:
-        if len(grads) == 1:  # a single contribution passes through unchanged, bit for bit
-            return grads[0]
-        mean_keys = {k for k in grads[0] if is_embedding_key(k)}
-        return merge_outer_gradients(grads, weights, method=self.run["merge"], mean_keys=mean_keys)
-
-    def _outer_lr(self, num_merged: int) -> float:
-        """The outer learning rate of one merge. With outer_lr_scaling = "participation",
-        a merge of m out of M live learners steps with lr * m / M: learners out of phase
-        (each merged on its own) then move the fragment as far per cycle as one merge
-        of all of them, instead of M times as far."""
-        lr = float(self.run["outer_lr"])
-        if self.run.get("outer_lr_scaling", "none") == "participation" and self.live_learners:
-            lr *= min(1.0, num_merged / len(self.live_learners))
-        return lr
-
-    def _base_value(self, state: FragmentState, version: int) -> Tensors:
-        if version in state.history:
-            return state.history[version]
-        value = self.readers[state.fragment].read(version)
-        state.history[version] = value
-        state.history.move_to_end(version, last=False)
-        return value
-
-    # ------------------------------------------------------------ contributions
-    def _quarantine(self, key: str, reason: str) -> None:
-        self.bad_keys.add(key)
-        self.num_quarantined += 1
-        log.warning("quarantined %s/%s: %s", self.store.url, key, reason)
-        rec = records.make("quarantine", key=key, reason=reason, syncer_id=self.syncer_id,
-                           epoch=self.epoch.epoch if self.epoch else 0, created_s=time.time())
-        self.store.put_if_absent(layout.quarantine_key(key), records.dumps(rec))
-
+    # ---------------------------------------------------------------- intake
     def poll_contributions(self) -> None:
-        """One LIST for all owned fragments (one per fragment would cost P LISTs a poll)."""
-        if len(self.fragments) == 1:
-            infos = self.store.list(layout.contribution_prefix(self.fragments[0]))
-        else:
-            infos = self.store.list(layout.CONTRIBUTION_ROOT)
-        by_fragment: dict[int, list[ObjectInfo]] = {p: [] for p in self.states}
-        for info in infos:
-            p = layout.parse_fragment_dir(info.key)
-            if p in by_fragment:
-                by_fragment[p].append(info)
-        for p, keys in by_fragment.items():
-            self._take_contributions(self.states[p], keys)
+        for p, infos in self.intake.list_new(sorted(self.states)).items():
+            self._take_contributions(self.states[p], infos)
 
     def _take_contributions(self, state: FragmentState, infos: list[ObjectInfo]) -> None:
-        """Load at most one new contribution per learner: its newest valid one. Older
-        unmerged ones are superseded (the newest carries the learner's progress against
-        its base) and go into the ledger as such without being downloaded."""
-        p = state.fragment
-        fresh: dict[str, list[tuple[int, ObjectInfo]]] = {}
+        """Load every new contribution above its learner's high-water mark, oldest first, into
+        the pending set (``add_pending``: supersede only on an unchanged base)."""
+        fresh = []
         for info in infos:
-            key = info.key
-            if key in state.seen or key in self.bad_keys:
+            if info.key in state.seen:
                 continue
-            parsed = layout.parse_contribution_key(key)
-            if parsed is None or parsed[0] != p or not layout.valid_learner_id(parsed[1]):
-                self._quarantine(key, "not a valid contribution name")
+            state.seen.add(info.key)
+            parsed = layout.parse_contribution_key(info.key)
+            if parsed is None or parsed[0] != state.fragment or not layout.valid_learner_id(parsed[1]):
+                self.intake.quarantine(info.key, "not a valid contribution name")
                 continue
             _, learner_id, seq = parsed
-            state.seen.add(key)
-            if seq > state.high_water.get(learner_id, -1):  # else already merged or superseded
-                fresh.setdefault(learner_id, []).append((seq, info))
-        for learner_id, items in fresh.items():
-            items.sort(key=lambda item: item[0], reverse=True)
-            current = state.pending.get(learner_id)
-            for i, (seq, info) in enumerate(items):
-                if current is not None and seq < current.seq:
-                    state.superseded.extend(_superseded_entry(learner_id, s, o) for s, o in items[i:])
-                    break
-                contribution = self._load_contribution(state, info.key, learner_id, seq)
-                if contribution is None:
-                    continue
-                state.superseded.extend(_superseded_entry(learner_id, s, o) for s, o in items[i + 1:])
-                if current is not None:
-                    state.superseded.append(_superseded_entry(learner_id, current.seq, current))
-                state.pending[learner_id] = contribution
+            if seq > state.high_water.get(learner_id, -1):  # else already in the ledger
+                fresh.append((seq, learner_id, info))
+        for seq, learner_id, info in sorted(fresh, key=lambda f: f[0]):
+            with self._stage("intake"):
+                got = self.intake.load(state.fragment, info, learner_id, seq)
+            if got is not None and got.base_version > state.version:
+                got = self._future_base(state, got)
+            if isinstance(got, dict):
+                state.closed.append(got)
+            elif got is not None:
+                state.closed.extend(add_pending(state.pending.setdefault(learner_id, []), got))
                 if state.first_pending_t is None:
-                    state.first_pending_t = time.monotonic()
-                break
+                    state.first_pending_t = self.opts.clock()
 
-    def _load_contribution(self, state: FragmentState, key: str, learner_id: str, seq: int) -> Contribution | None:
-        p = state.fragment
-        where = f"{self.store.url}/{key}"
-        try:
-            data = self.store.get(key)
-        except NotFound:
-            return None  # garbage-collected or never finished: nothing to do
-        except UnreadableObjectError as exc:  # over its size bound, or not a regular file: never read
-            self._quarantine(key, str(exc))
-            return None
-        self.bytes_in += len(data)
-        try:
-            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)  # [A2]
-            tensors, header = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
-                                                   max_numel=self.plan.fragment_numel(p), where=where)
-            records.validate(header, "contribution", where=where)
-            if header["run_id"] != self.run_id:
-                raise InvalidPayloadError(f"{where}: belongs to run {header['run_id']}, not this run")
-            if (header["fragment"], header["learner_id"], header["seq"]) != (p, learner_id, seq):
-                raise InvalidPayloadError(f"{where}: header names fragment {header['fragment']} learner "
-                                          f"{header['learner_id']} seq {header['seq']}, not its key")
-            if header["base_version"] > state.version:
-                self.check_fence()  # a base it never committed: another syncer commits (then it stops), or a lie
-                raise InvalidPayloadError(f"{where}: base version {header['base_version']} is newer than "
-                                          f"the committed version {state.version}")
-        except (InvalidPayloadError, ProtocolError) as exc:
-            self._quarantine(key, str(exc))
-            return None
-        if learner_id not in self.known_learners:
-            self._refresh_learners()
-            if learner_id not in self.known_learners:
-                self._quarantine(key, f"unknown learner {learner_id!r} (no heartbeat in the run)")
-                return None
-        return Contribution(learner_id, seq, key, records.sha256_hex(data), len(data),
-                            int(header["base_version"]), int(header["c_tokens"]), int(header["c_steps"]), tensors)
+    def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | dict[str, Any]:
+        """A base newer than our version means someone else committed: check the fence (a
+        higher epoch halts us), re-read the fragment, and refuse only a base that does not exist."""
+        self.check_fence()
+        log.warning("fragment %d: %s names base version %d above ours (%d); re-reading the fragment",
+                    state.fragment, c.key, c.base_version, state.version)
+        self._reload(state)
+        if c.base_version <= state.version:
+            return c
+        return c.entry(REFUSED, reason=f"base version {c.base_version} does not exist (latest is {state.version})")
 
-    # ------------------------------------------------------------------ commit
+    # ---------------------------------------------------------------- commit
+    def _cycle_of(self, state: FragmentState, version: int) -> float:
+        if version not in state.cycles:
+            state.cycles[version] = manifest_cycle(self.readers[state.fragment].manifest(version))
+        return state.cycles[version]
+
+    def _admit(self, state: FragmentState, c: Contribution) -> str | None:
+        """Why ``c`` must be refused now, or None (then its staleness and discount are set)."""
+        max_stale = float(self.run["max_staleness"])
+        try:
+            staleness = state.current.cycle - self._cycle_of(state, c.base_version)
+            if staleness > max_stale:
+                return (f"stale: base version {c.base_version} is {staleness:.2f} cycles behind version "
+                        f"{state.version} (max_staleness {max_stale:g} cycles); re-base on the latest version")
+        except (NotFound, ProtocolError) as exc:
+            return f"base version {c.base_version} can no longer be read ({exc}); re-base on the latest version"
+        norm = delta_norm(c.delta)
+        if len(state.norms) >= NORM_MIN_SAMPLES:
+            median = statistics.median(state.norms)
+            if median > 0 and norm > NORM_BOUND_FACTOR * median:
+                return f"norm {norm:.4g} exceeds {NORM_BOUND_FACTOR:g}x the running median {median:.4g}"
+        c.staleness, c.discount = staleness, staleness_discount(staleness)
+        return None
+
     def maybe_merge(self, state: FragmentState) -> bool:
-        # stale contributions, or ones whose base can no longer be read, are quarantined before counting
-        max_stale = int(self.run["max_staleness"])
-        for lid, c in list(state.pending.items()):
-            reason = None
-            if c.base_version < state.version - max_stale:
-                reason = f"stale: base version {c.base_version}, current {state.version}, max staleness {max_stale}"
-            elif c.base_version != state.version:
-                try:
-                    self._base_value(state, c.base_version)
-                except (NotFound, InvalidPayloadError, ProtocolError) as exc:
-                    reason = f"base version {c.base_version} can no longer be read ({exc})"
-            if reason is not None:
+        for lid, cs in list(state.pending.items()):
+            kept = []
+            for c in cs:
+                reason = self._admit(state, c)
+                if reason is None:
+                    kept.append(c)
+                else:
+                    log.warning("fragment %d: refused %s: %s", state.fragment, c.key, reason)
+                    state.closed.append(c.entry(REFUSED, reason=reason))
+            if kept:
+                state.pending[lid] = kept
+            else:
                 del state.pending[lid]
-                self._quarantine(c.key, reason)
-        now_t = time.monotonic()
+        now_t = self.opts.clock()
         quorum = int(self.run["quorum"])
         if len(state.pending) >= quorum and state.quorum_t is None:
             state.quorum_t = now_t
         all_live = bool(self.live_learners) and self.live_learners <= set(state.pending)
+        if self.run["mode"] == "lockstep" and not all_live:  # K = M: Streaming DiLoCo waits for everyone
+            return False
         go, grace = ready_to_merge(
             num_pending=len(state.pending), quorum=quorum, now_t=now_t, first_pending_t=state.first_pending_t,
             quorum_t=state.quorum_t, step_time_s=self.step_time_s, overlap_steps=int(self.run["overlap_steps"]),
@@ -490,88 +372,119 @@ class Syncer:
             return False
         return self.commit(state, grace_s=grace)
 
+    def _outer_lr(self, participation: float) -> float:
+        """The outer learning rate of one merge. With outer_lr_scaling = "participation",
+        a merge of m (discounted) contributions out of M live learners steps with lr * m / M:
+        learners out of phase (each merged on its own) then move the fragment as far per
+        cycle as one merge of all of them, instead of M times as far."""
+        lr = float(self.run["outer_lr"])
+        if self.run.get("outer_lr_scaling", "none") == "participation" and self.live_learners:
+            lr *= min(1.0, participation / len(self.live_learners))
+        return lr
+
+    def _cycle_advance(self, contributions: list[Contribution]) -> float:
+        """How far this merge moves the fragment's cycle clock: the inner steps it merges over
+        H x the learners taking part (live, or in this merge)."""
+        learners = self.live_learners | {c.learner_id for c in contributions}
+        return sum(max(0, c.merged_steps) for c in contributions) / (int(self.run["sync_every"]) * max(1, len(learners)))
+
+    def _link_increments(self, state: FragmentState, contributions: list[Contribution]) -> None:
+        """A learner that sends again on the base of a contribution already merged (it had not
+        received the new version yet) sends its whole progress since that base again: merge
+        only the increment (``Contribution.increment_of``)."""
+        tips = dict(state.tips)
+        for c in contributions:  # in seq order per learner
+            tip = tips.get(c.learner_id)
+            if tip is not None and tip[0]["base_version"] == c.base_version and tip[0]["seq"] < c.seq:
+                entry, delta = tip
+                c.increment_of = {k: entry[k] for k in ("seq", "key", "sha256", "c_tokens", "c_steps")}
+                c.prior_delta = delta if delta is not None else self.intake.fetch_used(state.fragment, entry)
+            tips[c.learner_id] = (c.entry(USED), c.delta)
+
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
-        """Merge the pending contributions into the next version. Returns False when
-        another syncer committed that version first (state is then reloaded)."""
-        t0 = time.monotonic()
-        p = state.fragment
-        contributions = sorted(state.pending.values(), key=lambda c: (c.learner_id, c.seq))
-        grads = [self._outer_gradient(state.value, self._base_value(state, c.base_version), c.delta,
-                                      same_base=c.base_version == state.version) for c in contributions]
-        merged = self._merge(grads, [c.weight for c in contributions])
-        outer = state.outer
-        momentum_before = outer.state_tensors()
-        steps_before = outer.num_steps
-        raw = {k: t.clone() for k, t in state.value.items()}
-        outer.lr = self._outer_lr(len(contributions))
-        outer.step(raw, merged)
-        version = state.version + 1
-        encoded = encode_version(
-            fragment=p, version=version, new_value=raw, prev_published=state.value,
-            publish_codec=self.run["publish_codec"], block_size=int(self.run["codec_block"]),
-            keyframe_every=int(self.run["keyframe_every"]),
-        )
+        """Merge the pending contributions into the next version. Returns False when nothing
+        was committed: another syncer committed that version first (state reloaded), or the
+        update was not finite (the culprit is refused and quarantined)."""
+        t0 = self.opts.clock()
+        p, cur = state.fragment, state.current
+        contributions = state.contributions()
+        self._link_increments(state, contributions)
+        grads = [c.gradient() for c in contributions]  # each learner's progress on its own base
+        lr = self._outer_lr(sum(c.discount for c in contributions))
+        advance = self._cycle_advance(contributions)
+        try:
+            with self._stage("update"):
+                new, encoded = outer_update(
+                    cur, fragment=p, grads=grads, weights=[c.weight * c.discount for c in contributions], lr=lr,
+                    method=self.run["merge"], publish_codec=self.run["publish_codec"],
+                    block_size=int(self.run["codec_block"]), keyframe_every=int(self.run["keyframe_every"]),
+                    advance=advance, per_cycle=per_cycle(self.run))
+        except NonFiniteUpdate as exc:
+            culprit = max(contributions, key=lambda c: delta_norm(c.delta))
+            self.intake.quarantine(culprit.key, f"{exc}; it had the largest outer gradient")
+            state.pending[culprit.learner_id].remove(culprit)
+            if not state.pending[culprit.learner_id]:
+                del state.pending[culprit.learner_id]
+            return False
         high_water = dict(state.high_water)
-        for c in contributions:
-            high_water[c.learner_id] = max(high_water.get(c.learner_id, -1), c.seq)
-        for e in state.superseded:
+        for e in [c.entry(USED) for c in contributions] + state.closed:
             high_water[e["learner_id"]] = max(high_water.get(e["learner_id"], -1), e["seq"])
+        quorum_size = len({c.learner_id for c in contributions})
         manifest = records.make(
-            "manifest", run_id=self.run_id, fragment=p, version=version, epoch=self.epoch.epoch,
+            "manifest", run_id=self.run_id, fragment=p, version=new.version, epoch=self.epoch.epoch,
             syncer_id=self.syncer_id, nonce=records.new_nonce(), created_s=time.time(),
             numel=self.plan.fragment_numel(p), payloads=[e for _, _, e in encoded.payloads],
-            contributions=[c.ledger_entry(used=True) for c in contributions]
-            + state.superseded,
-            quorum_size=len(contributions), grace_s=grace_s, outer_steps=outer.num_steps, high_water=high_water,
-            outer_lr=outer.lr,
+            contributions=[c.entry(USED) for c in contributions] + state.closed,
+            quorum_size=quorum_size, grace_s=grace_s, outer_steps=new.outer.num_steps, high_water=high_water,
+            outer_lr=lr, cycle=new.cycle, cycle_advance=advance,
         )
         if self.signer is not None:  # [A5]
-            manifest = signing.sign_record(manifest, run_id=self.run_id, key=layout.manifest_key(p, version),
+            manifest = signing.sign_record(manifest, run_id=self.run_id, key=layout.manifest_key(p, new.version),
                                            signer=self.signer)
-        self.bytes_out += upload_payloads(self.store, encoded)
-        # a pause (GC, SIGSTOP, preemption) since our last lease check may have let a standby take over
-        if time.monotonic() - self._last_fence_check_t > float(self.run["lease_s"]) / 2:
+        with self._stage("commit"):
+            self.bytes_out += upload_payloads(self.store, encoded)
+            self.lease.before_commit(lambda: self.heartbeat(force=True))
+            won = ledger.commit_manifest(self.store, manifest)
+        if not won:
             self.check_fence()
-            self.heartbeat(force=True)
-        if not ledger.commit_manifest(self.store, manifest):
-            outer.load_state_tensors(momentum_before)
-            outer.num_steps = steps_before
-            self.check_fence()
-            log.warning("fragment %d: version %d was committed by another syncer; reloading", p, version)
-            reloaded = self._restore_fragment(p)
-            reloaded.seen = state.seen
-            reloaded.pending = {lid: c for lid, c in state.pending.items() if c.seq > reloaded.high_water.get(lid, -1)}
-            self.states[p] = reloaded
+            log.warning("fragment %d: version %d was committed by another syncer; reloading", p, new.version)
+            self._reload(state)
             return False
-        state.version = version
-        state.value = encoded.published
-        state.history[version] = encoded.published
-        while len(state.history) > int(self.run["max_staleness"]) + 1:
-            state.history.popitem(last=False)
+        state.current = new
+        for c in contributions:
+            state.tips[c.learner_id] = (c.entry(USED), c.delta)
+        state.cycles[new.version] = new.cycle
+        self._trim_cycles(state)
         state.high_water = high_water
+        state.norms.extend(delta_norm(c.delta) for c in contributions)
         state.pending.clear()
-        state.superseded.clear()
+        state.closed.clear()
         state.seen = {k for k in state.seen if _above_high_water(k, high_water)}
         state.first_pending_t = state.quorum_t = None
-        state.last_quorum_size = len(contributions)
+        state.last_quorum_size = quorum_size
         self.num_merges += 1
-        if version % int(self.run["checkpoint_every"]) == 0:
-            self.write_checkpoint(state)
-        dt = time.monotonic() - t0
+        if new.version % int(self.run["checkpoint_every"]) == 0:
+            with self._stage("checkpoint"):
+                self.write_checkpoint(state)
+        dt = self.opts.clock() - t0
         self.sync_time_s = dt if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * dt
-        log.info("fragment %d -> version %d (quorum %d, grace %.2fs, %.0f ms)", p, version, len(contributions), grace_s, dt * 1e3)
+        log.info("fragment %d -> version %d (quorum %d, grace %.2fs, cycle %.2f, %.0f ms)", p, new.version,
+                 quorum_size, grace_s, new.cycle, dt * 1e3)
         return True
 
+    def _trim_cycles(self, state: FragmentState) -> None:
+        """Forget the clock of versions beyond the staleness bound (re-read from the manifest
+        if a contribution names one: it is refused anyway)."""
+        oldest_cycle = state.current.cycle - float(self.run["max_staleness"]) - 1
+        for v in [v for v, c in state.cycles.items() if c < oldest_cycle and v != state.version]:
+            del state.cycles[v]
+
     def write_checkpoint(self, state: FragmentState) -> None:
-        header = records.make(
-            "checkpoint", run_id=self.run_id, fragment=state.fragment, version=state.version, epoch=self.epoch.epoch,
-            outer_steps=state.outer.num_steps, nonce=records.new_nonce(),
-        )
-        data = codec.encode_tensors(state.outer.state_tensors(), codec="none", metadata=header)
-        self.store.put_if_absent(layout.checkpoint_key(state.fragment, state.version, header["nonce"][:12]), data)
+        key, data = checkpoint_bytes(state.current, run_id=self.run_id, fragment=state.fragment, epoch=self.epoch.epoch)
+        self.store.put_if_absent(key, data)
         self.bytes_out += len(data)
 
-    # ------------------------------------------------------------------- loop
+    # ------------------------------------------------------------------ loop
     def serve(self, *, stop: Callable[[], bool] = lambda: False) -> str:
         """Claim, restore and serve until stopped, fenced or a limit is reached.
 
@@ -590,7 +503,7 @@ class Syncer:
         committed = 0
         try:
             while not stop():
-                if time.monotonic() - self._last_fence_check_t > max(1.0, float(self.run["heartbeat_s"])):
+                if self.lease.fence_due():
                     self.check_fence()
                 self.heartbeat()
                 if time.monotonic() - self._last_learners_t > float(self.run["heartbeat_s"]):
@@ -623,8 +536,6 @@ class Syncer:
         from ddiloco_cli.gc import collect_garbage
 
         self._last_gc_t = time.monotonic()
-        self.unavailable: dict[int, str] = {}  # fragments whose committed state cannot be read: why
-        self._last_restore_t = time.monotonic()
         try:
             collect_garbage(self.store, run=self.run, fragments=self.fragments)
         except Exception as exc:  # noqa: BLE001 - GC must never stop serving
@@ -639,10 +550,6 @@ class Syncer:
             "num_merges": self.num_merges, "num_quarantined": self.num_quarantined,
             "live_learners": len(self.live_learners), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
         }
-
-
-def _superseded_entry(learner_id: str, seq: int, obj: "ObjectInfo | Contribution") -> dict[str, Any]:
-    return {"learner_id": learner_id, "seq": seq, "key": obj.key, "size": obj.size, "used": False, "reason": "superseded"}
 
 
 def _above_high_water(key: str, high_water: dict[str, int]) -> bool:

@@ -11,6 +11,15 @@ Every arm trains on M * N * batch tokens:
   (d) mean      (c) with --merge mean
   (e) chaos     (c) while learners are SIGKILLed and restarted (seeded exponential
                 trace); a restarted learner resumes its step count, each stops at N
+  (f) mixed     (c) with half of the learners paced 1.5x slower (they sleep half a
+                measured step per step), so learners drift out of phase
+  (g) m8        (c) with 8 learners of batch M*B/8: the same tokens, twice the learners
+                of M = 4 (M*B must be divisible by 8)
+
+Lock-step is Streaming DiLoCo: K = M, mean merge, plain overwrite on receive, no lr
+scaling, exact published values. The decoupled arms use outer_lr_scaling = cycle.
+Per arm the JSON has val_loss, ratio_to_dp and merged_token_fraction: tokens of the
+used ledger entries (averaged over fragments) / tokens the learners trained.
 
 (b)-(e) run `init --total-steps N`, wait for every learner to finish, let the syncer
 merge what is left, stop it and evaluate the latest global model. Every arm is
@@ -35,8 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 from ddiloco_cli.tasks import load_task  # noqa: E402
 
-ARMS = ("dp", "lockstep", "decoupled", "mean", "chaos")
-TARGETS = {"decoupled": 1.02, "chaos": 1.03}  # loss ratio to dp at most
+ARMS = ("dp", "lockstep", "decoupled", "mean", "chaos", "mixed", "m8")
+TARGETS = {"decoupled": 1.03, "chaos": 1.03, "mixed": 1.03, "m8": 1.03}  # loss ratio to dp at most
+MIN_MERGED_TOKEN_FRACTION = 0.99
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,9 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--inner-lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--lr-schedule", default="cosine")
-    ap.add_argument("--outer-lr", type=float, default=0.7,
-                    help="DiLoCo's default; with outer_lr_scaling=participation (the default) a single-learner merge "
-                         "steps with lr/M (without it 0.7 stalled K=1 training here: val 2.97)")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's default")
+    ap.add_argument("--outer-lr-scaling", default="cycle", help="decoupled arms: cycle, participation or none")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
@@ -83,23 +92,35 @@ def init_flags(args, *, arm: str) -> dict:
                  batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
                  max_staleness=16, quorum=1, mode="decoupled", merge="rda")
-    if arm == "lockstep":
+    flags.update(outer_lr_scaling=args.outer_lr_scaling)
+    if arm == "lockstep":  # Streaming DiLoCo (init fixes the merge, receive, lr scaling and publish codec)
         flags.update(mode="lockstep", quorum=M)
+    elif arm == "mixed":
+        if args.task != "ddiloco_cli.tasks.gpt:tiny":
+            raise SystemExit("--arms mixed paces the built-in tiny GPT; drop --task or the arm")
+        flags.update(task=benchlib.PACED_TASK)
     elif arm == "mean":
         flags.update(merge="mean")
+    elif arm == "m8":
+        flags.update(batch_size=M * args.batch_size // 8)
     return flags
 
 
+def arm_learners(args, arm: str) -> list[str]:
+    return [f"l{i}" for i in range(8 if arm == "m8" else args.learners)]
+
+
 def run_ddiloco_arm(args, *, arm: str, workdir: str, task, inner_out: dict) -> dict:
-    ids = [f"l{i}" for i in range(args.learners)]
+    ids = arm_learners(args, arm)
     cluster = benchlib.Cluster(os.path.join(workdir, arm))
     t0 = time.monotonic()
     try:
         run = cluster.init(**init_flags(args, arm=arm))
         inner_out.update(run["inner"])
         cluster.start_syncer("--poll", "0.1")
-        for lid in ids:
-            cluster.start_learner(lid)
+        for i, lid in enumerate(ids):
+            slow = arm == "mixed" and i % 2 == 1
+            cluster.start_learner(lid, env={benchlib.PACE_ENV: f"{500 * args.step_s:.1f}"} if slow else None)
         driver = None
         if arm == "chaos":
             trace = benchlib.failure_trace(seed=args.seed, learner_ids=ids, mean_between_s=args.chaos_mean_s,
@@ -122,11 +143,13 @@ def run_ddiloco_arm(args, *, arm: str, workdir: str, task, inner_out: dict) -> d
         beats = cluster.heartbeats()
         manifests = cluster.manifests()
         quorum_sizes = [m["quorum_size"] for m in manifests if m["version"] > 0]
+        tokens = sum(int(beats[lid]["tokens"]) for lid in ids)
+        merged = benchlib.merged_tokens(manifests, num_fragments=int(run["num_fragments"]))
         return {
             "arm": arm, "val_loss": loss, "train_s": train_s, "versions": versions,
             "steps": {lid: beats[lid]["step"] for lid in ids},
-            "tokens": sum(int(beats[lid]["tokens"]) for lid in ids),
-            "merged_tokens": benchlib.merged_tokens(manifests, num_fragments=int(run["num_fragments"])),
+            "tokens": tokens, "merged_tokens": merged, "merged_token_fraction": merged / tokens if tokens else None,
+            "refused": sum(1 for m in manifests for c in m["contributions"] if c.get("status") == "refused"),
             "mean_quorum": sum(quorum_sizes) / max(1, len(quorum_sizes)),
             "unmerged_at_stop": unmerged,
             "kills": sum(1 for e in (driver.events if driver else []) if e[1] == "kill"),
@@ -144,6 +167,7 @@ def main(argv=None) -> dict:
     task = load_task(args.task)
     M, N, B = args.learners, args.steps_per_learner, args.batch_size
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_conv_")
+    args.step_s = benchlib.measure_step_s(task, batch_size=B)  # paces the mixed arm's slow learners
     print(f"M={M} N={N} B={B} P={args.fragments} H={args.sync_every} tau={args.overlap_steps} "
           f"inner_lr={args.inner_lr} outer_lr={args.outer_lr} momentum={args.outer_momentum} codec={args.codec} "
           f"task={args.task}; tokens per arm = M*N*B*T; {benchlib.load_text()}", file=sys.stderr)
@@ -153,6 +177,8 @@ def main(argv=None) -> dict:
     for arm in args.arms:
         t0 = time.monotonic()
         print(f"[{arm}] running ... ({benchlib.load_text()})", file=sys.stderr)
+        if arm == "m8" and (M * B) % 8:
+            raise SystemExit(f"--arms m8: M*B = {M * B} must be divisible by 8")
         if arm == "dp":
             model = benchlib.train_data_parallel(task, steps=N, batch_size=M * B, inner=inner)
             results[arm] = {"arm": arm, "val_loss": benchlib.val_loss(task, model), "train_s": time.monotonic() - t0,
@@ -162,7 +188,7 @@ def main(argv=None) -> dict:
             results[arm] = run_ddiloco_arm(args, arm=arm, workdir=workdir, task=task, inner_out=run_inner)
             # the dp arm must use exactly the learners' optimizer settings
             assert all(run_inner[k] == inner[k] or (k == "betas" and list(run_inner[k]) == inner[k])
-                       for k in inner), (run_inner, inner)
+                       or (k == "batch_size" and arm == "m8") for k in inner), (run_inner, inner)
         print(f"[{arm}] val loss {results[arm]['val_loss']:.4f} in {time.monotonic() - t0:.0f}s "
               f"({benchlib.load_text()})", file=sys.stderr)
     base = results.get("dp", {}).get("val_loss")
@@ -174,12 +200,14 @@ def main(argv=None) -> dict:
         r["ratio_to_dp"] = ratio
         r["target_ratio"] = target
         r["target_met"] = None if ratio is None or target is None else ratio <= target
+        fraction = r.get("merged_token_fraction")
         rows.append([arm, r["val_loss"], "-" if ratio is None else f"{ratio:.4f}",
                      "-" if target is None else f"<= {target:.2f} " + ("met" if r["target_met"] else "MISSED"),
-                     r.get("tokens", "-"), f"{r.get('merged_tokens', 0):.0f}" if "merged_tokens" in r else "-",
+                     r.get("tokens", "-"), "-" if fraction is None else
+                     f"{fraction:.4f} " + ("met" if fraction >= MIN_MERGED_TOKEN_FRACTION else "MISSED"),
                      f"{r['mean_quorum']:.2f}" if "mean_quorum" in r else "-", r.get("kills", "-"),
                      f"{r['train_s']:.0f}"])
-    table = benchlib.fmt_table(["arm", "val_loss", "ratio_to_dp", "target", "tokens", "merged_tokens",
+    table = benchlib.fmt_table(["arm", "val_loss", "ratio_to_dp", "target", "tokens", "merged_token_fraction",
                                 "mean_quorum", "kills", "wall_s"], rows)
     print(table)
     print(f"settings: M={M} N={N} B={B} P={args.fragments} H={args.sync_every} tau={args.overlap_steps} "

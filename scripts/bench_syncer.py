@@ -9,9 +9,10 @@ outer gradients, the codec's worst case) are written to the store, so a round ti
 exactly what a serving syncer does for one merge of one fragment. Run config:
 quorum K = M, grace_gamma 0 (merge as soon as the quorum is in), RDA merge, publish
 codec = codec, default keyframe_every (8) and checkpoint_every (10) so those costs are
-amortised into the rate as in a real run. The split (decode+validate, outer gradient,
-merge, outer step, encode, checkpoint, store I/O, other) is exclusive wall time per
-region, measured by wrapping the syncer's own functions.
+amortised into the rate as in a real run. The split is wall time per merge of the
+syncer's own stages (``Syncer.stage_s``: intake = download + decode + validate, outer
+gradient, update = merge + outer step + encode, commit = upload + manifest, checkpoint),
+plus "io", the store time inside them (from a timing store wrapper), and "other".
 
 Rates are given per CPU-second of the (single-threaded) process, which does not depend on
 the machine's load, and per wall-second. Capacity: for a 1B-parameter model, 1 s inner steps,
@@ -122,22 +123,7 @@ class TimedStore:
 
 
 REGIONS = Regions()
-
-
-def _instrument() -> None:
-    """Wrap the syncer's stages (once per process)."""
-    from ddiloco_cli import outer, syncer
-
-    S = syncer.Syncer
-    if getattr(S, "_bench_instrumented", False):
-        return
-    S._load_contribution = REGIONS.wrap("decode+validate", S._load_contribution)
-    S._outer_gradient = staticmethod(REGIONS.wrap("outer_grad", S._outer_gradient))
-    S._merge = REGIONS.wrap("merge", S._merge)
-    S.write_checkpoint = REGIONS.wrap("checkpoint", S.write_checkpoint)
-    outer.OuterOptimizer.step = REGIONS.wrap("outer_step", outer.OuterOptimizer.step)
-    syncer.encode_version = REGIONS.wrap("encode", syncer.encode_version)
-    S._bench_instrumented = True
+STAGES = ("intake", "outer_grad", "update", "commit", "checkpoint")
 
 
 # ---------------------------------------------------------------------- one config
@@ -193,7 +179,6 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     from ddiloco_cli.store import open_store
     from ddiloco_cli.syncer import Syncer, SyncerOptions
 
-    _instrument()
     url = f"memory://bench-syncer-{codec}-{m}-{time.monotonic_ns()}" if store_kind == "memory" else \
         os.path.join(root, f"{codec}-m{m}")
     store, run, plan = _make_run(url, codec=codec, m=m, num_fragments=num_fragments)
@@ -214,6 +199,7 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         timed = r >= warmup
         if timed and r == warmup:
             REGIONS.reset()
+            stages_before = dict(syncer.stage_s)
         REGIONS.enabled = timed
         if prof is not None and timed:
             prof.enable()
@@ -232,8 +218,9 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
             cpu_times.append(dc)
             bytes_in += nb
     total = sum(times)
-    split = {k: v / rounds for k, v in sorted(REGIONS.totals.items())}
+    split = {k: (syncer.stage_s.get(k, 0.0) - stages_before.get(k, 0.0)) / rounds for k in STAGES}
     split["other"] = total / rounds - sum(split.values())
+    split["io"] = REGIONS.totals.get("io", 0.0) / rounds  # inside the stages above
     if store_kind != "memory":
         shutil.rmtree(url, ignore_errors=True)
     out = {
@@ -299,7 +286,7 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     load_after = os.getloadavg()
 
-    cols = ["decode+validate", "outer_grad", "merge", "outer_step", "encode", "checkpoint", "io", "other"]
+    cols = [*STAGES, "other", "io"]
     n = results[0]["fragment_numel"]
     print(f"\nSyncer throughput, one core (torch threads 1), fragment of {n / 1e6:.2f}M params, "
           f"store {args.store}, {args.rounds} timed merges each")

@@ -109,10 +109,10 @@ class Cluster:
             self._store = open_store(self.url)
         return self._store
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=self.env)
+                                env={**self.env, **(env or {})})
         log.close()
         self._all.append(proc)
         return proc
@@ -138,14 +138,15 @@ class Cluster:
         self.syncer = self._spawn("syncer", ["sync", self.url, "--no-gc", *extra])
         return self.syncer
 
-    def start_learner(self, learner_id: str, *extra: str) -> subprocess.Popen:
-        """Start (or, with the same id, restart: it resumes its step count) a learner."""
+    def start_learner(self, learner_id: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start (or, with the same id, restart: it resumes its step count) a learner;
+        ``env`` adds variables for it alone (e.g. PACE_ENV)."""
         if extra or learner_id not in self.learner_args:
             # the task from our own command line: a learner never imports a file path named by run.json
             self.learner_args[learner_id] = ["learn", self.url, "--learner-id", learner_id, "--threads", "1",
                                              "--task", self.run["task"], *extra]
         self.spawned_s[learner_id] = time.time()
-        proc = self._spawn(f"learner-{learner_id}", self.learner_args[learner_id])
+        proc = self._spawn(f"learner-{learner_id}", self.learner_args[learner_id], env=env)
         self.learners[learner_id] = proc
         return proc
 
@@ -297,11 +298,27 @@ def merged_tokens(manifests: Iterable[dict[str, Any]], *, num_fragments: int,
     for m in manifests:
         if window_s is not None and not window_s[0] <= float(m["created_s"]) < window_s[1]:
             continue
-        total += sum(int(c["c_tokens"]) for c in m["contributions"] if c.get("used"))
+        total += sum(int(c.get("merged_tokens", c["c_tokens"])) for c in m["contributions"] if c.get("used"))
     return total / num_fragments
 
 
 # --------------------------------------------------------------------------- evaluation
+
+
+def measure_step_s(task: Any, *, batch_size: int, steps: int = 5) -> float:
+    """Seconds per AdamW training step of ``task`` in this process (after one warm-up step)."""
+    model = task.build_model()
+    opt = torch.optim.AdamW(model.parameters())
+    batches = task.batches(shard=0, num_shards=1, seed=0, batch_size=batch_size)
+    t0 = 0.0
+    for i in range(steps + 1):
+        if i == 1:
+            t0 = time.perf_counter()
+        loss = task.loss(model, next(batches))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return (time.perf_counter() - t0) / steps
 
 
 def val_loss(task: Any, model: torch.nn.Module, *, batch_size: int = 64, max_batches: int | None = None) -> float:

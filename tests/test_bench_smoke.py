@@ -34,8 +34,8 @@ def test_bench_syncer_smoke(tmp_path):
     for r in rep["results"]:
         assert r["param_contribs_per_cpu_s"] > 0 and r["param_contribs_per_s"] > 0
         assert r["m_max_1b_h24_1s"] > 0
-        assert {"decode+validate", "encode", "io", "other"} <= set(r["split_s_per_merge"])
-        assert r["split_s_per_merge"]["merge"] >= 0
+        assert {"intake", "update", "commit", "io", "other"} <= set(r["split_s_per_merge"])
+        assert r["split_s_per_merge"]["update"] > 0
 
 
 def test_bench_overhead_smoke(tmp_path):

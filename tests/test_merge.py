@@ -96,16 +96,29 @@ def test_zero_vectors_and_zero_weights():
         rda([v], [float("nan")])
 
 
+def test_rda_falls_back_to_the_mean_where_directions_cancel():
+    """Near v2 = -v1, RDA's direction is noise: it returns the weighted mean, which shrinks
+    continuously to zero, instead of the full mean norm in a random direction."""
+    v = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    noise = torch.tensor([1e-4, 0.0, -1e-4, 0.0])
+    out = rda([v, -v + noise], [1.0, 1.0])
+    assert torch.allclose(out, weighted_mean([v, -v + noise], [1.0, 1.0]))
+    assert float(out.norm()) < 1e-3
+    # well aligned: RDA proper (norm kept)
+    assert float(rda([v, 0.9 * v + noise], [1.0, 1.0]).norm()) == pytest.approx(0.95 * float(v.norm()), rel=1e-4)
+
+
 def test_merge_outer_gradients_methods_and_embedding_mean():
-    g1 = {"wte.weight": torch.tensor([[1.0, 0.0]]), "h.0.w": torch.tensor([1.0, 0.0])}
-    g2 = {"wte.weight": torch.tensor([[0.0, 1.0]]), "h.0.w": torch.tensor([0.0, 1.0])}
+    g1 = {"wte.weight": torch.tensor([[1.0, 0.0]]), "h.0.w": torch.tensor([[1.0, 0.0]]), "h.0.b": torch.tensor([1.0, 0.0])}
+    g2 = {"wte.weight": torch.tensor([[0.0, 1.0]]), "h.0.w": torch.tensor([[0.0, 1.0]]), "h.0.b": torch.tensor([0.0, 1.0])}
     mean_keys = {k for k in g1 if is_embedding_key(k)}
     assert mean_keys == {"wte.weight"}
     out = merge_outer_gradients([g1, g2], [1.0, 1.0], mean_keys=mean_keys)
     assert torch.allclose(out["wte.weight"], torch.tensor([[0.5, 0.5]]))
     assert float(out["h.0.w"].norm()) == pytest.approx(1.0)
+    assert torch.allclose(out["h.0.b"], torch.tensor([0.5, 0.5]))  # 1-d (and 0-d) tensors: the mean
     out = merge_outer_gradients([g1, g2], [1.0, 1.0], method="mean")
-    assert torch.allclose(out["h.0.w"], torch.tensor([0.5, 0.5]))
+    assert torch.allclose(out["h.0.w"], torch.tensor([[0.5, 0.5]]))
     with pytest.raises(UsageError, match="unknown merge method"):
         merge_outer_gradients([g1], [1.0], method="median")
 

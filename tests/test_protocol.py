@@ -28,6 +28,7 @@ from ddiloco_cli.published import FragmentReader, expected_shapes
 from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import NotFound
+from ddiloco_cli.audit import audit_ledger
 from ddiloco_cli.syncer import Syncer, SyncerOptions
 
 TASK = "test_protocol:TinyTask"  # a module name: learners never import a file path from run.json [L1]
@@ -112,9 +113,10 @@ def run_store(request, store_url):
 
 @pytest.fixture(params=LOCAL_BACKENDS)
 def gc_store(request, store_url):
-    """A run whose syncer accepts bases at most one version old, so GC can collect early versions."""
+    """A run whose syncer accepts bases at most two cycles old (drive's lagging learner is 1.25
+    behind), so GC can collect early versions."""
     store = open_store(store_url(request.param))
-    make_run(store, max_staleness=1)
+    make_run(store, max_staleness=2)
     return store
 
 
@@ -197,6 +199,8 @@ def assert_same_state(a: Syncer, b: Syncer) -> None:
         assert sb.version == sa.version
         assert sb.outer.num_steps == sa.outer.num_steps
         assert sb.high_water == sa.high_water
+        for k, t in sa.current.raw.items():  # the unpublished residual too
+            assert torch.equal(t, sb.current.raw[k]), k
         ma, mb = sa.outer.state_tensors(), sb.outer.state_tensors()
         assert ma.keys() == mb.keys() and ma
         for k in ma:
@@ -506,7 +510,7 @@ def _bad_contributions(store) -> dict[str, tuple[str, str]]:
     key = layout.contribution_key(p, "a", 10)
     store.put_if_absent(key, b"\x80\x04\x95" + b"\x00" * 64)  # a pickle stream
     out["pickle"] = (key, "")
-    out["future_base"] = (contribution(store, p, "a", 11, base_version=5)[0], "newer than")
+    out["wrong_codec"] = (contribution(store, p, "a", 11, codec_name="bf16")[0], "run's codec")
     out["zero_steps"] = (contribution(store, p, "a", 12, c_steps=0)[0], "c_steps")
     out["newer_protocol"] = (contribution(store, p, "a", 13, header={"protocol_version": 99})[0], "upgrade")
     out["unknown_learner"] = (contribution(store, p, "ghost", 14)[0], "unknown learner")
@@ -538,14 +542,20 @@ def test_bad_contributions_are_quarantined_never_applied_V1(run_store):
     good, _, delta = contribution(run_store, 0, "a", 50)
     assert step(s, 0)
     m = ledger.read_manifest(run_store, 0, 1)
-    assert [c["key"] for c in m["contributions"]] == [good]
     lr, mom = 0.7, 0.9
     value = FragmentReader(run_store, run_id=s.run_id, plan=s.plan, fragment=0).read(1)
     for k in before:  # one contribution, first Nesterov step: v1 = v0 - lr * (1 + momentum) * delta
         assert torch.allclose(value[k], before[k] - lr * (1 + mom) * delta[k], atol=1e-7)
-    # a restarted syncer remembers the quarantine and does not re-read the bad inputs
+    # invalid inputs get no ledger entry (their seq is untrusted: it must not move a high-water
+    # mark); the quarantine report is their record, and the audit counts them
+    assert [c["key"] for c in m["contributions"]] == [good] and m["high_water"] == {"a": 50}
+    audit = audit_ledger(run_store, run_id=s.run_id, fragments=[0])
+    assert audit.problems == [] and audit.counts["quarantined"] == len(bad) - 1  # the bad name is no contribution
+    # quarantine reports are advisory: a restarted syncer validates what the ledger's marks have
+    # not passed again (and quarantines it again)
     r = restored(run_store)
-    assert {k for k, _ in bad.values()} <= r.bad_keys
+    r.poll_contributions()
+    assert r.states[0].pending == {} and bad["unknown_learner"][0] in r.bad_keys
 
 
 def test_serving_syncer_quarantines_and_commits_nothing_V1(run_store):
@@ -560,15 +570,49 @@ def test_serving_syncer_quarantines_and_commits_nothing_V1(run_store):
     assert records.loads(run_store.get(layout.quarantine_key(key)), "quarantine", where="q")["key"] == key
 
 
-def test_stale_contribution_is_quarantined_V2(run_store):
-    """[V2] a contribution whose base is more than max_staleness versions old is quarantined."""
+def test_stale_contribution_is_refused_in_the_ledger_V2(run_store):
+    """[V2] a contribution whose base is more than max_staleness cycles old is refused: a ledger
+    entry with the reason (no quarantine: it is valid, only too old); one within the bound
+    but past two cycles is merged with a staleness discount recorded in its entry."""
     beat(run_store, "a")
     beat(run_store, "b")
     s = live_syncer(run_store)
-    drive(run_store, s, rounds=5)  # max_staleness is 4
-    key, _, _ = contribution(run_store, 0, "a", 10_000, base_version=0)
-    assert not step(s, 0)
-    assert "stale" in json.loads(run_store.get(layout.quarantine_key(key)))["reason"]
+    drive(run_store, s, rounds=5)  # max_staleness is 4 cycles; each version advances 1.25 cycles here
+    stale, _, _ = contribution(run_store, 0, "a", 10_000, base_version=0)
+    late, _, _ = contribution(run_store, 0, "b", 10_001, base_version=2)
+    contribution(run_store, 0, "a", 10_002, base_version=5)  # every live learner reported: no grace wait
+    assert step(s, 0)
+    m = ledger.read_manifest(run_store, 0, 6)
+    by_key = {c["key"]: c for c in m["contributions"]}
+    assert by_key[stale]["status"] == "refused" and "stale" in by_key[stale]["reason"]
+    assert not by_key[stale]["used"]
+    assert by_key[late]["status"] == "used" and by_key[late]["staleness"] == pytest.approx(1.25 * (5 - 2))
+    assert by_key[late]["discount"] == pytest.approx(2 / by_key[late]["staleness"])
+    assert m["high_water"]["a"] == 10_002
+    assert not any(i.key == layout.quarantine_key(stale) for i in run_store.list("quarantine/"))
+
+
+def test_base_from_the_future_is_a_fence_check_not_a_quarantine_V2(run_store):
+    """[V2] a base version above the syncer's own means someone else committed: the syncer
+    checks the fence, re-reads the fragment and merges the contribution against that base."""
+    beat(run_store, "a")
+    s = live_syncer(run_store)
+    # a stale syncer of a lower epoch that commits in the fencing window (see Known limitations)
+    other = Syncer(run_store, options=SyncerOptions(syncer_id="stale", gc=False))
+    other.lease.epoch = ledger.Epoch(0, "stale", frozenset({0, 1}), {})
+    other.restore()
+    other.lease.last_fence_check_t = time.monotonic()  # its last check passed just before the takeover
+    contribution(run_store, 0, "a", 5)
+    assert step(other, 0)  # version 1 committed behind s's back
+    key, _, _ = contribution(run_store, 0, "a", 6, base_version=1)
+    assert step(s, 0)
+    assert s.states[0].version == 2 and key not in s.bad_keys
+    assert [c["key"] for c in ledger.read_manifest(run_store, 0, 2)["contributions"]] == [key]
+    bogus, _, _ = contribution(run_store, 0, "a", 7, base_version=99)
+    contribution(run_store, 0, "a", 8, base_version=2)
+    assert step(s, 0)
+    entry = {c["key"]: c for c in ledger.read_manifest(run_store, 0, 3)["contributions"]}[bogus]
+    assert entry["status"] == "refused" and "does not exist" in entry["reason"]
 
 
 def test_corrupt_checkpoint_is_skipped_R4(run_store):
@@ -634,7 +678,7 @@ def test_higher_overlapping_epoch_fences_F1(run_store):
     s = live_syncer(run_store)
     contribution(run_store, 0, "a", 5)
     ledger.claim_epoch(run_store, run_id=s.run_id, syncer_id="usurper", fragments=[0], created_s=time.time())
-    s._last_fence_check_t = -1e9  # as after a long pause (SIGSTOP, GC, preemption)
+    s.lease.last_fence_check_t = -1e9  # as after a long pause (SIGSTOP, GC, preemption)
     with pytest.raises(FencedError, match="took over"):
         step(s, 0)
     assert ledger.list_versions(run_store, 0) == [0]
@@ -703,24 +747,25 @@ def test_epoch_claims_are_create_only_F4(run_store):
 # ============================================================ merge semantics
 def test_merge_follows_token_weighted_rda_and_nesterov_M1(run_store):
     """[M1][M2][M3] version 1 = v0 - lr * (g + momentum * g), g = RDA of the contributions with
-    weights c_tokens^2 / c_steps, computed here independently in fp64 from the ledger."""
+    weights c_tokens^2 / c_steps (the weighted mean for 1-d tensors), computed here
+    independently in fp64 from the ledger."""
     beat(run_store, "a")
     beat(run_store, "b")
     s = live_syncer(run_store)
     v0 = {k: t.clone() for k, t in s.states[0].value.items()}
     _, _, da = contribution(run_store, 0, "a", 5, c_tokens=64, c_steps=2)
-    _, _, db = contribution(run_store, 0, "b", 6, c_tokens=30, c_steps=5)
+    _, _, db = contribution(run_store, 0, "b", 6, c_tokens=30, c_steps=2)  # H steps each: one whole cycle
     assert step(s, 0)
     m = ledger.read_manifest(run_store, 0, 1)
     weights = {c["learner_id"]: c["weight"] for c in m["contributions"]}
-    assert weights == {"a": 64 * 64 / 2, "b": 30 * 30 / 5}
+    assert weights == {"a": 64 * 64 / 2, "b": 30 * 30 / 2} and m["cycle_advance"] == 1.0
     value = FragmentReader(run_store, run_id=s.run_id, plan=s.plan, fragment=0).read(1)
     wa, wb = weights["a"], weights["b"]
     for k in v0:
         a, b = da[k].double(), db[k].double()
         radial = (wa * a.norm() + wb * b.norm()) / (wa + wb)
         direction = (wa * a / a.norm() + wb * b / b.norm()) / (wa + wb)
-        g = radial * direction / direction.norm()
+        g = radial * direction / direction.norm() if a.dim() > 1 else (wa * a + wb * b) / (wa + wb)  # 1-d: mean
         expected = v0[k].double() - 0.7 * (g + 0.9 * g)
         assert torch.allclose(value[k].double(), expected, rtol=1e-5, atol=1e-7), k
 
@@ -758,17 +803,19 @@ def test_gc_keeps_newest_checkpoint_and_everything_after_G1(gc_store):
     beat(gc_store, "a")
     beat(gc_store, "b")
     s = live_syncer(gc_store)
-    drive(gc_store, s, rounds=5)  # checkpoints at 2 and 4; keep from min(5 - 1 + 1, 4 - max_staleness) = 3
+    # checkpoints at 2 and 4; 1.25 cycles per version: version 4 (cycle 5.0) is the oldest within
+    # max_staleness = 2 cycles of version 5 (6.25), so keep from min(5 - 1 + 1, 4, 4) = 4
+    drive(gc_store, s, rounds=5)
     m4 = ledger.read_manifest(gc_store, 0, 4)
     after = [c["key"] for c in ledger.read_manifest(gc_store, 0, 5)["contributions"]]
     time.sleep(0.01)  # gc_grace_s is 1 ms (init refuses 0): everything written so far is old enough
     report = collect_garbage(gc_store, run=s.run)
-    assert report.keep_from == {0: 3, 1: 3}
+    assert report.keep_from == {0: 4, 1: 4}
     for p in (0, 1):
-        assert ledger.list_versions(gc_store, p) == [3, 4, 5]
+        assert ledger.list_versions(gc_store, p) == [4, 5]
         ckpts = [layout.parse_num(i.key) for i in gc_store.list(layout.checkpoint_prefix(p))]
         assert ckpts == [4]
-        named = {e["key"] for v in (3, 4, 5) for e in ledger.read_manifest(gc_store, p, v)["payloads"]}
+        named = {e["key"] for v in (4, 5) for e in ledger.read_manifest(gc_store, p, v)["payloads"]}
         assert {i.key for i in gc_store.list(layout.payload_prefix(p))} == named
     left = {i.key for i in gc_store.list(layout.contribution_prefix(0))}
     assert set(after) <= left

@@ -1,0 +1,111 @@
+"""The ledger audit: every contribution ends in exactly one ledger entry.
+
+``audit_ledger`` reads the retained manifests and the contribution listing of
+each fragment and checks the no-silent-loss rule (PROTOCOL.md [W9]):
+
+* no contribution is in more than one ledger entry;
+* every entry has a status: ``used``, ``superseded`` with ``carried_by`` naming
+  a newer contribution of the same learner that is in the ledger too (or still
+  pending), or ``refused`` with a ``reason``;
+* every contribution in the bucket is in the ledger, or quarantined (invalid: the
+  report is its record), or still pending (above its learner's high-water mark),
+  or retired (accounted for before the oldest retained manifest). One that its
+  learner's high-water mark passed without any of these was lost.
+
+It also totals the tokens of used entries (``merged_token_fraction`` in the
+convergence benchmark). Used by ``ddiloco inspect --verify``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ddiloco_cli import layout, ledger
+from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli.intake import REFUSED, SUPERSEDED, USED
+from ddiloco_cli.store.base import NotFound, Store
+
+
+@dataclass
+class LedgerAudit:
+    counts: dict[str, int] = field(default_factory=lambda: {USED: 0, SUPERSEDED: 0, REFUSED: 0, "quarantined": 0,
+                                                            "pending": 0, "retired": 0})
+    used_tokens: dict[int, int] = field(default_factory=dict)  # fragment -> sum of c_tokens of used entries
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"counts": self.counts, "used_tokens": {str(p): t for p, t in self.used_tokens.items()},
+                "problems": self.problems}
+
+
+def entry_status(entry: dict[str, Any]) -> str:
+    """The entry's status; manifests written before ``status`` existed say it with ``used``."""
+    return entry.get("status") or (USED if entry["used"] else SUPERSEDED)
+
+
+def audit_ledger(store: Store, *, run_id: str, fragments: Iterable[int]) -> LedgerAudit:
+    out = LedgerAudit()
+    reports = {i.key for i in store.list("quarantine/")}  # compared with layout.quarantine_key(key)
+    for p in fragments:
+        _audit_fragment(store, run_id=run_id, p=p, out=out, reports=reports)
+    return out
+
+
+def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, reports: set[str]) -> None:
+    versions = ledger.list_versions(store, p)
+    if not versions:
+        return
+    entries: dict[str, list[int]] = {}
+    by_seq: set[tuple[str, int]] = set()
+    supersedes: list[tuple[int, dict[str, Any]]] = []
+    first_hw: dict[str, int] = {}
+    last_hw: dict[str, int] = {}
+    out.used_tokens.setdefault(p, 0)
+    for v in versions:
+        try:
+            m = ledger.read_manifest(store, p, v, run_id=run_id)
+        except (NotFound, ProtocolError) as exc:
+            out.problems.append(f"{layout.manifest_key(p, v)}: cannot audit its ledger ({exc})")
+            return
+        if v == versions[0]:
+            first_hw = m["high_water"] if v > 0 else {}
+        last_hw = m["high_water"]
+        for e in m["contributions"]:
+            status = entry_status(e)
+            entries.setdefault(e["key"], []).append(v)
+            by_seq.add((e["learner_id"], e["seq"]))
+            if status in out.counts:
+                out.counts[status] += 1
+            if status == USED:
+                out.used_tokens[p] += int(e.get("merged_tokens", e["c_tokens"]))
+            elif status == REFUSED and not e.get("reason"):
+                out.problems.append(f"{layout.manifest_key(p, v)}: {e['key']} is refused without a reason")
+            elif status == SUPERSEDED and "carried_by" in e:
+                supersedes.append((v, e))
+    listed = {}
+    for info in store.list(layout.contribution_prefix(p)):
+        parsed = layout.parse_contribution_key(info.key)
+        if parsed is not None:
+            listed[info.key] = parsed
+    for key, vs in entries.items():
+        if len(vs) > 1:
+            out.problems.append(f"{key}: in {len(vs)} ledger entries (versions {vs}) of fragment {p}")
+    for v, e in supersedes:
+        carrier = (e["learner_id"], e["carried_by"])
+        pending = e["carried_by"] > last_hw.get(e["learner_id"], -1)
+        if carrier not in by_seq and not pending:
+            out.problems.append(f"{layout.manifest_key(p, v)}: {e['key']} is superseded by seq {e['carried_by']}, "
+                                f"which is not in the ledger")
+    for key, (_, learner_id, seq) in sorted(listed.items()):
+        if key in entries:
+            continue
+        if layout.quarantine_key(key) in reports:
+            out.counts["quarantined"] += 1
+        elif seq > last_hw.get(learner_id, -1):
+            out.counts["pending"] += 1
+        elif seq <= first_hw.get(learner_id, -1):
+            out.counts["retired"] += 1
+        else:
+            out.problems.append(f"{key}: lost: no ledger entry, but learner {learner_id}'s high-water mark "
+                                f"({last_hw.get(learner_id)}) has passed it")

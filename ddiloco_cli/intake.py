@@ -1,0 +1,215 @@
+"""The syncer's intake: listing contributions, validating them, quarantine, and the
+ledger entry every contribution ends in.
+
+Every contribution a syncer lists ends in exactly one ledger entry of a committed
+manifest (PROTOCOL.md "Version manifests", [W9]):
+
+* ``used``: merged into that version, with its staleness (cycles) and discount;
+* ``superseded``: a newer contribution of the same learner *on the same base*
+  carries its progress (``carried_by`` names that one's seq);
+* ``refused``: valid but not merged, with a ``reason`` the learner reads (too stale).
+
+An *invalid* contribution gets no ledger entry: its quarantine report is the record
+(its key, seq and header cannot be trusted, so it must not move a high-water mark).
+
+The pending-set rule (``add_pending``) is a pure function: a newer contribution
+supersedes an older one only when both have the same base; across a re-base both
+are merged, each against its own base.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ddiloco_cli import codec, layout, records
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.merge import token_weight
+from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.signing import Trust
+from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+USED, SUPERSEDED, REFUSED = "used", "superseded", "refused"
+
+
+@dataclass
+class Contribution:
+    learner_id: str
+    seq: int
+    key: str
+    sha256: str
+    size: int
+    base_version: int
+    c_tokens: int
+    c_steps: int
+    delta: Tensors
+    staleness: float = 0.0  # cycles between its base and the version it is merged into
+    discount: float = 1.0
+    # The same learner's contribution on the same base that an earlier version already merged
+    # ({seq, key, sha256, c_tokens, c_steps}); this one's delta and counters include it, so only
+    # the increment is merged. None otherwise.
+    increment_of: dict[str, Any] | None = None
+    prior_delta: Tensors | None = None
+
+    @property
+    def merged_tokens(self) -> int:
+        return self.c_tokens - (self.increment_of["c_tokens"] if self.increment_of else 0)
+
+    @property
+    def merged_steps(self) -> int:
+        return self.c_steps - (self.increment_of["c_steps"] if self.increment_of else 0)
+
+    @property
+    def weight(self) -> float:
+        return token_weight(max(0, self.merged_tokens), max(0, self.merged_steps))
+
+    def gradient(self) -> Tensors:
+        """What it adds to the global model: its delta, less what an earlier merge already took."""
+        if self.prior_delta is None:
+            return self.delta
+        return {k: t - self.prior_delta[k] for k, t in self.delta.items()}
+
+    def entry(self, status: str, *, reason: str = "", carried_by: int | None = None) -> dict[str, Any]:
+        """Its ledger entry. A used one carries everything a replay needs."""
+        e = {"learner_id": self.learner_id, "seq": self.seq, "key": self.key, "sha256": self.sha256,
+             "size": self.size, "base_version": self.base_version, "c_tokens": self.c_tokens,
+             "c_steps": self.c_steps, "weight": self.weight, "used": status == USED, "status": status}
+        if status == USED:
+            e.update(staleness=self.staleness, discount=self.discount, merged_tokens=self.merged_tokens)
+            if self.increment_of is not None:
+                e["increment_of"] = self.increment_of
+        if reason:
+            e["reason"] = reason
+        if carried_by is not None:
+            e["carried_by"] = carried_by
+        return e
+
+
+def effective_weight(entry: dict[str, Any]) -> float:
+    """The merge weight of a used ledger entry: token weight times staleness discount."""
+    return float(entry["weight"]) * float(entry.get("discount", 1.0))
+
+
+def staleness_discount(staleness_cycles: float) -> float:
+    """1 up to 2 cycles (a contribution normally trails by about one cycle: the others
+    trained while it did; a learner 1.5x slower by about 1.5), then 2 / staleness."""
+    return 1.0 if staleness_cycles <= 2.0 else 2.0 / staleness_cycles
+
+
+def add_pending(pending: list[Contribution], new: Contribution) -> list[dict[str, Any]]:
+    """Insert ``new`` into one learner's pending list (kept in seq order) and return the
+    ledger entries of the contributions it supersedes: of two neighbours on the same base
+    the newer carries the older's progress (the learner's counters and delta both run from
+    that base); on different bases both stay, each merged against its own base."""
+    pending.append(new)
+    pending.sort(key=lambda c: c.seq)
+    out = []
+    i = 0
+    while i < len(pending) - 1:
+        older, newer = pending[i], pending[i + 1]
+        if older.base_version == newer.base_version:
+            out.append(older.entry(SUPERSEDED, reason="superseded", carried_by=newer.seq))
+            del pending[i]
+        else:
+            i += 1
+    return out
+
+
+class Intake:
+    """Lists, downloads and validates contributions; quarantines what fails [V1][V2]."""
+
+    def __init__(self, store: Store, *, run: dict[str, Any], plan: FragmentPlan, syncer_id: str,
+                 epoch: Callable[[], int], is_known_learner: Callable[[str], bool], trust: Trust):
+        self.store = store
+        self.run = run
+        self.run_id = run["run_id"]
+        self.plan = plan
+        self.syncer_id = syncer_id
+        self.epoch = epoch
+        self.is_known_learner = is_known_learner
+        self.trust = trust
+        self.bad_keys: set[str] = set()
+        self.num_quarantined = 0
+        self.bytes_in = 0
+
+    def list_new(self, fragments: list[int]) -> dict[int, list[ObjectInfo]]:
+        """One LIST for all owned fragments (one per fragment would cost P LISTs a poll)."""
+        if len(fragments) == 1:
+            infos = self.store.list(layout.contribution_prefix(fragments[0]))
+        else:
+            infos = self.store.list(layout.CONTRIBUTION_ROOT)
+        by_fragment: dict[int, list[ObjectInfo]] = {p: [] for p in fragments}
+        for info in infos:
+            p = layout.parse_fragment_dir(info.key)
+            if p in by_fragment and info.key not in self.bad_keys:
+                by_fragment[p].append(info)
+        return by_fragment
+
+    def quarantine(self, key: str, reason: str) -> None:
+        """Record a report (advisory: a restarted syncer re-validates instead of trusting it)."""
+        self.bad_keys.add(key)
+        self.num_quarantined += 1
+        log.warning("quarantined %s/%s: %s", self.store.url, key, reason)
+        rec = records.make("quarantine", key=key, reason=reason, syncer_id=self.syncer_id, epoch=self.epoch(),
+                           created_s=time.time())
+        self.store.put_if_absent(layout.quarantine_key(key), records.dumps(rec))
+
+    def load(self, p: int, info: ObjectInfo, learner_id: str, seq: int) -> Contribution | None:
+        """The validated contribution, or None: invalid (then quarantined) or gone."""
+        key = info.key
+        where = f"{self.store.url}/{key}"
+        try:
+            data = self.store.get(key)
+        except NotFound:
+            return None
+        except UnreadableObjectError as exc:  # over its size bound, or not a regular file: never read
+            self.quarantine(key, str(exc))
+            return None
+        self.bytes_in += len(data)
+        try:
+            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)  # [A2]
+            tensors, header = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
+                                                   max_numel=self.plan.fragment_numel(p), where=where)
+            records.validate(header, "contribution", where=where)
+            if header["run_id"] != self.run_id:
+                raise InvalidPayloadError(f"{where}: belongs to run {header['run_id']}, not this run")
+            if (header["fragment"], header["learner_id"], header["seq"]) != (p, learner_id, seq):
+                raise InvalidPayloadError(f"{where}: header names fragment {header['fragment']} learner "
+                                          f"{header['learner_id']} seq {header['seq']}, not its key")
+            self._check_codec(data, where=where)
+            if not self.is_known_learner(learner_id):
+                raise InvalidPayloadError(f"{where}: unknown learner {learner_id!r} (no heartbeat in the run)")
+        except (InvalidPayloadError, ProtocolError) as exc:
+            self.quarantine(key, str(exc))
+            return None
+        return Contribution(learner_id, seq, key, records.sha256_hex(data), len(data), int(header["base_version"]),
+                            int(header["c_tokens"]), int(header["c_steps"]), tensors)
+
+    def _check_codec(self, data: bytes, *, where: str) -> None:
+        """A contribution must use the run's codec (a learner may not upload fp32 in an int4 run)."""
+        desc = codec.payload_codec(data, where=where)
+        want = self.run["codec"]
+        if desc.get("codec") != want:
+            raise InvalidPayloadError(f"{where}: codec {desc.get('codec')!r}, but the run's codec is {want!r}")
+        if want in ("int8", "int4") and desc.get("block_size") != int(self.run["codec_block"]):
+            raise InvalidPayloadError(f"{where}: block size {desc.get('block_size')}, but the run's is "
+                                      f"{self.run['codec_block']}")
+
+    def fetch_used(self, p: int, entry: dict[str, Any]) -> Tensors:
+        """The tensors of a used ledger entry, checked against its sha256 (replay)."""
+        key = entry["key"]
+        data = self.store.get(key)
+        if records.sha256_hex(data) != entry["sha256"]:
+            raise InvalidPayloadError(f"{self.store.url}/{key}: sha256 differs from the ledger")
+        tensors, _ = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
+                                          max_numel=self.plan.fragment_numel(p), where=key)
+        return tensors

@@ -1,0 +1,109 @@
+"""The syncer's lease on its fragments: claim, heartbeat, fence check, pre-commit check.
+
+PROTOCOL.md "Fencing and leases". A syncer stands by while another epoch over
+its fragments is serving with a fresh heartbeat (judged by the store's clock),
+then claims the next epoch create-only. From then on every write goes through a
+``fence.FencedStore`` (``Lease.guard``), which halts the syncer (``FencedError``)
+as soon as a higher epoch overlaps its fragments; the lease heartbeats every
+``heartbeat_s`` through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli.fence import FencedStore, fence_interval_s
+from ddiloco_cli.signing import Signer, Trust
+from ddiloco_cli.store.base import NotFound, Store
+
+log = logging.getLogger(__name__)
+
+
+class Lease:
+    """One syncer's claim on a set of fragments. ``epoch`` is None until ``acquire`` succeeds."""
+
+    def __init__(self, store: Store, *, run: dict[str, Any], syncer_id: str, fragments: list[int],
+                 trust: Trust | None = None, signer: Signer | None = None):
+        self.store = store
+        self.trust = trust  # signed runs: only admitted syncers' epochs count [A5]
+        self.signer = signer
+        self.run_id = run["run_id"]
+        self.lease_s = float(run["lease_s"])
+        self.heartbeat_s = float(run["heartbeat_s"])
+        self.syncer_id = syncer_id
+        self.fragments = fragments
+        self.epoch: ledger.Epoch | None = None
+        self.last_fence_check_t = 0.0
+        self._last_beat_t = 0.0
+
+    def acquire(self, *, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Stand by until the fragments' lease is free or expired, then claim the next epoch.
+        Returns False when ``stop`` said so first."""
+        announced = None
+        while not stop():
+            owner = ledger.current_owner(self.store, run_id=self.run_id, fragments=self.fragments, trust=self.trust)
+            if owner is not None:
+                age = ledger.syncer_heartbeat_age(self.store, owner.epoch)
+                if age is None:
+                    infos = self.store.list(layout.epoch_key(owner.epoch))
+                    age = self.store.now() - infos[0].mtime_s if infos else self.lease_s + 1
+                state = self._owner_state(owner.epoch)
+                if state in ("serving", None) and age <= self.lease_s:  # a stopped owner frees the lease at once
+                    if announced != owner.epoch:
+                        log.info("standing by: epoch %d (%s) holds the lease (heartbeat %.1fs ago, lease %.0fs)",
+                                 owner.epoch, owner.syncer_id, age, self.lease_s)
+                        announced = owner.epoch
+                    time.sleep(min(1.0, self.heartbeat_s))
+                    continue
+            self.epoch = ledger.claim_epoch(self.store, run_id=self.run_id, syncer_id=self.syncer_id,
+                                            fragments=self.fragments, created_s=time.time(), stop=stop,
+                                            signer=self.signer)
+            return self.epoch is not None
+        return False
+
+    def guard(self, store: Store) -> FencedStore:
+        """The fenced view of ``store`` that every write of this syncer goes through from now
+        on (the lease's own heartbeats included)."""
+        assert self.epoch is not None
+        self.store = FencedStore(store, run_id=self.run_id, epoch=self.epoch, interval_s=fence_interval_s(self.lease_s),
+                                 trust=self.trust)
+        return self.store
+
+    def _owner_state(self, epoch: int) -> str | None:
+        try:
+            rec = records.loads(self.store.get(layout.syncer_heartbeat_key(epoch)), "syncer_heartbeat", where="heartbeat")
+            return rec["state"]
+        except (NotFound, ProtocolError):
+            return None
+
+    def check_fence(self) -> None:
+        """Raise FencedError if a higher epoch overlapping our fragments exists [F1]."""
+        assert isinstance(self.store, FencedStore), "acquire and guard first"
+        self.store.check_fence()
+        self.last_fence_check_t = time.monotonic()
+
+    def fence_due(self) -> bool:
+        """Whether the periodic fence check is due [F3]: every max(1 s, heartbeat_s)."""
+        return time.monotonic() - self.last_fence_check_t > max(1.0, self.heartbeat_s)
+
+    def before_commit(self, beat: Callable[[], None]) -> None:
+        """The pre-commit check [F3]: a pause (GC, SIGSTOP, preemption) longer than half a
+        lease since the last fence check may have let a standby take over."""
+        if time.monotonic() - self.last_fence_check_t > self.lease_s / 2:
+            self.check_fence()
+            beat()
+
+    def beat_due(self) -> bool:
+        return time.monotonic() - self._last_beat_t >= self.heartbeat_s
+
+    def write_heartbeat(self, **fields: Any) -> None:
+        """Overwrite this epoch's heartbeat (its mtime is the lease clock)."""
+        assert self.epoch is not None
+        rec = records.make("syncer_heartbeat", run_id=self.run_id, epoch=self.epoch.epoch, syncer_id=self.syncer_id,
+                           fragments=self.fragments, time_s=time.time(), **fields)
+        self.store.put(layout.syncer_heartbeat_key(self.epoch.epoch), records.dumps(rec))
+        self._last_beat_t = time.monotonic()

@@ -1,0 +1,164 @@
+"""Restoring a fragment's outer state: the newest checkpoint plus a replay of the ledger.
+
+A checkpoint (PROTOCOL.md "Outer-optimizer checkpoints") holds, as of version V,
+the Nesterov momentum buffers (tensor keys as in the plan) and the raw,
+unquantised value (keys prefixed ``raw/``). The replay applies ``outer_update``
+(the same function a commit uses) to every manifest after V, over its used
+ledger entries, and checks that the payloads it re-encodes have the sha256 the
+manifest recorded: the restored state is then the committing syncer's, bit for
+bit, residual included [M4].
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.intake import effective_weight
+from ddiloco_cli.outer import OuterOptimizer
+from ddiloco_cli.published import FragmentReader, expected_shapes
+from ddiloco_cli.store.base import NotFound, Store
+from ddiloco_cli.update import FragmentValue, outer_update
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+RAW_PREFIX = "raw/"  # plan keys never contain "/" (they are parameter names and row ranges)
+ACCUM_PREFIX = "accum/"
+
+
+def manifest_cycle(manifest: dict[str, Any]) -> float:
+    """The fragment's cycle clock at a version. Manifests without it (version 0, older
+    writers) count one cycle per version."""
+    return float(manifest.get("cycle", manifest["version"]))
+
+
+def staleness_floor(store: Store, *, run_id: str, fragment: int, latest: int, max_staleness: float) -> int:
+    """The oldest version whose cycle clock is within ``max_staleness`` cycles of ``latest``'s:
+    a pending contribution on an older base is refused anyway, so GC may retire the versions
+    before it (a syncer judges staleness from the base's manifest). 0 when a manifest in
+    between cannot be read (nothing can then be proven unneeded)."""
+    v = latest
+    try:
+        oldest_cycle = manifest_cycle(ledger.read_manifest(store, fragment, latest, run_id=run_id)) - max_staleness
+        while v > 0 and manifest_cycle(ledger.read_manifest(store, fragment, v - 1, run_id=run_id)) >= oldest_cycle:
+            v -= 1
+    except (NotFound, ProtocolError):
+        return 0
+    return v
+
+
+def per_cycle(run: dict[str, Any]) -> bool:
+    """Whether the run's outer optimizer steps once per cycle (outer_lr_scaling = "cycle")."""
+    return run.get("outer_lr_scaling", "none") == "cycle"
+
+
+def new_outer(run: dict[str, Any]) -> OuterOptimizer:
+    return OuterOptimizer(lr=float(run["outer_lr"]), momentum=float(run["outer_momentum"]))
+
+
+def checkpoint_bytes(value: FragmentValue, *, run_id: str, fragment: int, epoch: int) -> tuple[str, bytes]:
+    """(key, bytes) of the checkpoint of ``value``: momentum buffers plus the raw value."""
+    header = records.make("checkpoint", run_id=run_id, fragment=fragment, version=value.version, epoch=epoch,
+                          outer_steps=value.outer.num_steps, nonce=records.new_nonce(), raw_value=True,
+                          accum=bool(value.accum))
+    tensors = {**value.outer.state_tensors(), **{RAW_PREFIX + k: t for k, t in value.raw.items()},
+               **{ACCUM_PREFIX + k: t for k, t in value.accum.items()}}
+    data = codec.encode_tensors(tensors, codec="none", metadata=header)
+    return layout.checkpoint_key(fragment, value.version, header["nonce"][:12]), data
+
+
+def checkpoint_shapes(plan: FragmentPlan, fragment: int, *, accum: bool = True) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of a checkpoint of ``fragment``: momentum, the raw value and (when the
+    cycle is open, header ``accum``) the cycle's gradient so far: up to 3x the fragment."""
+    shapes = expected_shapes(plan, fragment)
+    prefixes = (RAW_PREFIX, ACCUM_PREFIX) if accum else (RAW_PREFIX,)
+    return {**shapes, **{pre + k: s for pre in prefixes for k, s in shapes.items()}}
+
+
+def load_checkpoint(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fragment: int,
+                    latest: int) -> tuple[int, OuterOptimizer, Tensors, Tensors] | None:
+    """(version, optimizer, raw value, cycle gradient) of the newest valid checkpoint at or
+    below ``latest``, or None. Invalid ones are skipped with a warning [R4]."""
+    shapes = expected_shapes(plan, fragment)
+    infos = sorted(store.list(layout.checkpoint_prefix(fragment)), key=lambda i: i.key, reverse=True)
+    for info in infos:
+        v = layout.parse_num(info.key)
+        if v is None or v > latest:
+            continue
+        try:
+            data = store.get(info.key)
+            meta = codec.payload_codec(data, where=info.key).get("metadata", {})
+            expected = checkpoint_shapes(plan, fragment, accum=bool(isinstance(meta, dict) and meta.get("accum")))
+            tensors, meta = codec.decode_tensors(data, expected=expected, where=f"{store.url}/{info.key}")
+            records.validate(meta, "checkpoint", where=info.key)
+            if meta["run_id"] != run["run_id"] or meta["fragment"] != fragment or meta["version"] != v:
+                raise ProtocolError(f"{info.key}: checkpoint header does not match its name or run")
+            outer = new_outer(run)
+            outer.load_state_tensors({k: t for k, t in tensors.items() if k in shapes}, expected=shapes)
+        except (NotFound, InvalidPayloadError, ProtocolError) as exc:
+            log.warning("skipping checkpoint %s: %s", info.key, exc)
+            continue
+        outer.num_steps = int(meta["outer_steps"])
+        accum = {k: tensors[ACCUM_PREFIX + k] for k in shapes if ACCUM_PREFIX + k in tensors}
+        return v, outer, {k: tensors[RAW_PREFIX + k] for k in shapes}, accum
+    return None
+
+
+def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fragment: int, reader: FragmentReader,
+                  fetch: Callable[[int, dict[str, Any]], Tensors], latest: int) -> FragmentValue:
+    """The outer state of ``fragment`` at version ``latest``: checkpoint + replay. If the
+    replay cannot run (objects gone, or it does not reproduce the ledger), the state is the
+    checkpoint's momentum with the published value of ``latest`` (residual lost), and an
+    error is logged."""
+    loaded = load_checkpoint(store, run=run, plan=plan, fragment=fragment, latest=latest)
+    if loaded is None:  # version 0 has no momentum, and its raw value is the published one
+        start = reader.read(0)
+        value = FragmentValue(0, start, start, new_outer(run), manifest_cycle(reader.manifest(0)))
+    else:
+        v, outer, raw, accum = loaded
+        value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(reader.manifest(v)), accum)
+    if value.version == latest:
+        return value
+    try:
+        return replay(run=run, fragment=fragment, reader=reader, fetch=fetch, start=value, latest=latest)
+    except (NotFound, InvalidPayloadError, ProtocolError) as exc:
+        log.error("fragment %d: cannot replay the ledger from checkpoint %d (%s); continuing with the "
+                  "checkpoint's momentum and no residual, which lags the committed trajectory",
+                  fragment, value.version, exc)
+        return FragmentValue(latest, (pub := reader.read(latest)), pub, value.outer,
+                             manifest_cycle(reader.manifest(latest)))
+
+
+def replay(*, run: dict[str, Any], fragment: int, reader: FragmentReader,
+           fetch: Callable[[int, dict[str, Any]], Tensors], start: FragmentValue, latest: int) -> FragmentValue:
+    """Apply ``outer_update`` for every version after ``start`` up to ``latest``, from the
+    ledger. Raises ProtocolError when a re-encoded payload differs from the manifest's."""
+    value = start
+    for v in range(start.version + 1, latest + 1):
+        m = reader.manifest(v)
+        used = [e for e in m["contributions"] if e["used"]]
+        if not used:
+            raise ProtocolError(f"version {v} of fragment {fragment} merged nothing: not a syncer commit")
+        grads = []
+        for e in used:
+            delta = fetch(fragment, e)
+            if "increment_of" in e:  # only what the earlier merge of the same base did not take
+                prior = fetch(fragment, e["increment_of"])
+                delta = {k: t - prior[k] for k, t in delta.items()}
+            grads.append(delta)
+        value, encoded = outer_update(
+            value, fragment=fragment, grads=grads, weights=[effective_weight(e) for e in used],
+            lr=float(m.get("outer_lr", run["outer_lr"])), method=run["merge"], publish_codec=run["publish_codec"],
+            block_size=int(run["codec_block"]), keyframe_every=int(run["keyframe_every"]),
+            advance=float(m.get("cycle_advance", 1.0)), per_cycle=per_cycle(run))
+        recorded = {e["kind"]: e["sha256"] for e in m["payloads"]}
+        mine = {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}
+        if recorded != mine:
+            raise ProtocolError(f"replaying version {v} of fragment {fragment} does not reproduce its payloads")
+    return value
