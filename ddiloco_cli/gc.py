@@ -24,9 +24,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, UsageError
-from ddiloco_cli.replay import staleness_floor
+from ddiloco_cli.fragments import FragmentPlan
+from ddiloco_cli.replay import decode_checkpoint, staleness_floor
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,11 @@ class GCReport:
 _VALID_CHECKPOINTS: set[tuple[str, str]] = set()  # (store url, key): checked once per process
 
 
-def _checkpoint_ok(store: Store, key: str, *, run_id: str, expected: dict[str, tuple[int, ...]]) -> bool:
+def _checkpoint_ok(store: Store, key: str, *, run_id: str, plan: FragmentPlan, fragment: int) -> bool:
     if (store.url, key) in _VALID_CHECKPOINTS:
         return True
     try:  # the plan's shapes bound what is decoded: a checkpoint declaring terabytes is just invalid
-        _, meta = codec.decode_tensors(store.get(key), expected=expected, where=key)
-        records.validate(meta, "checkpoint", where=key)
+        _, meta = decode_checkpoint(store.get(key), plan=plan, fragment=fragment, where=key)
     except (NotFound, InvalidPayloadError, ProtocolError) as exc:
         log.warning("gc: ignoring checkpoint %s: %s", key, exc)
         return False
@@ -99,7 +99,7 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
         checkpoints = [(v, i) for v, i in checkpoints if v is not None and v <= latest]
         # only a checkpoint that decodes counts: a corrupt one must not license deleting the ledger behind it
         newest_ckpt = max((v for v, i in checkpoints if _checkpoint_ok(store, i.key, run_id=run["run_id"],
-                                                                          expected=plan.fragment_shapes(p))), default=0)
+                                                                          plan=plan, fragment=p)), default=0)
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
                                  retain_versions=int(run["retain_versions"]),
                                  publish_codec=run["publish_codec"], keyframe_every=int(run["keyframe_every"]),

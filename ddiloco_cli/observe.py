@@ -381,7 +381,7 @@ def _verify_checkpoints(scan: _Scan, problems: list[str]) -> None:
         shapes = checkpoint_shapes(scan.plan, p)
         try:
             tensors, header = codec.decode_tensors(scan.store.get(info.key), where=info.key,
-                                                   max_numel=2 * scan.plan.fragment_numel(p))
+                                                   max_numel=3 * scan.plan.fragment_numel(p))
             records.validate(header, "checkpoint", where=info.key)
         except NotFound:
             continue  # collected since the LIST

@@ -81,6 +81,17 @@ def checkpoint_shapes(plan: FragmentPlan, fragment: int, *, accum: bool = True) 
     return {**shapes, **{pre + k: s for pre in prefixes for k, s in shapes.items()}}
 
 
+def decode_checkpoint(data: bytes, *, plan: FragmentPlan, fragment: int, where: str) -> tuple[Tensors, dict[str, Any]]:
+    """(tensors, header) of checkpoint bytes, checked against the plan's keys and shapes
+    (with or without the open cycle's gradient, as its header says) and the schema.
+    Raises InvalidPayloadError or ProtocolError."""
+    meta = codec.payload_codec(data, where=where).get("metadata", {})
+    expected = checkpoint_shapes(plan, fragment, accum=bool(isinstance(meta, dict) and meta.get("accum")))
+    tensors, meta = codec.decode_tensors(data, expected=expected, where=where)
+    records.validate(meta, "checkpoint", where=where)
+    return tensors, meta
+
+
 def load_checkpoint(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fragment: int,
                     latest: int) -> tuple[int, OuterOptimizer, Tensors, Tensors] | None:
     """(version, optimizer, raw value, cycle gradient) of the newest valid checkpoint at or
@@ -92,11 +103,8 @@ def load_checkpoint(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fr
         if v is None or v > latest:
             continue
         try:
-            data = store.get(info.key)
-            meta = codec.payload_codec(data, where=info.key).get("metadata", {})
-            expected = checkpoint_shapes(plan, fragment, accum=bool(isinstance(meta, dict) and meta.get("accum")))
-            tensors, meta = codec.decode_tensors(data, expected=expected, where=f"{store.url}/{info.key}")
-            records.validate(meta, "checkpoint", where=info.key)
+            tensors, meta = decode_checkpoint(store.get(info.key), plan=plan, fragment=fragment,
+                                              where=f"{store.url}/{info.key}")
             if meta["run_id"] != run["run_id"] or meta["fragment"] != fragment or meta["version"] != v:
                 raise ProtocolError(f"{info.key}: checkpoint header does not match its name or run")
             outer = new_outer(run)
