@@ -153,7 +153,7 @@ def parse_learner_heartbeat_key(key: str) -> str | None:
 
 
 def learner_state_key(learner_id: str) -> str:
-    """Non-authoritative resume hints of a learner (next sequence number per fragment)."""
+    """Where a learner's data stream stands (a resume hint, never authoritative; PROTOCOL "Learner state")."""
     return f"{LEARNER_HEARTBEAT_PREFIX}{learner_id}/state.json"
 
 
