@@ -73,6 +73,7 @@ class FragmentState:
     first_pending_t: float | None = None
     quorum_t: float | None = None
     last_quorum_size: int = 0
+    last_grace_s: float | None = None  # the grace window of its last merge (metrics)
 
     @property
     def version(self) -> int:
@@ -461,7 +462,7 @@ class Syncer:
         state.closed.clear()
         state.seen = {k for k in state.seen if _above_high_water(k, high_water)}
         state.first_pending_t = state.quorum_t = None
-        state.last_quorum_size = quorum_size
+        state.last_quorum_size, state.last_grace_s = quorum_size, grace_s
         self.num_merges += 1
         if new.version % int(self.run["checkpoint_every"]) == 0:
             with self._stage("checkpoint"):
@@ -547,6 +548,7 @@ class Syncer:
             "versions": {p: s.version for p, s in self.states.items()},
             "pending": {p: len(s.pending) for p, s in self.states.items()},
             "quorum_sizes": {p: s.last_quorum_size for p, s in self.states.items()},
+            "grace_s": max((s.last_grace_s for s in self.states.values() if s.last_grace_s is not None), default=None),
             "num_merges": self.num_merges, "num_quarantined": self.num_quarantined,
             "live_learners": len(self.live_learners), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
         }

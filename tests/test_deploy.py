@@ -124,7 +124,7 @@ def test_yaml_run_scripts_train_against_a_local_bucket_and_rejoin_under_the_same
     assert csv_out.returncode == 0, csv_out.stderr
     header = (tmp_path / "m.csv").read_text().splitlines()[0].split(",")
     for column in ("loss", "tokens_per_s", "step_time_s", "blocked_s", "bytes_up", "versions_behind", "merges",
-                   "quorum_max", "quarantined", "global_val_loss"):
+                   "quorum_max", "grace_s", "quarantined", "global_val_loss"):
         assert column in header, column
 
 
