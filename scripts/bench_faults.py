@@ -24,10 +24,12 @@ learners stop (SIGTERM), the syncer drains and stops. Then also:
 * double-applied contributions: a (learner, seq) that more than one manifest
   (or one manifest twice) lists as used; must be 0;
 * replay: a fresh syncer restores from checkpoints + ledger and another from
-  the ledger alone (checkpoints removed, replay from version 0); their
-  momentum, high-water marks and values must be bit-identical, their value
-  must equal the published latest version, and replaying from version 0 must
-  reproduce every checkpoint the killed syncers wrote, bit for bit.
+  the ledger alone (checkpoints removed, replay from version 0); their states
+  (momentum, raw and published values, high-water marks) must be
+  bit-identical and hold the published latest value; and a strict replay from
+  version 0, which re-encodes every version and fails unless each payload's
+  sha256 is the manifest's, must pass every checkpoint the killed syncers
+  wrote with the same momentum, raw value and step count.
 
     python scripts/bench_faults.py                           # ~1 min
     python scripts/bench_faults.py --rate 0.05 --learners 3 --steps 60 --json /tmp/faults.json
@@ -55,11 +57,13 @@ import benchlib  # noqa: E402
 
 import torch  # noqa: E402
 
-from ddiloco_cli import codec, layout, ledger  # noqa: E402
+from ddiloco_cli import layout, ledger, replay  # noqa: E402
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError  # noqa: E402
 from ddiloco_cli.published import FragmentReader  # noqa: E402
 from ddiloco_cli.store import open_store  # noqa: E402
 from ddiloco_cli.store.faults import FAULTS_ENV  # noqa: E402
 from ddiloco_cli.syncer import Syncer, SyncerOptions  # noqa: E402
+from ddiloco_cli.update import FragmentValue  # noqa: E402
 
 _FAULT_LINE = re.compile(r"faults: (\w+) injected")
 
@@ -104,39 +108,59 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _same_value(a: FragmentValue, b: FragmentValue) -> bool:
+    return (a.version, a.outer.num_steps, a.cycle) == (b.version, b.outer.num_steps, b.cycle) \
+        and _same(a.outer.state_tensors(), b.outer.state_tensors()) and _same(a.raw, b.raw) \
+        and _same(a.published, b.published) and _same(a.accum, b.accum)
+
+
 def replay_check(cluster: benchlib.Cluster) -> dict[str, int]:
-    """Restores from checkpoints + ledger and from the ledger alone agree bit for bit
-    with each other, with the published latest value and with every checkpoint."""
+    """Bit-exact replay. A fresh syncer restores from checkpoints + ledger, another from the
+    ledger alone (checkpoints removed): their states must be identical and hold the published
+    latest value. A strict replay from version 0 (``replay.replay``, which re-encodes every
+    version and fails unless each payload's sha256 is the manifest's) must pass every
+    checkpoint the killed syncers wrote with the same momentum, raw value and step count."""
     with_ckpt = Syncer(open_store(cluster.url), options=SyncerOptions(syncer_id="replay-ckpt", gc=False))
     with_ckpt.restore()
     bare_dir = os.path.join(cluster.workdir, "no-checkpoints")
     shutil.copytree(cluster.bucket, bare_dir, ignore=lambda d, names: ["checkpoints"] if d == cluster.bucket else [])
     from_zero = Syncer(open_store(bare_dir), options=SyncerOptions(syncer_id="replay-zero", gc=False))
     from_zero.restore()
-    plan, run_id = with_ckpt.plan, with_ckpt.run_id
-    restore_mismatch = published_mismatch = checkpoints = checkpoint_mismatch = 0
-    for p, a in with_ckpt.states.items():
-        b = from_zero.states[p]
-        if (a.version, a.high_water, a.outer.num_steps) != (b.version, b.high_water, b.outer.num_steps) \
-                or not _same(a.outer.state_tensors(), b.outer.state_tensors()) or not _same(a.value, b.value):
-            restore_mismatch += 1
-        published = FragmentReader(with_ckpt.store, run_id=run_id, plan=plan, fragment=p).read(a.version)
-        published_mismatch += not _same(a.value, published)
-        # replay from version 0 through each checkpoint in turn: momentum must match what was written
-        outer, at = from_zero._new_outer(), 0
-        for info in with_ckpt.store.list(layout.checkpoint_prefix(p)):
-            v = layout.parse_num(info.key)
-            if v is None or v == 0 or v > a.version:
-                continue
-            if v > at:
-                from_zero._replay(p, at, v, outer)
-                at = v
-            tensors, _ = codec.decode_tensors(with_ckpt.store.get(info.key), where=info.key)
-            checkpoints += 1
-            checkpoint_mismatch += not _same(outer.state_tensors(), tensors)
+    store, run, plan = with_ckpt.store, with_ckpt.run, with_ckpt.plan
+    out = Counter(restore_mismatches=0, published_mismatches=0, strict_replay_failures=0, checkpoints_replayed=0,
+                  checkpoint_mismatches=0)
+    for p, state in with_ckpt.states.items():
+        a, b = state.current, from_zero.states[p].current
+        out["restore_mismatches"] += not (_same_value(a, b) and state.high_water == from_zero.states[p].high_water)
+        reader = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=p)
+        out["published_mismatches"] += not _same(a.published, reader.read(a.version))
+        zero = reader.read(0)
+        value = FragmentValue(0, zero, zero, replay.new_outer(run), replay.manifest_cycle(reader.manifest(0)))
+        try:
+            for info in store.list(layout.checkpoint_prefix(p)):
+                v = layout.parse_num(info.key)
+                if v is None or v == 0 or v > a.version:
+                    continue
+                if v > value.version:
+                    value = replay.replay(run=run, fragment=p, reader=reader, fetch=with_ckpt.intake.fetch_used,
+                                          start=value, latest=v)
+                tensors, meta = replay.decode_checkpoint(store.get(info.key), plan=plan, fragment=p, where=info.key)
+                shapes = replay.checkpoint_shapes(plan, p, accum=False)
+                momentum = {k: t for k, t in tensors.items() if k in plan.fragment_shapes(p)}
+                raw = {k[len(replay.RAW_PREFIX):]: t for k, t in tensors.items() if k.startswith(replay.RAW_PREFIX)}
+                out["checkpoints_replayed"] += 1
+                out["checkpoint_mismatches"] += not (
+                    shapes.keys() <= tensors.keys() and meta["outer_steps"] == value.outer.num_steps
+                    and _same(momentum, value.outer.state_tensors()) and _same(raw, value.raw))
+            if a.version > value.version:
+                value = replay.replay(run=run, fragment=p, reader=reader, fetch=with_ckpt.intake.fetch_used,
+                                      start=value, latest=a.version)
+            out["restore_mismatches"] += not _same_value(a, value)
+        except (ProtocolError, InvalidPayloadError) as exc:
+            print(f"fragment {p}: strict replay failed: {exc}")
+            out["strict_replay_failures"] += 1
     shutil.rmtree(bare_dir, ignore_errors=True)
-    return {"replay_restore_mismatches": restore_mismatch, "replay_published_mismatches": published_mismatch,
-            "checkpoints_replayed": checkpoints, "checkpoint_mismatches": checkpoint_mismatch}
+    return {f"replay_{k}" if not k.startswith("checkpoint") else k: n for k, n in out.items()}
 
 
 def wait_for_first_version(cluster: benchlib.Cluster, ids: list[str], *, timeout_s: float) -> None:

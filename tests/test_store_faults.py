@@ -284,12 +284,11 @@ def test_training_through_injected_faults_loses_and_corrupts_nothing(tmp_path):
 
     out = bench_faults.main(["--rate", "0.1", "--spike-s", "0.05", "--learners", "2", "--steps", "40",
                              "--fragments", "2", "--workdir", str(tmp_path / "run")])
-    assert out["verify_exit_code"] == 0, out.get("verify_output")
-    assert sum(out["faults_injected"].values()) > 0 and out["retries_logged"] > 0
-    assert out["syncer_survived"]
-    assert out["unmerged_after_drain"] == 0
-    assert out["lost_contributions"] == 0 and out["contribution_objects"] == out["ledger_entries"] > 0
-    assert out["uploads_given_up"] == 0 and out["quarantined"] == 0
+    assert out["verify_exit_code"] == 0, out
+    assert sum(out["faults_injected"].values()) > 0 and out["retries_logged"] > 0, out
+    assert out["syncer_survived"] and out["unmerged_after_drain"] == 0, out
+    assert out["lost_contributions"] == 0 and out["contribution_objects"] == out["ledger_entries"] > 0, out
+    assert out["uploads_given_up"] == 0 and out["quarantined"] == 0 and out["double_applied"] == 0, out
 
 
 @pytest.mark.slow
@@ -305,9 +304,10 @@ def test_syncer_kill9_at_random_points_loses_nothing_and_replays_bit_exactly(tmp
 
     out = bench_faults.main(["--rate", "0", "--kills", "3",
                              "--learners", "2", "--fragments", "2", "--workdir", str(tmp_path / "run")])
-    assert out["syncer_kills"] == 3 and out["verify_exit_code"] == 0, out.get("verify_output")
-    assert out["unmerged_after_drain"] == 0
-    assert out["lost_contributions"] == 0 and out["contribution_objects"] == out["ledger_entries"] > 0
-    assert out["double_applied"] == 0 and out["quarantined"] == 0
-    assert out["replay_restore_mismatches"] == 0 and out["replay_published_mismatches"] == 0
-    assert out["checkpoint_mismatches"] == 0
+    assert out["syncer_kills"] == 3 and out["verify_exit_code"] == 0, out
+    assert out["unmerged_after_drain"] == 0, out
+    assert out["lost_contributions"] == 0 and out["contribution_objects"] == out["ledger_entries"] > 0, out
+    assert out["double_applied"] == 0 and out["quarantined"] == 0, out
+    assert out["replay_restore_mismatches"] == 0 and out["replay_published_mismatches"] == 0, out
+    assert out["replay_strict_replay_failures"] == 0, out
+    assert out["checkpoints_replayed"] > 0 and out["checkpoint_mismatches"] == 0, out
