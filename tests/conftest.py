@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -31,6 +32,19 @@ import pytest
 
 S3_TEST_BUCKET = "ddiloco-test"
 GCS_TEST_BUCKET = "ddiloco-test"
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """CLI commands run in-process (CliRunner) install a root handler on the sys.stderr of
+    that moment: a captured stream that is closed after the test. Put the root logger
+    back after every test, or a later test's log line lands in a closed stream and
+    logging prints "--- Logging error ---" with a traceback into that test's output."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 class BucketURL(NamedTuple):
