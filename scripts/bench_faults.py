@@ -128,7 +128,7 @@ def replay_check(cluster: benchlib.Cluster) -> dict[str, int]:
     from_zero.restore()
     store, run, plan = with_ckpt.store, with_ckpt.run, with_ckpt.plan
     out = Counter(restore_mismatches=0, published_mismatches=0, strict_replay_failures=0, checkpoints_replayed=0,
-                  checkpoint_mismatches=0)
+                  checkpoint_mismatches=0, checkpoints_refused=0)
     for p, state in with_ckpt.states.items():
         a, b = state.current, from_zero.states[p].current
         out["restore_mismatches"] += not (_same_value(a, b) and state.high_water == from_zero.states[p].high_water)
@@ -144,7 +144,13 @@ def replay_check(cluster: benchlib.Cluster) -> dict[str, int]:
                 if v > value.version:
                     value = replay.replay(run=run, fragment=p, reader=reader, fetch=with_ckpt.intake.fetch_used,
                                           start=value, latest=v)
-                tensors, meta = replay.decode_checkpoint(store.get(info.key), plan=plan, fragment=p, where=info.key)
+                try:
+                    tensors, meta = replay.decode_checkpoint(store.get(info.key), plan=plan, fragment=p,
+                                                             where=info.key)
+                except (ProtocolError, InvalidPayloadError) as exc:  # restores skip it too
+                    print(f"fragment {p}: checkpoint refused by its loader: {exc}")
+                    out["checkpoints_refused"] += 1
+                    continue
                 shapes = replay.checkpoint_shapes(plan, p, accum=False)
                 momentum = {k: t for k, t in tensors.items() if k in plan.fragment_shapes(p)}
                 raw = {k[len(replay.RAW_PREFIX):]: t for k, t in tensors.items() if k.startswith(replay.RAW_PREFIX)}

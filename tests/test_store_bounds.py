@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_protocol import beat, contribution, live_syncer, make_run, step
 
-from ddiloco_cli import codec, layout, ledger
+from ddiloco_cli import codec, layout, ledger, replay
 from ddiloco_cli.store import ObjectTooLargeError, open_store
 from ddiloco_cli.store.bounds import (
     RECORD_MAX_BYTES,
@@ -35,10 +35,11 @@ def test_bounds_by_key(run_store):
     for p in range(plan.num_fragments):
         bound = tensor_max_bytes(plan, p)
         assert bound > plan.fragment_nbytes(p)
-        for key in (layout.contribution_key(p, "a", 3), layout.payload_key(p, 2, "full", "n"),
-                    layout.checkpoint_key(p, 2, "n")):
+        for key in (layout.contribution_key(p, "a", 3), layout.payload_key(p, 2, "full", "n")):
             assert max_bytes_for(key, plan) == bound
             assert max_bytes_for(key, None) == RECORD_MAX_BYTES  # no plan yet
+        # a checkpoint holds momentum, the raw value and the open cycle's gradient
+        assert max_bytes_for(layout.checkpoint_key(p, 2, "n"), plan) == tensor_max_bytes(plan, p, copies=3) > bound
     assert max_bytes_for(layout.contribution_key(plan.num_fragments, "a", 0), plan) == RECORD_MAX_BYTES
     for key in (layout.learner_heartbeat_key("a"), layout.learner_state_key("a"), layout.epoch_key(1),
                 layout.syncer_heartbeat_key(1), layout.latest_hint_key(0), layout.CLOCK_PREFIX + "x"):
@@ -56,6 +57,13 @@ def test_the_largest_legitimate_contribution_fits(run_store):
     assert len(data) <= tensor_max_bytes(plan, p)
     key, data, _ = contribution(run_store, p, "a", 0, tensors=tensors)
     assert run_store.get(key) == data
+
+
+def test_the_largest_legitimate_checkpoint_fits(run_store):
+    plan = _plan(run_store)
+    shapes = replay.checkpoint_shapes(plan, 0, accum=True)
+    data = codec.encode_tensors({k: torch.randn(s) for k, s in shapes.items()}, codec="none", metadata={"x": "y"})
+    assert len(data) <= max_bytes_for(layout.checkpoint_key(0, 2, "n"), plan)
 
 
 def test_bounded_store_finds_the_plan_itself(run_store):

@@ -5,9 +5,11 @@ make a reader allocate more than a legitimate object of its kind would need:
 
 * small JSON records (heartbeats, epochs, latest hints, learner state, clock
   probes): ``SMALL_RECORD_MAX_BYTES``;
-* tensor objects of fragment p (contributions, published payloads, outer
-  optimizer checkpoints): the fragment's fp32 size from the plan, plus the
-  worst-case zstd expansion and ``TENSOR_HEADER_SLACK_BYTES`` for headers;
+* tensor objects of fragment p (contributions, published payloads): the
+  fragment's fp32 size from the plan, plus the worst-case zstd expansion and
+  ``TENSOR_HEADER_SLACK_BYTES`` for headers; outer-optimizer checkpoints hold
+  up to ``CHECKPOINT_COPIES`` fp32 copies of the fragment (momentum, raw value,
+  the open cycle's gradient);
 * every other key (run.json, plan.json, manifests, quarantine reports):
   ``RECORD_MAX_BYTES``.
 
@@ -40,12 +42,16 @@ _SMALL_PREFIXES = (layout.EPOCH_PREFIX, layout.SYNCER_HEARTBEAT_PREFIX, layout.L
                    layout.CLOCK_PREFIX)
 
 
-def tensor_max_bytes(plan: "FragmentPlan", fragment: int) -> int:
-    """The most bytes a tensor object of ``fragment`` may have: fp32 values (the
-    largest codec), zstd's worst-case expansion (under 1/128 plus a frame per
-    tensor) and header slack."""
+CHECKPOINT_COPIES = 3
+
+
+def tensor_max_bytes(plan: "FragmentPlan", fragment: int, *, copies: int = 1) -> int:
+    """The most bytes a tensor object of ``fragment`` holding ``copies`` fp32 copies of
+    it may have: fp32 values (the largest codec), zstd's worst-case expansion (under
+    1/128 plus a frame per tensor) and header slack."""
     nbytes = plan.fragment_nbytes(fragment)
-    return nbytes + nbytes // 128 + len(plan.fragments[fragment]) * _PER_TENSOR_SLACK_BYTES + TENSOR_HEADER_SLACK_BYTES
+    per_copy = nbytes + nbytes // 128 + len(plan.fragments[fragment]) * _PER_TENSOR_SLACK_BYTES
+    return copies * per_copy + TENSOR_HEADER_SLACK_BYTES
 
 
 def max_bytes_for(key: str, plan: "FragmentPlan | None") -> int:
@@ -56,7 +62,8 @@ def max_bytes_for(key: str, plan: "FragmentPlan | None") -> int:
     fragment = layout.tensor_fragment(key)
     if fragment is not None and plan is not None:
         if fragment < plan.num_fragments:
-            return tensor_max_bytes(plan, fragment)
+            checkpoint = key.startswith(layout.checkpoint_prefix(fragment))
+            return tensor_max_bytes(plan, fragment, copies=CHECKPOINT_COPIES if checkpoint else 1)
     return RECORD_MAX_BYTES
 
 
