@@ -257,15 +257,6 @@ def claim_epoch(
     return None
 
 
-def fencing_epoch(store: Store, *, run_id: str, mine: Epoch, trust: "Trust | None" = None) -> Epoch | None:
-    """The highest valid (with ``trust``: signed) epoch above ``mine`` that overlaps its
-    fragments, if any (then halt). Raises NewerProtocolError when a newer ddiloco claimed
-    an epoch above ``mine``."""
-    above = [e for e in list_epochs(store, run_id=run_id, above=mine.epoch, trust=trust)
-             if e.fragments & mine.fragments]
-    return above[-1] if above else None
-
-
 def current_owner(store: Store, *, run_id: str, fragments: Iterable[int], trust: "Trust | None" = None) -> Epoch | None:
     """The highest epoch overlapping ``fragments``: whoever holds (or last held) their lease."""
     frags = set(fragments)

@@ -157,15 +157,13 @@ def merge_outer_gradients(
     *,
     method: str = "rda",
     mean_keys: set[str] | frozenset[str] = frozenset(),
-    sources: Sequence[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Merge per-learner outer gradients v_m (already against the current global
     value) tensor by tensor.
 
     method="rda": RDA for every key except those in `mean_keys` (embeddings, see
     `is_embedding_key`), which use the weighted mean; method="mean": weighted mean
-    everywhere. All grads must have the same keys and shapes. `sources` (one label
-    per contribution, e.g. "learner-3 seq 17") only names the culprit in errors.
+    everywhere. All grads must have the same keys and shapes.
 
     Raises InvalidPayloadError on non-finite values or mismatched keys/shapes
     (naming the contribution and tensor), UsageError on an unknown method.
@@ -174,9 +172,9 @@ def merge_outer_gradients(
         raise UsageError(f"unknown merge method {method!r}; use 'rda' or 'mean'")
     if not grads:
         raise UsageError("merge_outer_gradients needs at least one contribution")
-    labels = list(sources) if sources is not None else [f"contribution {i}" for i in range(len(grads))]
     keys = list(grads[0])
-    for label, g in zip(labels, grads):
+    for i, g in enumerate(grads):
+        label = f"contribution {i}"
         if set(g) != set(keys):
             missing = sorted(set(keys) - set(g))
             extra = sorted(set(g) - set(keys))

@@ -15,9 +15,7 @@ exactly one fragment is due per step.
 
 from __future__ import annotations
 
-from typing import Any
-
-from ddiloco_cli.errors import ProtocolError, UsageError
+from ddiloco_cli.errors import UsageError
 
 
 def _check(num_fragments: int, sync_every: int) -> None:
@@ -25,13 +23,6 @@ def _check(num_fragments: int, sync_every: int) -> None:
         raise UsageError(f"--fragments must be >= 1, got {num_fragments}")
     if sync_every < 1:
         raise UsageError(f"--sync-every must be >= 1, got {sync_every}")
-
-
-def fragment_offset(p: int, *, num_fragments: int, sync_every: int) -> int:
-    """t_p = floor(p * H / P) in {0..H-1}."""
-    _check(num_fragments, sync_every)
-    assert 0 <= p < num_fragments, p
-    return (p * sync_every) // num_fragments
 
 
 def fragments_due(step: int, *, num_fragments: int, sync_every: int) -> list[int]:
@@ -47,16 +38,6 @@ def fragments_due(step: int, *, num_fragments: int, sync_every: int) -> list[int
         for p in range(num_fragments)
         if (p * sync_every) // num_fragments == phase
     ]
-
-
-def next_due_step(p: int, step: int, *, num_fragments: int, sync_every: int) -> int:
-    """Smallest step s > `step` at which fragment p is due."""
-    t = fragment_offset(p, num_fragments=num_fragments, sync_every=sync_every)
-    s = step + 1
-    s += (t - s) % sync_every
-    if s < 1:  # only when step < 0 and t == 0
-        s = sync_every
-    return s
 
 
 class FragmentCounters:
@@ -92,26 +73,3 @@ class FragmentCounters:
         steps, tokens = since if since is not None else (self.c_steps[p], self.c_tokens[p])
         self.c_steps[p] -= steps
         self.c_tokens[p] -= tokens
-
-    def to_json(self) -> dict:
-        return {"c_steps": list(self.c_steps), "c_tokens": list(self.c_tokens)}
-
-    @classmethod
-    def from_json(cls, d: Any) -> "FragmentCounters":
-        """Raises ProtocolError on malformed data (e.g. a corrupt learner checkpoint)."""
-        ok = (
-            isinstance(d, dict)
-            and isinstance(d.get("c_steps"), list)
-            and isinstance(d.get("c_tokens"), list)
-            and len(d["c_steps"]) == len(d["c_tokens"]) >= 1
-            and all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                for x in d["c_steps"] + d["c_tokens"]
-            )
-        )
-        if not ok:
-            raise ProtocolError(f"invalid fragment counters: {d!r:.200}")
-        out = cls(len(d["c_steps"]))
-        out.c_steps = list(d["c_steps"])
-        out.c_tokens = list(d["c_tokens"])
-        return out

@@ -60,33 +60,6 @@ DEFAULT_RECOVERY_S = 3600.0  # a failed slice stays out this long before it rejo
 DEFAULT_TARGET_FAILURES = 40_000  # auto horizon: long enough for this many failures
 DEFAULT_MIN_HORIZON_DAYS = 7.0
 
-SIMULATE_HELP = f"""\
-Discrete-event goodput simulator of training at planet scale.
-
-Chips fail independently as a Poisson process (mean time between interruptions
---mtbi-years per chip). A failure takes down its slice (--slice-chips, one
-data-parallel replica). Modes:
-
-  data-parallel          one SPMD job: any failure stops everything, work since
-                         the last checkpoint is lost, restart takes --restart-s
-                         on a mesh refilled from hot spares (--spare-fraction,
-                         default sized to the slices under repair).
-  elastic-data-parallel  one job that drops the failed slice (losing the step in
-                         flight), pauses --reconfigure-s to re-shard, and goes on;
-                         the slice rejoins after --recovery-s (another pause).
-  decoupled              Decoupled DiLoCo: --learners independent elastic islands
-                         of chips/learners each; progress while >= --quorum of
-                         them compute. A failure pauses only its own learner.
-
-goodput = useful chip-seconds / (chips x horizon); uptime = fraction of time the
-run makes progress. Defaults (slice {DEFAULT_SLICE_CHIPS} chips, step {DEFAULT_STEP_S:g} s, restart
-{DEFAULT_RESTART_S:g} s, reconfigure {DEFAULT_RECONFIGURE_S:g} s, recovery {DEFAULT_RECOVERY_S:g} s) were calibrated once
-against the Decoupled DiLoCo paper at 1.2M chips, 1-year MTBI (DP 27%, elastic
-DP 58%, M=2/4/8/16: 70/82/88/93%) and are not retuned per scale. Deterministic
-for a given --seed. Model and assumptions: docs/simulator.md.
-"""
-
-
 class _Draws:
     """Batched random draws (numpy is slow one scalar at a time)."""
 

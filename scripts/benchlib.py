@@ -482,13 +482,6 @@ def fmt_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def read_record(store, key: str, record_type: str) -> dict[str, Any] | None:
-    try:
-        return records.loads(store.get(key), record_type, where=key)
-    except (NotFound, Exception):  # noqa: BLE001 - a torn or absent record is "none yet"
-        return None
-
-
 class LinearStack(torch.nn.Module):
     """Square bias-free Linear layers with tanh: every tensor is a plain matrix, so every
     tensor goes through RDA (the syncer's expensive path) and fragments are equal."""
