@@ -12,6 +12,7 @@ bit, residual included [M4].
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,11 @@ def manifest_cycle(manifest: dict[str, Any]) -> float:
     """The fragment's cycle clock at a version. Manifests without it (version 0, older
     writers) count one cycle per version."""
     return float(manifest.get("cycle", manifest["version"]))
+
+
+def manifest_phase(manifest: dict[str, Any]) -> float:
+    """The outer phase (learner shares merged, per-cycle mode) at a version; 0 when absent."""
+    return float(manifest.get("outer_phase", 0.0))
 
 
 def staleness_floor(store: Store, *, run_id: str, fragment: int, latest: int, max_staleness: float) -> int:
@@ -130,7 +136,8 @@ def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, frag
         value = FragmentValue(0, start, start, new_outer(run), manifest_cycle(reader.manifest(0)))
     else:
         v, outer, raw, accum = loaded
-        value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(reader.manifest(v)), accum)
+        m = reader.manifest(v)
+        value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(m), accum, manifest_phase(m))
     if value.version == latest:
         return value
     try:
@@ -139,8 +146,9 @@ def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, frag
         log.error("fragment %d: cannot replay the ledger from checkpoint %d (%s); continuing with the "
                   "checkpoint's momentum and no residual, which lags the committed trajectory",
                   fragment, value.version, exc)
-        return FragmentValue(latest, (pub := reader.read(latest)), pub, value.outer,
-                             manifest_cycle(reader.manifest(latest)))
+        m = reader.manifest(latest)
+        return FragmentValue(latest, (pub := reader.read(latest)), pub, value.outer, manifest_cycle(m), {},
+                             math.floor(manifest_phase(m)))
 
 
 def replay(*, run: dict[str, Any], fragment: int, reader: FragmentReader,
@@ -164,7 +172,7 @@ def replay(*, run: dict[str, Any], fragment: int, reader: FragmentReader,
             value, fragment=fragment, grads=grads, weights=[effective_weight(e) for e in used],
             lr=float(m.get("outer_lr", run["outer_lr"])), method=run["merge"], publish_codec=run["publish_codec"],
             block_size=int(run["codec_block"]), keyframe_every=int(run["keyframe_every"]),
-            advance=float(m.get("cycle_advance", 1.0)), per_cycle=per_cycle(run))
+            cycle=manifest_cycle(m), share=float(m.get("outer_share", 1.0)), per_cycle=per_cycle(run))
         recorded = {e["kind"]: e["sha256"] for e in m["payloads"]}
         mine = {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}
         if recorded != mine:

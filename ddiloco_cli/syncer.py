@@ -389,6 +389,14 @@ class Syncer:
         learners = self.live_learners | {c.learner_id for c in contributions}
         return sum(max(0, c.merged_steps) for c in contributions) / (int(self.run["sync_every"]) * max(1, len(learners)))
 
+    def _outer_share(self, contributions: list[Contribution]) -> float:
+        """The part of a cycle this merge is, for per-cycle momentum: each contribution one
+        learner's share (less if it covers fewer than H steps), times its staleness discount.
+        Not its steps: a delta over 3H steps already carries 3H steps of progress."""
+        learners = self.live_learners | {c.learner_id for c in contributions}
+        H = int(self.run["sync_every"])
+        return sum(c.discount * min(1.0, max(0, c.merged_steps) / H) for c in contributions) / max(1, len(learners))
+
     def _link_increments(self, state: FragmentState, contributions: list[Contribution]) -> None:
         """A learner that sends again on the base of a contribution already merged (it had not
         received the new version yet) sends its whole progress since that base again: merge
@@ -413,13 +421,14 @@ class Syncer:
         grads = [c.gradient() for c in contributions]  # each learner's progress on its own base
         lr = self._outer_lr(sum(c.discount for c in contributions))
         advance = self._cycle_advance(contributions)
+        share = self._outer_share(contributions)
         try:
             with self._stage("update"):
                 new, encoded = outer_update(
                     cur, fragment=p, grads=grads, weights=[c.weight * c.discount for c in contributions], lr=lr,
                     method=self.run["merge"], publish_codec=self.run["publish_codec"],
                     block_size=int(self.run["codec_block"]), keyframe_every=int(self.run["keyframe_every"]),
-                    advance=advance, per_cycle=per_cycle(self.run))
+                    cycle=cur.cycle + advance, share=share, per_cycle=per_cycle(self.run))
         except NonFiniteUpdate as exc:
             culprit = max(contributions, key=lambda c: delta_norm(c.delta))
             self.intake.quarantine(culprit.key, f"{exc}; it had the largest outer gradient")
@@ -437,7 +446,7 @@ class Syncer:
             numel=self.plan.fragment_numel(p), payloads=[e for _, _, e in encoded.payloads],
             contributions=[c.entry(USED) for c in contributions] + state.closed,
             quorum_size=quorum_size, grace_s=grace_s, outer_steps=new.outer.num_steps, high_water=high_water,
-            outer_lr=lr, cycle=new.cycle, cycle_advance=advance,
+            outer_lr=lr, cycle=new.cycle, cycle_advance=advance, outer_share=share, outer_phase=new.phase,
         )
         if self.signer is not None:  # [A5]
             manifest = signing.sign_record(manifest, run_id=self.run_id, key=layout.manifest_key(p, new.version),

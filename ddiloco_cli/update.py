@@ -13,8 +13,9 @@ The update (PROTOCOL.md "Merge semantics"):
    fragment then moved only ~1 d per cycle where synchronous DiLoCo moves ~5-7 d;
 2. merge (token-weighted RDA, or mean) with each weight times its staleness discount;
 3. an outer Nesterov step on the *raw* (unquantised) value: one step per merge, or
-   (``per_cycle``) one step per cycle of the fragment's cycle clock, each merge applying
-   its fraction of the gradient term at once and the momentum term when the cycle closes;
+   (``per_cycle``) one momentum step per cycle of the outer phase (one learner's share of
+   a cycle per contribution), each merge applying its share of the gradient term at once
+   and the momentum term when the phase crosses a whole number;
 4. publish ``Q(raw_new - published)``: the new published value is
    ``published + decode(that)``, and ``raw_new - published_new`` (the residual)
    stays in ``raw`` for the next delta: true error feedback.
@@ -50,8 +51,9 @@ class FragmentValue:
     published: Tensors  # the exact value every reader reconstructs
     raw: Tensors  # the unquantised value: published + the residual not yet published
     outer: OuterOptimizer
-    cycle: float = 0.0  # the fragment's cycle clock at this version (manifest field `cycle`)
+    cycle: float = 0.0  # the fragment's cycle clock (staleness) at this version (manifest field `cycle`)
     accum: Tensors = field(default_factory=dict)  # per-cycle mode: this cycle's gradient so far ({}: none)
+    phase: float = 0.0  # per-cycle mode: learner shares merged so far (manifest field `outer_phase`)
 
 
 def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, method: str) -> Tensors:
@@ -63,18 +65,19 @@ def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, metho
 
 def outer_update(
     value: FragmentValue, *, fragment: int, grads: Sequence[Tensors], weights: Sequence[float], lr: float,
-    method: str, publish_codec: str, block_size: int, keyframe_every: int, advance: float, per_cycle: bool,
+    method: str, publish_codec: str, block_size: int, keyframe_every: int, cycle: float, share: float,
+    per_cycle: bool,
 ) -> tuple[FragmentValue, EncodedVersion]:
-    """The next version of ``value`` from the contributions' outer gradients; ``advance`` is
-    how far this merge moves the cycle clock. Pure: ``value`` (and its optimizer) are left
-    as they were, so a lost commit needs no rollback.
+    """The next version of ``value`` from the contributions' outer gradients; ``cycle`` is the
+    new staleness clock, ``share`` the part of a cycle this merge is (per_cycle). Pure:
+    ``value`` (and its optimizer) are left as they were, so a lost commit needs no rollback.
 
-    ``per_cycle``: a merge that covers exactly one whole cycle from a cycle boundary (every
-    learner once, in phase; always in lock-step) takes the plain Nesterov step, bit-exact
-    with torch.optim.SGD. Any other merge applies ``advance`` of the gradient term and adds
-    ``advance * g`` to the cycle's gradient; crossing a whole cycle closes it (momentum term,
-    then the buffer update). Learners out of phase then move a fragment per cycle as far as
-    one synchronous DiLoCo step, with momentum stepping once per cycle, not once per merge.
+    ``per_cycle``: a merge that is exactly one whole cycle from a phase boundary (every
+    learner once, in phase) takes the plain Nesterov step, bit-exact with torch.optim.SGD.
+    Any other merge applies ``share`` of the gradient term and adds ``share * g`` to the
+    cycle's gradient; crossing a whole number closes the cycle (momentum term, then the
+    buffer update). Learners out of phase then move a fragment per cycle as far as one
+    synchronous DiLoCo step, with momentum stepping once per cycle, not once per merge.
 
     Raises NonFiniteUpdate when the merged gradient or the new published value has a
     NaN or Inf (e.g. a huge but finite contribution overflowed fp32)."""
@@ -85,15 +88,15 @@ def outer_update(
     outer = value.outer.copy()
     outer.lr = lr
     raw = {k: t.clone() for k, t in value.raw.items()}
-    cycle = value.cycle + advance
+    phase = value.phase + share if per_cycle else value.phase
     accum: Tensors = {}
-    whole_cycle = advance == 1.0 and not value.accum and value.cycle == math.floor(value.cycle)
+    whole_cycle = share == 1.0 and not value.accum and value.phase == math.floor(value.phase)
     if not per_cycle or whole_cycle:
         outer.step(raw, merged)
     else:
-        outer.gradient_part(raw, merged, fraction=advance)
-        accum = {k: (value.accum[k] + advance * g) if value.accum else advance * g for k, g in merged.items()}
-        if math.floor(cycle) > math.floor(value.cycle):
+        outer.gradient_part(raw, merged, fraction=share)
+        accum = {k: (value.accum[k] + share * g) if value.accum else share * g for k, g in merged.items()}
+        if math.floor(phase) > math.floor(value.phase):
             outer.close_cycle(raw, accum)
             accum = {}
     encoded = encode_version(fragment=fragment, version=value.version + 1, new_value=raw,
@@ -102,4 +105,4 @@ def outer_update(
     for k, t in encoded.published.items():
         if not all_finite(t) or not all_finite(raw[k]):
             raise NonFiniteUpdate(f"fragment {fragment}: the new value of {k!r} is not finite")
-    return FragmentValue(value.version + 1, encoded.published, raw, outer, cycle, accum), encoded
+    return FragmentValue(value.version + 1, encoded.published, raw, outer, cycle, accum, phase), encoded

@@ -34,7 +34,7 @@ def run_store():
 
 def _update(value: FragmentValue, grad: dict, publish_codec: str) -> FragmentValue:
     new, _ = outer_update(value, fragment=0, grads=[grad], weights=[1.0], lr=0.7, method="rda",
-                          publish_codec=publish_codec, block_size=BLOCK, keyframe_every=10_000, advance=1.0, per_cycle=False)
+                          publish_codec=publish_codec, block_size=BLOCK, keyframe_every=10_000, cycle=0.0, share=1.0, per_cycle=False)
     return new
 
 
@@ -275,7 +275,7 @@ def _toy_movement(num_learners: int, *, per_cycle: bool, cycles: int = 20) -> fl
     steps = [(d, 1.0 / num_learners)] * (num_learners * cycles) if per_cycle else [(d, 1.0)] * cycles
     for grad, advance in steps:
         value, _ = outer_update(value, fragment=0, grads=[grad], weights=[1.0], lr=0.7, method="rda",
-                                publish_codec="none", block_size=BLOCK, keyframe_every=10_000, advance=advance,
+                                publish_codec="none", block_size=BLOCK, keyframe_every=10_000, cycle=0.0, share=advance,
                                 per_cycle=per_cycle)
     return -float(value.published["w"][0]) / cycles
 
