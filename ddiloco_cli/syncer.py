@@ -404,7 +404,9 @@ class Syncer:
         tips = dict(state.tips)
         for c in contributions:  # in seq order per learner
             tip = tips.get(c.learner_id)
-            if tip is not None and tip[0]["base_version"] == c.base_version and tip[0]["seq"] < c.seq:
+            # only when its counters ran on from the tip's (a restarted session starts them again)
+            if tip is not None and tip[0]["base_version"] == c.base_version and tip[0]["seq"] < c.seq \
+                    and c.c_steps > tip[0]["c_steps"] and c.c_tokens >= tip[0]["c_tokens"]:
                 entry, delta = tip
                 c.increment_of = {k: entry[k] for k in ("seq", "key", "sha256", "c_tokens", "c_steps")}
                 c.prior_delta = delta if delta is not None else self.intake.fetch_used(state.fragment, entry)
