@@ -2,7 +2,7 @@
 
 A moto S3 server (own process) holds the bucket; the syncer talks to it
 directly (it sits next to the bucket); each learner reaches it through its own
-throttling proxy (ddiloco_cli/netem.py: token-bucket bandwidth per direction,
+throttling proxy (scripts/netem.py: token-bucket bandwidth per direction,
 added one-way latency). One run, one syncer; learner sessions one after
 another, each with a fresh learner id and its own link:
 
@@ -52,10 +52,13 @@ import time
 import uuid
 from pathlib import Path
 
-from ddiloco_cli import layout, records
-from ddiloco_cli.netem import Direction, LinkProxy
-from ddiloco_cli.schedule import fragments_due
-from ddiloco_cli.store import open_store
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from netem import Direction, LinkProxy  # noqa: E402
+
+from ddiloco_cli import layout, records  # noqa: E402
+from ddiloco_cli.schedule import fragments_due  # noqa: E402
+from ddiloco_cli.store import open_store  # noqa: E402
 
 BUCKET = "ddiloco-bench"
 

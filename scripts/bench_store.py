@@ -3,7 +3,7 @@ and how long a call to an endpoint that never answers takes to fail.
 
 PUT latency: ``put_if_absent`` of fresh keys through the real S3 backend against
 the moto server (``moto_server``, its threaded werkzeug app), on loopback and
-through a netem link proxy with --latency-ms one-way delay (a round trip of
+through a netem.py link proxy with --latency-ms one-way delay (a round trip of
 2x that, as to a distant region). The two arms alternate PUT by PUT (A/B
 interleaved), so load on the machine hits both alike. ``Expect: 100-continue``
 makes the client wait for the server's interim "100 Continue" before sending
@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import fmt_table, load_text, write_result  # noqa: E402
+from netem import Direction, LinkProxy  # noqa: E402
 
 from ddiloco_cli.errors import StoreAccessError  # noqa: E402
-from ddiloco_cli.netem import Direction, LinkProxy  # noqa: E402
 from ddiloco_cli.store import open_store  # noqa: E402
 
 BUCKET = "ddiloco-bench-store"

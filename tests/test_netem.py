@@ -1,4 +1,4 @@
-"""The throttling proxy (ddiloco_cli/netem.py) on real loopback sockets.
+"""The throttling proxy (scripts/netem.py) on real loopback sockets.
 
 Timing asserts are lower bounds only (a loaded machine can only make things
 slower): a limited link can never carry bytes faster than its rate, and a
@@ -15,10 +15,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from ddiloco_cli.netem import Direction, LinkProxy
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+sys.path.insert(0, str(SCRIPTS))
+from netem import Direction, LinkProxy  # noqa: E402
 
 
 @pytest.fixture
@@ -155,7 +159,7 @@ def test_s3_store_through_the_proxy(moto_server):
 def test_command_line(echo_server):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco_cli.netem", "--listen", "127.0.0.1:0",
+        [sys.executable, str(SCRIPTS / "netem.py"), "--listen", "127.0.0.1:0",
          "--target", f"{echo_server[0]}:{echo_server[1]}", "--rate-mbps", "80", "--latency-ms", "1"],
         stdout=subprocess.PIPE, text=True, env=env)
     try:

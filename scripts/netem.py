@@ -13,7 +13,7 @@ modelled per direction as a FIFO wire:
 The proxy reads from a socket only as fast as its wire drains, so a sender
 feels the limit as TCP back-pressure, as it would on a real link.
 
-    python -m ddiloco_cli.netem --listen 127.0.0.1:9001 --target 127.0.0.1:9000 --rate-mbps 8 --latency-ms 20
+    python scripts/netem.py --listen 127.0.0.1:9001 --target 127.0.0.1:9000 --rate-mbps 8 --latency-ms 20
     ddiloco learn s3://bucket/run -o endpoint_url=http://127.0.0.1:9001 --learner-id a
 
 In Python::
@@ -246,7 +246,7 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ddiloco_cli.netem", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="scripts/netem.py", description=__doc__.splitlines()[0])
     ap.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0), help="HOST:PORT to listen on (port 0: any)")
     ap.add_argument("--target", type=_host_port, required=True, help="HOST:PORT to forward to (the bucket endpoint)")
     ap.add_argument("--rate-mbps", type=float, default=None, help="bandwidth each way, Mbit/s (default unlimited)")
