@@ -1,4 +1,5 @@
-"""Balanced fragmentation of a model into P fragments (DESIGN.md section 3).
+"""Balanced fragmentation of a model into P fragments (docs/design.md, "Fragments and
+the schedule"; PROTOCOL.md "Fragment plan").
 
 A fragment is a tuple of `TensorSlice`s: whole parameters, or row ranges (dim 0)
 of parameters too large for one fragment. The plan is a pure function of the

@@ -1,5 +1,6 @@
 """When each fragment is sent, and the per-fragment counters sent with it
-(DESIGN.md section 3, "Schedule" and "Counters").
+(docs/design.md, "Fragments and the schedule"; PROTOCOL.md "Learner contributions"
+for the counters' meaning).
 
 Step convention: `step` is the learner's number of *completed* inner steps; the
 learner calls `fragments_due(step, ...)` right after inner step `step` (so the

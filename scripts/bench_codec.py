@@ -2,7 +2,7 @@
 
 Sizes and errors are measured on real outer gradients: a small char-level GPT
 (defined below, ~0.8M parameters) is trained with AdamW on real English text
-(ddiloco_cli/data/shakespeare_excerpt.txt; /work/shared/DESIGN.md if absent) for
+(ddiloco_cli/data/shakespeare_excerpt.txt, shipped with the package) for
 --warmup-steps, then for H = --sync-every more steps; the outer gradient is
 theta_before - theta_after. "down" is the syncer's published delta after one
 Nesterov outer step on that gradient (encode_published_delta). Throughput is
@@ -28,7 +28,7 @@ from ddiloco_cli.codec import CODECS, DEFAULT_BLOCK_SIZE, decode_tensors, encode
 from ddiloco_cli.outer import OuterOptimizer
 
 REPO = Path(__file__).resolve().parent.parent
-TEXT_PATHS = [REPO / "ddiloco_cli/data/shakespeare_excerpt.txt", Path("/work/shared/DESIGN.md")]
+TEXT_PATH = REPO / "ddiloco_cli/data/shakespeare_excerpt.txt"
 
 
 # --- a tiny char-level GPT ----------------------------------------------------------------
@@ -72,10 +72,7 @@ class CharGPT(torch.nn.Module):
 
 
 def load_text() -> tuple[str, Path]:
-    for p in TEXT_PATHS:
-        if p.exists():
-            return p.read_text(encoding="utf-8"), p
-    raise SystemExit(f"no text found at {TEXT_PATHS}")
+    return TEXT_PATH.read_text(encoding="utf-8"), TEXT_PATH
 
 
 def real_outer_gradient(

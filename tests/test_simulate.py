@@ -75,7 +75,7 @@ def test_one_learner_is_elastic_dp_and_rule_of_thumb():
     elastic = simulate(mode="elastic-data-parallel", chips=300_000, mtbi_years=1.0)
     one = simulate(mode="decoupled", chips=300_000, learners=1, mtbi_years=1.0)
     assert one["goodput"] == pytest.approx(elastic["goodput"], abs=1e-9)
-    # DESIGN.md: M learners on N chips ~ elastic DP on N/M chips
+    # docs/simulator.md ("decoupled"): M learners on N chips ~ elastic DP on N/M chips
     four = simulate(mode="decoupled", chips=1_200_000, learners=4, mtbi_years=1.0)
     assert four["goodput"] == pytest.approx(elastic["goodput"], abs=0.02)
 
