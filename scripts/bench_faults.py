@@ -243,13 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
     ids = [f"l{i}" for i in range(args.learners)]
     t0 = time.monotonic()
     try:
+        # with kills the learners train until the kills are done, then stop; else they run --steps
+        learner_steps = 10**6 if args.kills else args.steps
         run = cluster.init(task="tiny", fragments=args.fragments, sync_every=args.sync_every, overlap_steps=1,
-                           codec="int8", total_steps=args.steps, lr_schedule="constant", warmup_steps=0,
+                           codec="int8", total_steps=learner_steps, lr_schedule="constant", warmup_steps=0,
                            lease=2, heartbeat=0.5, max_staleness=16, quorum=1, checkpoint_every=2)
         syncer_args = ["--poll", "0.1", *faults(0)]
         cluster.start_syncer(*syncer_args)
-        # with kills the learners train until the kills are done, then stop; else they run --steps
-        learner_steps = 10**6 if args.kills else args.steps
         for i, lid in enumerate(ids):
             cluster.start_learner(lid, "--steps", str(learner_steps), *faults(i + 1))
         kill_ages: list[float] = []
