@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--lr-schedule", default="cosine")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's default")
-    ap.add_argument("--outer-lr-scaling", default="cycle", help="decoupled arms: cycle, participation or none")
+    ap.add_argument("--outer-lr-scaling", default="cycle", help="decoupled arms: cycle (the figures in README), participation (the run default) or none")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
