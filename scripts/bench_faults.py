@@ -44,7 +44,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -264,9 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
         syncer_alive = cluster.syncer.poll() is None
         cluster.stop_syncer()
         elapsed_s = time.monotonic() - t0
-        verify = subprocess.run([sys.executable, "-m", "ddiloco_cli", "inspect", cluster.url, "--verify"],
-                                env={k: v for k, v in cluster.env.items() if k != FAULTS_ENV},
-                                capture_output=True, text=True, timeout=300)
+        verify = cluster.launcher.run("inspect", cluster.url, "--verify", timeout_s=300,
+                                      env={FAULTS_ENV: ""})  # empty: no faults
         replay = replay_check(cluster) if args.kills else {}
         debris = sum(1 for d, _, names in os.walk(cluster.bucket) for n in names if n.startswith(".tmp-"))
         out = {

@@ -53,30 +53,6 @@ from ddiloco_cli.tasks.gpt import GPTConfig, GPTTask  # noqa: E402
 # ~3.2M parameters: ~100-200 ms per step on one core at batch 8 x 64 tokens
 mid = GPTTask(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), default_batch_size=8)
 
-SYNCER_WIDTH_ENV = "DDILOCO_BENCH_OVERHEAD_WIDTH"
-
-
-class StackTask:
-    """24 square Linear layers (one per fragment at P = 24): for the syncer memory test."""
-
-    def build_model(self) -> torch.nn.Module:
-        return benchlib.LinearStack(int(os.environ.get(SYNCER_WIDTH_ENV, "1024")), 24)
-
-    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
-        g = torch.Generator().manual_seed(seed * 1000 + shard)
-        width = int(os.environ.get(SYNCER_WIDTH_ENV, "1024"))
-        while True:
-            yield torch.randn(batch_size, width, generator=g)
-
-    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        return model(batch).pow(2).mean()
-
-    def num_tokens(self, batch: torch.Tensor) -> int:
-        return int(batch.shape[0])
-
-
-stack = StackTask()
-
 BATCH_SIZE = 8
 INNER_LR = 1e-3
 WARMUP = 20
@@ -232,9 +208,8 @@ def step_time_comparison(args, workdir: str) -> dict:
                                       codec="int4", inner_lr=INNER_LR, warmup_steps=WARMUP, lr_schedule="constant",
                                       total_steps=0, batch_size=BATCH_SIZE, seed=SEED))
     cpu_l, cpu_s = (0, 1) if args.pin else (None, None)
-    syncer_log = open(os.path.join(workdir, "syncer.log"), "wb")
-    syncer = subprocess.Popen([*_prefix(cpu_s, nice=10), sys.executable, "-m", "ddiloco_cli", "sync", url],
-                              stdout=syncer_log, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO))
+    launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
+    syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(cpu_s, nice=10)))
     records = []
     try:
         for rep in range(args.reps):
@@ -246,7 +221,7 @@ def step_time_comparison(args, workdir: str) -> dict:
     finally:
         syncer.terminate()
         syncer.wait(timeout=60)
-        syncer_log.close()
+        launcher.close()
     plain = [r for r in records if r["arm"] == "plain"]
     dd = [r for r in records if r["arm"] == "ddiloco"]
     ratios = [d["median_ms"] / p["median_ms"] for p, d in zip(plain, dd)]  # same rep: adjacent in time
@@ -299,14 +274,15 @@ def syncer_memory(args, workdir: str) -> dict:
     from ddiloco_cli.runinit import RunSpec, init_run
     from ddiloco_cli.store import open_store
 
-    env = {**_env(), SYNCER_WIDTH_ENV: str(args.syncer_width)}
-    os.environ[SYNCER_WIDTH_ENV] = str(args.syncer_width)
+    size = {benchlib.STACK_WIDTH_ENV: str(args.syncer_width), benchlib.STACK_LAYERS_ENV: "24"}  # a layer a fragment
+    env = {**_env(), **size}
+    os.environ.update(size)
     out: dict = {"width": args.syncer_width}
     cases = {"fragment 0": ("0", 1), "fragments 0-5": ("0-5", 6), "all 24": ("all", 24)}
     for name, (spec, num) in cases.items():
         url = os.path.join(workdir, f"mem-{spec}")
         store = open_store(url)
-        run = init_run(store, RunSpec(task=f"{THIS}:stack", num_fragments=24, sync_every=24, quorum=2, codec="int4",
+        run = init_run(store, RunSpec(task=benchlib.STACK_TASK, num_fragments=24, sync_every=24, quorum=2, codec="int4",
                                       grace_gamma=0.0, lease_s=3600.0, heartbeat_s=1.0))
         plan = ledger.read_plan(store, run_id=run["run_id"])
         g = torch.Generator().manual_seed(0)

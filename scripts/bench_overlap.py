@@ -44,8 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchlib import Launcher, start_moto  # noqa: E402
 from netem import Direction, LinkProxy  # noqa: E402
 
 from ddiloco_cli import layout, records  # noqa: E402
@@ -63,66 +62,31 @@ from ddiloco_cli.store import open_store  # noqa: E402
 BUCKET = "ddiloco-bench"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace, log_dir: str):
         self.args, self.log_dir = args, log_dir
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        os.environ.update({k: self.env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                                                    "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
+        self.launcher = Launcher(log_dir)
         self.url = f"s3://{BUCKET}/overlap-{uuid.uuid4().hex[:8]}"
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        self.procs.append(proc)
-        return proc
-
-    def ddiloco(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "ddiloco_cli", *args]
 
     def start(self) -> None:
-        import boto3
-
-        moto = str(Path(sys.executable).with_name("moto_server"))
-        self.spawn("moto", [moto, "-H", "127.0.0.1", "-p", str(self.port)])
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=BUCKET)
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+        self.endpoint = start_moto(self.launcher, bucket=BUCKET)
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
+        aws = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        os.environ.update(aws)  # this process reads the bucket too
+        self.launcher.env.update(aws)
         a = self.args
-        subprocess.run(self.ddiloco("init", self.url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", str(a.fragments),
-                                    "-H", str(a.sync_every), "--overlap-steps", str(a.tau), "-K", "1",
-                                    "--codec", a.codec, "--lr-schedule", "constant", "--total-steps", "0",
-                                    "--heartbeat", "1", "--lease", "6", "--no-require-signatures"),
-                       env=self.env, check=True, capture_output=True, timeout=120)
-        self.spawn("syncer", self.ddiloco("sync", self.url, "--poll", "0.2"))
+        init = self.launcher.run("init", self.url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", str(a.fragments),
+                                 "-H", str(a.sync_every), "--overlap-steps", str(a.tau), "-K", "1",
+                                 "--codec", a.codec, "--lr-schedule", "constant", "--total-steps", "0",
+                                 "--heartbeat", "1", "--lease", "6", "--no-require-signatures")
+        if init.returncode != 0:
+            raise RuntimeError(f"ddiloco init failed ({init.returncode}):\n{init.stdout}\n{init.stderr}")
+        self.launcher.start("syncer", "sync", self.url, "--poll", "0.2")
         self.store = open_store(self.url)
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        self.launcher.close()
 
     def heartbeat(self, learner_id: str) -> dict | None:
         try:
@@ -140,9 +104,8 @@ class Bench:
                           down=Direction(rate_Bps=down_Bps, latency_s=lat, burst_bytes=burst)).start()
         learner_id = f"{name}-{uuid.uuid4().hex[:4]}"
         load_before = os.getloadavg()[0]
-        proc = self.spawn(learner_id, self.ddiloco("learn", self.url, "--learner-id", learner_id, "--steps",
-                                                   str(a.steps), "--threads", "1", "-o",
-                                                   f"endpoint_url={proxy.endpoint_url}"))
+        proc = self.launcher.start(learner_id, "learn", self.url, "--learner-id", learner_id, "--steps",
+                                   str(a.steps), "--threads", "1", "-o", f"endpoint_url={proxy.endpoint_url}")
         beats: dict[float, dict] = {}
         wire: list[tuple[float, int, int]] = []
         deadline = time.monotonic() + a.timeout_s

@@ -24,7 +24,6 @@ import argparse
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import fmt_table, load_text, write_result  # noqa: E402
+from benchlib import Launcher, fmt_table, load_text, start_moto, write_result  # noqa: E402
 from netem import Direction, LinkProxy  # noqa: E402
 
 from ddiloco_cli.errors import StoreAccessError  # noqa: E402
@@ -41,32 +40,6 @@ from ddiloco_cli.store import open_store  # noqa: E402
 
 BUCKET = "ddiloco-bench-store"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto(log_path: str) -> tuple[subprocess.Popen, str]:
-    import boto3
-
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-            return proc, endpoint
-        except Exception:  # noqa: BLE001 - not up yet
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError(f"moto_server did not start; see {log_path}") from None
-            time.sleep(0.3)
 
 
 def put_latencies(endpoint: str, *, size: int, puts: int) -> dict[str, list[float]]:
@@ -135,7 +108,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     links = [0.0] + ([args.latency_ms] if args.latency_ms > 0 else [])
 
-    proc, endpoint = start_moto(os.path.join(workdir, "moto.log"))
+    launcher = Launcher(workdir)
+    endpoint = start_moto(launcher, bucket=BUCKET)
     rows, results = [], []
     try:
         for latency_ms in links:
@@ -160,8 +134,7 @@ def main() -> None:
                 if proxy is not None:
                     proxy.stop()
     finally:
-        proc.kill()
-        proc.wait()
+        launcher.close()
     print(f"S3 put_if_absent against moto_server, {args.puts} PUTs per arm, A/B interleaved ({load_text()})")
     print(fmt_table(["one-way ms", "bytes", "expect ms (median)", "no-expect ms", "saved ms"], rows))
     out = {"expect_100_continue": results}

@@ -46,30 +46,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
-TASK_ENV_WIDTH = "DDILOCO_BENCH_SYNCER_WIDTH"
-TASK_ENV_LAYERS = "DDILOCO_BENCH_SYNCER_LAYERS"
-
-
-# --------------------------------------------------------------------- the task
-class BenchTask:
-    """Task used only to initialise the run (the syncer never trains). Size from the
-    environment so the script can choose it: width x width x layers parameters."""
-
-    def build_model(self) -> torch.nn.Module:
-        return benchlib.LinearStack(int(os.environ.get(TASK_ENV_WIDTH, "1024")), int(os.environ.get(TASK_ENV_LAYERS, "4")))
-
-    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
-        width = int(os.environ.get(TASK_ENV_WIDTH, "1024"))
-        g = torch.Generator().manual_seed(seed * 1000 + shard)
-        while True:
-            yield torch.randn(batch_size, width, generator=g)
-
-    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        return model(batch).pow(2).mean()
-
-    def num_tokens(self, batch: torch.Tensor) -> int:
-        return int(batch.shape[0])
-
 
 # ------------------------------------------------------------------- profiling
 class Regions:
@@ -133,7 +109,7 @@ def _make_run(url: str, *, codec: str, m: int, num_fragments: int):
     from ddiloco_cli.store import open_store
 
     store = open_store(url)
-    spec = RunSpec(task=f"{os.path.abspath(__file__)}:BenchTask", num_fragments=num_fragments,
+    spec = RunSpec(task=benchlib.STACK_TASK, num_fragments=num_fragments,
                    sync_every=max(24, num_fragments), overlap_steps=2, quorum=m, codec=codec, merge="rda",
                    grace_gamma=0.0, lease_s=3600.0, heartbeat_s=1.0, max_staleness=8)
     run = init_run(store, spec)
@@ -260,8 +236,8 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    os.environ[TASK_ENV_WIDTH] = str(args.width)
-    os.environ[TASK_ENV_LAYERS] = str(args.layers)
+    os.environ[benchlib.STACK_WIDTH_ENV] = str(args.width)
+    os.environ[benchlib.STACK_LAYERS_ENV] = str(args.layers)
     root = args.root or tempfile.mkdtemp(prefix="bench-syncer-")
     load = os.getloadavg()
     results = []

@@ -1,4 +1,10 @@
-"""Shared helpers for the multi-process benchmarks (bench_convergence.py, bench_goodput.py).
+"""What the benchmarks (scripts/bench_*.py) and the multi-process tests share.
+
+``Launcher`` is the one way they start processes: ``python -m ddiloco_cli ...``
+(or any command) with its output in a log file, SIGKILLed at ``close()``;
+tests/procs.py is this class. ``start_moto`` runs a moto S3 server on a free port.
+``StackTask`` (``--task /abs/path/scripts/benchlib.py:stack``) is the tiny task of
+the benchmarks that need a model of a chosen size but no real data.
 
 A ``Cluster`` runs real ``python -m ddiloco_cli`` processes (init, one syncer, M
 learners) against a local-directory bucket, with logs in a work directory; it
@@ -21,19 +27,20 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
-from ddiloco_cli import layout, ledger, records
+from ddiloco_cli import layout, ledger
 from ddiloco_cli.learner import lr_at
 from ddiloco_cli.published import load_global_model
 from ddiloco_cli.store import open_store
-from ddiloco_cli.store.base import NotFound
 from ddiloco_cli.tasks import evaluate
 from ddiloco_cli.tasks.gpt import tiny as _tiny
 
@@ -79,7 +86,129 @@ class PacedTask:
 paced_tiny = PacedTask(_tiny)
 
 
+class LinearStack(torch.nn.Module):
+    """Square bias-free Linear layers with tanh: every tensor is a plain matrix, so every
+    tensor goes through RDA (the syncer's expensive path) and fragments are equal."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+STACK_WIDTH_ENV = "DDILOCO_BENCH_STACK_WIDTH"
+STACK_LAYERS_ENV = "DDILOCO_BENCH_STACK_LAYERS"
+STACK_TASK = f"{BENCHLIB_PATH}:stack"
+
+
+class StackTask:
+    """A ``LinearStack`` of $DDILOCO_BENCH_STACK_LAYERS layers (default 4) of width
+    $DDILOCO_BENCH_STACK_WIDTH (default 1024), read when the model is built, so that a
+    benchmark sets the size for itself and for the processes it starts; random inputs,
+    loss = mean square of the output, one token per row."""
+
+    @staticmethod
+    def _width() -> int:
+        return int(os.environ.get(STACK_WIDTH_ENV, "1024"))
+
+    def build_model(self) -> torch.nn.Module:
+        return LinearStack(self._width(), int(os.environ.get(STACK_LAYERS_ENV, "4")))
+
+    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
+        g = torch.Generator().manual_seed(seed * 1000 + shard)
+        width = self._width()
+        while True:
+            yield torch.randn(batch_size, width, generator=g)
+
+    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    def num_tokens(self, batch: torch.Tensor) -> int:
+        return int(batch.shape[0])
+
+
+stack = StackTask()
+
+
 # --------------------------------------------------------------------------- processes
+
+
+class Launcher:
+    """Starts processes with stdout and stderr appended to ``log_dir/NAME.log``; ``close()``
+    SIGKILLs whatever still runs. Children get ``env`` (default: this process's
+    environment) with one thread for OpenMP and unbuffered Python output, so their logs
+    are current and several share a small machine."""
+
+    def __init__(self, log_dir: str | os.PathLike, *, env: dict[str, str] | None = None, cwd: str | None = None):
+        self.log_dir = str(log_dir)
+        self.env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.cwd = cwd
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``argv``; ``env`` adds variables for this process alone. ``proc.name`` is ``name``."""
+        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
+                                    cwd=self.cwd)
+        proc.name = name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None,
+              prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Start ``python -m ddiloco_cli ARGS``, after ``prefix`` (e.g. nice, taskset)."""
+        return self.spawn(name, [*prefix, sys.executable, "-m", "ddiloco_cli", *args], env=env)
+
+    def run(self, *args: str, timeout_s: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run ``python -m ddiloco_cli ARGS`` to its end; output captured as text."""
+        return subprocess.run([sys.executable, "-m", "ddiloco_cli", *args], env={**self.env, **(env or {})},
+                              cwd=self.cwd, capture_output=True, text=True, timeout=timeout_s)
+
+    def log(self, name: str) -> str:
+        """The log of process ``name`` so far ("" before it has one)."""
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto(launcher: Launcher, *, bucket: str, timeout_s: float = 30) -> str:
+    """Start moto's S3 server (its stock ``moto_server``) on a free port as process "moto"
+    of ``launcher``, wait until it serves, create ``bucket``; returns the endpoint URL."""
+    import boto3
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    proc = launcher.spawn("moto", [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1",
+                                   "-p", str(port)])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                         region_name="us-east-1").create_bucket(Bucket=bucket)
+            return endpoint
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(f"moto_server did not start; see {launcher.log_dir}/moto.log") from None
+            time.sleep(0.3)
 
 
 class Cluster:
@@ -95,12 +224,12 @@ class Cluster:
         os.makedirs(self.bucket, exist_ok=True)
         os.makedirs(self.log_dir, exist_ok=True)
         self.url = self.bucket
-        self.env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.launcher = Launcher(self.log_dir, env={**os.environ, **(env or {})})
+        self.env = self.launcher.env
         self.syncer: subprocess.Popen | None = None
         self.learners: dict[str, subprocess.Popen] = {}
         self.learner_args: dict[str, list[str]] = {}
         self.spawned_s: dict[str, float] = {}  # learner id -> wall time of its latest spawn
-        self._all: list[subprocess.Popen] = []
         self._store = None
 
     @property
@@ -108,14 +237,6 @@ class Cluster:
         if self._store is None:
             self._store = open_store(self.url)
         return self._store
-
-    def _spawn(self, name: str, args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**self.env, **(env or {})})
-        log.close()
-        self._all.append(proc)
-        return proc
 
     def init(self, **flags: Any) -> dict[str, Any]:
         """`ddiloco init BUCKET --flag value ...` (underscores become dashes; True is a bare
@@ -127,15 +248,14 @@ class Cluster:
                 args.append(flag)
             elif v is not None and v is not False:
                 args += [flag, str(v)]
-        out = subprocess.run([sys.executable, "-m", "ddiloco_cli", *args], env=self.env, capture_output=True,
-                             text=True, timeout=300)
+        out = self.launcher.run(*args, timeout_s=300)
         if out.returncode != 0:
             raise RuntimeError(f"ddiloco init failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
         self.run = ledger.read_run(self.store)
         return self.run
 
     def start_syncer(self, *extra: str) -> subprocess.Popen:
-        self.syncer = self._spawn("syncer", ["sync", self.url, "--no-gc", *extra])
+        self.syncer = self.launcher.start("syncer", "sync", self.url, "--no-gc", *extra)
         return self.syncer
 
     def start_learner(self, learner_id: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -146,7 +266,7 @@ class Cluster:
             self.learner_args[learner_id] = ["learn", self.url, "--learner-id", learner_id, "--threads", "1",
                                              "--task", self.run["task"], *extra]
         self.spawned_s[learner_id] = time.time()
-        proc = self._spawn(f"learner-{learner_id}", self.learner_args[learner_id], env=env)
+        proc = self.launcher.start(f"learner-{learner_id}", *self.learner_args[learner_id], env=env)
         self.learners[learner_id] = proc
         return proc
 
@@ -186,17 +306,10 @@ class Cluster:
                 p.wait()
 
     def close(self) -> None:
-        for p in self._all:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        self.launcher.close()
 
     def log_tail(self, name: str, n_chars: int = 3000) -> str:
-        try:
-            with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
-                return f.read()[-n_chars:]
-        except FileNotFoundError:
-            return ""
+        return self.launcher.log(name)[-n_chars:]
 
     # ----------------------------------------------------------------- reading the bucket
     def heartbeats(self) -> dict[str, dict[str, Any]]:
@@ -480,20 +593,6 @@ def fmt_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-class LinearStack(torch.nn.Module):
-    """Square bias-free Linear layers with tanh: every tensor is a plain matrix, so every
-    tensor goes through RDA (the syncer's expensive path) and fragments are equal."""
-
-    def __init__(self, width: int, layers: int):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 def write_result(out: dict, *, json_path: str | None, workdir: str, keep_workdir: bool) -> dict:

@@ -1,4 +1,5 @@
-"""Helpers for tests that run real `ddiloco` processes."""
+"""Helpers for tests that run real `ddiloco` processes. ``Procs`` is the benchmarks'
+launcher (scripts/benchlib.py): one way to start them."""
 
 from __future__ import annotations
 
@@ -12,37 +13,8 @@ from typing import Callable
 from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.store import open_store
 
-
-class Procs:
-    """Starts `python -m ddiloco_cli ...` processes with logs in a directory; kills
-    whatever is left at exit."""
-
-    def __init__(self, log_dir, env: dict[str, str] | None = None):
-        self.log_dir = str(log_dir)
-        self.env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=self.env)
-        proc.name = name  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        return proc
-
-    def run(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ddiloco_cli", *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout_s)
-
-    def log(self, name: str) -> str:
-        with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
-            return f.read()
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from benchlib import Launcher as Procs  # noqa: E402
 
 
 def wait_for(cond: Callable[[], bool], *, timeout_s: float, what: str, procs: Procs | None = None, poll_s: float = 0.25) -> None:

@@ -61,7 +61,7 @@ def _bad_contributions(url: str, run_id: str) -> list[str]:
 
 def test_survives_kill9_of_learner_and_syncer(run_url, tmp_path):
     url, env = run_url
-    procs = Procs(tmp_path, env)
+    procs = Procs(tmp_path, env=env)
     try:
         r = procs.run("init", url, *INIT)
         assert r.returncode == 0, r.stderr

@@ -127,8 +127,8 @@ def test_learner_under_the_policy_needs_no_other_write_A7(iam_s3, tmp_path, monk
         if k.startswith("AWS_"):
             monkeypatch.setenv(k, v)
     url = f"s3://{BUCKET}/{PREFIX}"  # the prefix the policy names
-    admin = Procs(tmp_path, iam_s3["admin"])
-    learner = Procs(tmp_path, iam_s3["learner-a"])
+    admin = Procs(tmp_path, env=iam_s3["admin"])
+    learner = Procs(tmp_path, env=iam_s3["learner-a"])
     try:
         # an s3:// run requires signatures by default: the admin admits the learner's and the syncer's keys
         r = admin.run("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4", "--overlap-steps", "1",
