@@ -565,11 +565,11 @@ def gc(
     storage_option: StorageOpts = None,
 ) -> None:
     """Delete merged contributions, old versions and orphans beyond the run's retention."""
-    from ddiloco_cli import ledger
     from ddiloco_cli.gc import collect_garbage
+    from ddiloco_cli.runconfig import read_run_config
 
     store = _store(url, storage_option)
-    report = collect_garbage(store, run=ledger.read_run(store), dry_run=dry_run)
+    report = collect_garbage(store, config=read_run_config(store), dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
     out.print(f"{verb} {len(report.deleted)} objects, {report.bytes_freed / 1e6:.1f} MB")
     if dry_run:

@@ -14,7 +14,7 @@ payloads go; contributions go once merged (or superseded) at or before
 ``ckpt``; orphans (payloads no manifest names, quarantined inputs, older
 checkpoints, clock probes, temp files of writes that died midway) go only
 after ``gc_grace_s`` so that a writer still in flight never loses its object;
-a grace that is not positive is refused. Manifests are deleted before their payloads,
+a grace that is not positive never reaches GC (``RunConfig`` refuses it). Manifests are deleted before their payloads,
 oldest first, so every remaining manifest stays readable.
 """
 
@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ddiloco_cli import layout, ledger
-from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, UsageError
+from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.replay import decode_checkpoint, staleness_floor
+from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
 log = logging.getLogger(__name__)
@@ -70,16 +71,17 @@ def keep_from_version(*, latest: int, newest_checkpoint: int, retain_versions: i
     return keep
 
 
-def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[int] | None = None,
+def collect_garbage(store: Store, *, config: RunConfig, fragments: Iterable[int] | None = None,
                     dry_run: bool = False) -> GCReport:
-    grace_s = float(run["gc_grace_s"])
-    if not grace_s > 0:  # also NaN: with no grace GC deletes the objects of commits still in flight
-        raise UsageError(f"gc_grace_s is {run['gc_grace_s']!r}; garbage collection needs a positive grace "
-                         "(seconds a writer may take to finish an object), e.g. 300")
+    """Delete what run ``config`` no longer needs in ``fragments`` (default: all); with
+    ``dry_run`` only report it. ``config.gc_grace_s`` is positive: RunConfig refuses
+    anything else, since with no grace GC deletes the objects of commits still in flight."""
+    grace_s = config.gc_grace_s
+    run_id = config.run_id
     report = GCReport()
     now_s = store.now()
-    frags = list(fragments) if fragments is not None else list(range(int(run["num_fragments"])))
-    plan = ledger.read_plan(store, run_id=run["run_id"])
+    frags = list(fragments) if fragments is not None else list(range(config.num_fragments))
+    plan = ledger.read_plan(store, run_id=run_id)
 
     def drop(info: ObjectInfo) -> None:
         report.deleted.append(info.key)
@@ -98,14 +100,14 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
         checkpoints = [(layout.parse_num(i.key), i) for i in store.list(layout.checkpoint_prefix(p))]
         checkpoints = [(v, i) for v, i in checkpoints if v is not None and v <= latest]
         # only a checkpoint that decodes counts: a corrupt one must not license deleting the ledger behind it
-        newest_ckpt = max((v for v, i in checkpoints if _checkpoint_ok(store, i.key, run_id=run["run_id"],
-                                                                          plan=plan, fragment=p)), default=0)
+        newest_ckpt = max((v for v, i in checkpoints if _checkpoint_ok(store, i.key, run_id=run_id,
+                                                                      plan=plan, fragment=p)), default=0)
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
-                                 retain_versions=int(run["retain_versions"]),
-                                 publish_codec=run["publish_codec"], keyframe_every=int(run["keyframe_every"]),
+                                 retain_versions=config.retain_versions,
+                                 publish_codec=config.publish_codec, keyframe_every=config.keyframe_every,
                                  max_staleness=newest_ckpt - min(newest_ckpt, staleness_floor(
-                                     store, run_id=run["run_id"], fragment=p, latest=latest,
-                                     max_staleness=float(run["max_staleness"]))))
+                                     store, run_id=run_id, fragment=p, latest=latest,
+                                     max_staleness=float(config.max_staleness))))
         report.keep_from[p] = keep
         referenced: set[str] = set()
         high_water: dict[str, int] = {}
@@ -113,7 +115,7 @@ def collect_garbage(store: Store, *, run: dict[str, Any], fragments: Iterable[in
             if v < keep:
                 continue
             try:
-                m = ledger.read_manifest(store, p, v, run_id=run["run_id"])
+                m = ledger.read_manifest(store, p, v, run_id=run_id)
             except (NotFound, ProtocolError) as exc:
                 log.warning("gc: fragment %d version %d unreadable (%s); keeping everything from it", p, v, exc)
                 referenced = None  # type: ignore[assignment]

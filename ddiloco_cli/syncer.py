@@ -546,10 +546,11 @@ class Syncer:
 
     def _collect_garbage(self) -> None:
         from ddiloco_cli.gc import collect_garbage
+        from ddiloco_cli.runconfig import RunConfig
 
         self._last_gc_t = time.monotonic()
         try:
-            collect_garbage(self.store, run=self.run, fragments=self.fragments)
+            collect_garbage(self.store, config=RunConfig.from_record(self.run), fragments=self.fragments)
         except Exception as exc:  # noqa: BLE001 - GC must never stop serving
             log.warning("garbage collection failed: %s", exc)
 

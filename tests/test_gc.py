@@ -9,6 +9,8 @@ and contributions merged at or before version 4 (seq <= 3) go.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import time
 
@@ -16,10 +18,11 @@ import pytest
 import torch
 from test_inspect import LEARNER, build_run, copy_run, invoke, latest_values, write_contribution
 
-from ddiloco_cli import layout, ledger
-from ddiloco_cli.errors import UsageError
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.errors import ProtocolError, UsageError
 from ddiloco_cli.gc import collect_garbage
 from ddiloco_cli.observe import verify_run
+from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store import open_store
 from ddiloco_cli.syncer import Syncer, SyncerOptions
 
@@ -110,7 +113,7 @@ def test_gc_keeps_what_readers_and_a_restarting_syncer_need(built):
 
 
 def test_gc_deletes_exactly_the_expected_set(built):
-    report = collect_garbage(built.store, run=built.run, dry_run=True)
+    report = collect_garbage(built.store, config=RunConfig.from_record(built.run), dry_run=True)
     assert set(report.deleted) == expected_deleted(built)
     assert report.keep_from == {0: 4, 1: 4}
 
@@ -127,7 +130,7 @@ def test_young_objects_survive(tmp_path, template):
     # the same run, but nothing aged: only the version retention applies
     built = copy_run(template, str(tmp_path / "fresh"))
     _age_all(built.url, 0)
-    report = collect_garbage(built.store, run=built.run)
+    report = collect_garbage(built.store, config=RunConfig.from_record(built.run))
     assert report.deleted, "old manifests and payloads go regardless of age"
     assert all(k.startswith("fragments/") for k in report.deleted), report.deleted
     assert all(layout.parse_num(k) < 4 for k in report.deleted)
@@ -138,7 +141,7 @@ def test_no_checkpoint_means_nothing_but_orphans_go(tmp_path):
     built = build_run(str(tmp_path / "run"), rounds=2, checkpoint_every=100, retain_versions=1, max_staleness=1,
                       gc_grace_s=GRACE_S)
     _age_all(built.url, 2 * GRACE_S)
-    report = collect_garbage(built.store, run=built.run)
+    report = collect_garbage(built.store, config=RunConfig.from_record(built.run))
     assert report.deleted == [] and report.keep_from == {0: 0, 1: 0}
 
 
@@ -151,9 +154,9 @@ def test_gc_deletes_temp_files_of_dead_writers_after_the_grace(built):
             f.write(b"partial")
     t = time.time() - 2 * GRACE_S
     os.utime(dead, (t, t))
-    dry = collect_garbage(built.store, run=built.run, dry_run=True)
+    dry = collect_garbage(built.store, config=RunConfig.from_record(built.run), dry_run=True)
     assert "fragments/p00000/payloads/.tmp-dead" in dry.deleted and os.path.exists(dead)
-    report = collect_garbage(built.store, run=built.run)
+    report = collect_garbage(built.store, config=RunConfig.from_record(built.run))
     assert "fragments/p00000/payloads/.tmp-dead" in report.deleted
     assert not os.path.exists(dead) and os.path.exists(live)
     assert not any(".tmp-live" in k for k in report.deleted)
@@ -161,7 +164,15 @@ def test_gc_deletes_temp_files_of_dead_writers_after_the_grace(built):
 
 @pytest.mark.parametrize("grace_s", [0.0, -300.0, float("nan")])
 def test_gc_refuses_a_grace_that_is_not_positive(built, grace_s):
+    """GC takes a RunConfig, and there is none with such a grace: not from flags, code
+    or a run.json in the bucket; `ddiloco gc` on that bucket deletes nothing."""
     keys = _keys(built.store)
-    with pytest.raises(UsageError, match="positive grace"):
-        collect_garbage(built.store, run={**built.run, "gc_grace_s": grace_s})
+    with pytest.raises(UsageError, match="--gc-grace"):
+        dataclasses.replace(RunConfig.from_record(built.run), gc_grace_s=grace_s)
+    with pytest.raises(ProtocolError, match="gc-grace"):
+        RunConfig.from_record({**built.run, "gc_grace_s": grace_s})
+    if math.isfinite(grace_s):  # JSON has no NaN
+        built.store.put(layout.RUN_CONFIG, records.dumps({**built.run, "gc_grace_s": grace_s}))
+        result = invoke("gc", built.url)
+        assert result.exit_code != 0 and "gc-grace" in result.output, result.output
     assert _keys(built.store) == keys

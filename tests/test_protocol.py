@@ -25,6 +25,7 @@ from ddiloco_cli.errors import FencedError, InvalidPayloadError, ProtocolError, 
 from ddiloco_cli.gc import collect_garbage
 from ddiloco_cli.learner import LearnerStats, Uploader
 from ddiloco_cli.published import FragmentReader, expected_shapes
+from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import NotFound
@@ -809,7 +810,7 @@ def test_gc_keeps_newest_checkpoint_and_everything_after_G1(gc_store):
     m4 = ledger.read_manifest(gc_store, 0, 4)
     after = [c["key"] for c in ledger.read_manifest(gc_store, 0, 5)["contributions"]]
     time.sleep(0.01)  # gc_grace_s is 1 ms (init refuses 0): everything written so far is old enough
-    report = collect_garbage(gc_store, run=s.run)
+    report = collect_garbage(gc_store, config=RunConfig.from_record(s.run))
     assert report.keep_from == {0: 4, 1: 4}
     for p in (0, 1):
         assert ledger.list_versions(gc_store, p) == [4, 5]
@@ -836,11 +837,11 @@ def test_gc_spares_orphans_younger_than_grace_G3(store_url):
     bad, _, _ = contribution(store, 0, "a", 3, header={"run_id": "x"})
     s = live_syncer(store)
     assert not step(s, 0)
-    report = collect_garbage(store, run=s.run)
+    report = collect_garbage(store, config=RunConfig.from_record(s.run))
     assert report.deleted == []
     assert store.get(orphan) == b"partial" and store.get(bad)
     late = RecordingStore(store, clock_shift_s=7200.0)
-    report = collect_garbage(late, run=s.run)
+    report = collect_garbage(late, config=RunConfig.from_record(s.run))
     assert orphan in report.deleted and bad in report.deleted
     assert ledger.list_versions(store, 0) == [0]  # version 0 (with its payload) is never collected
     FragmentReader(store, run_id=s.run_id, plan=s.plan, fragment=0).read(0)
@@ -855,7 +856,7 @@ def test_manifests_deleted_before_their_payloads_G4(gc_store):
     drive(gc_store, s, rounds=5)
     time.sleep(0.01)
     rec = RecordingStore(gc_store)
-    collect_garbage(rec, run=s.run)
+    collect_garbage(rec, config=RunConfig.from_record(s.run))
     deleted = [k for op, k in rec.log if op == "delete"]
     assert layout.manifest_key(0, 0) in deleted and layout.manifest_key(1, 2) in deleted
     for p in (0, 1):
