@@ -11,6 +11,9 @@ each fragment and checks the no-silent-loss rule (PROTOCOL.md [W9]):
   report is its record), or still pending (above its learner's high-water mark),
   or retired (accounted for before the oldest retained manifest). One that its
   learner's high-water mark passed without any of these was lost.
+* every used contribution (and the earlier one an increment is taken from) of the
+  versions after the fragment's newest checkpoint is still in the bucket: a
+  restarting syncer replays those merges from the ledger [M4].
 
 It also totals the tokens of used entries (``merged_token_fraction`` in the
 convergence benchmark). Used by ``ddiloco inspect --verify``.
@@ -62,6 +65,7 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
     first_hw: dict[str, int] = {}
     last_hw: dict[str, int] = {}
     out.used_tokens.setdefault(p, 0)
+    used_by_version: dict[int, list[dict[str, Any]]] = {}
     for v in versions:
         try:
             m = ledger.read_manifest(store, p, v, run_id=run_id)
@@ -79,15 +83,28 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
                 out.counts[status] += 1
             if status == USED:
                 out.used_tokens[p] += int(e.get("merged_tokens", e["c_tokens"]))
+                used_by_version.setdefault(v, []).append(e)
             elif status == REFUSED and not e.get("reason"):
                 out.problems.append(f"{layout.manifest_key(p, v)}: {e['key']} is refused without a reason")
             elif status == SUPERSEDED and "carried_by" in e:
                 supersedes.append((v, e))
+    needed: list[tuple[int, str]] = []  # (version, key) a replay from the newest checkpoint reads
     listed = {}
     for info in store.list(layout.contribution_prefix(p)):
         parsed = layout.parse_contribution_key(info.key)
         if parsed is not None:
             listed[info.key] = parsed
+    checkpoints = [parsed[1] for info in store.list(layout.checkpoint_prefix(p))
+                   if (parsed := layout.parse_checkpoint_key(info.key)) is not None and parsed[1] <= versions[-1]]
+    replay_from = max(checkpoints, default=0)
+    for v, used in sorted(used_by_version.items()):
+        if v > replay_from:
+            needed += [(v, e["key"]) for e in used] + [(v, e["increment_of"]["key"]) for e in used if "increment_of" in e]
+    for v, key in needed:
+        if key not in listed:
+            out.problems.append(f"{key}: used by version {v} of fragment {p} and gone, but a restarting syncer "
+                                f"replays that merge from checkpoint {replay_from}: its momentum and residual "
+                                f"would be lost")
     for key, vs in entries.items():
         if len(vs) > 1:
             out.problems.append(f"{key}: in {len(vs)} ledger entries (versions {vs}) of fragment {p}")

@@ -245,8 +245,6 @@ def test_inspect_reports_bad_content_without_crashing(built):
     assert result.exit_code == 0, result.output
 
 
-@pytest.mark.xfail(strict=True, reason="hook for the ledger audit (ddiloco_cli.audit, wired into verify_run): it must "
-                   "report a used contribution that replay needs and that is gone; remove this mark when it does")
 def test_verify_catches_missing_contribution_that_replay_needs(tmp_path):
     """No checkpoint yet (checkpoint_every 10), so a restarted syncer replays every merge
     from version 0 and needs every used contribution: one deleted is a problem."""
