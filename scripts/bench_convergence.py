@@ -120,7 +120,7 @@ def run_ddiloco_arm(args, *, arm: str, workdir: str, task, inner_out: dict) -> d
         cluster.start_syncer("--poll", "0.1")
         for i, lid in enumerate(ids):
             slow = arm == "mixed" and i % 2 == 1
-            cluster.start_learner(lid, env={benchlib.PACE_ENV: f"{500 * args.step_s:.1f}"} if slow else None)
+            cluster.start_learner(lid, env=benchlib.slow_env(args.step_s, 1.5) if slow else None)
         driver = None
         if arm == "chaos":
             trace = benchlib.failure_trace(seed=args.seed, learner_ids=ids, mean_between_s=args.chaos_mean_s,

@@ -134,6 +134,12 @@ class StackTask:
 stack = StackTask()
 
 
+def slow_env(step_s: float, slowdown: float) -> dict[str, str]:
+    """The environment that makes a PACED_TASK learner ``slowdown`` times slower than an
+    unpaced one whose steps take ``step_s`` seconds (it sleeps the difference per step)."""
+    return {PACE_ENV: f"{1e3 * (slowdown - 1) * step_s:.1f}"}
+
+
 # --------------------------------------------------------------------------- processes
 
 

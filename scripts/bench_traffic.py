@@ -1,0 +1,207 @@
+"""Traffic benchmark: bytes a real run's learners move, against data-parallel.
+
+Real processes (`ddiloco init`, one `ddiloco sync`, M `ddiloco learn`) on a
+local-directory bucket, built-in tiny GPT (benchlib's paced task). Half of the
+learners (odd indices) are paced --slowdown times slower, as in
+bench_convergence.py's mixed arm, so they drift out of phase and the syncer
+commits several versions of a fragment per cycle.
+
+Per learner, from its own heartbeats (bytes_up / bytes_down count payload bytes
+it uploaded and downloaded; manifests, hints and LISTs are not counted) over a
+steady window (its first heartbeat at step >= --skip-steps, so the bootstrap
+download of the whole model is left out, to its final heartbeat):
+
+  bytes up / down per step, and the data-parallel equivalent for the same model
+  and M: a ring all-reduce of fp32 gradients every step, both directions
+  (bench_bandwidth.dp_bytes_per_step, sent and again received); ratio = DP / ours;
+  versions per fragment per cycle: how far its fragments' versions advanced
+  (sum over fragments of the versions received / P) per H of its steps. Every
+  version beyond one per cycle is one more delta (or a keyframe) downloaded.
+
+From the manifests: versions the syncer committed, mean delta and keyframe
+payload sizes, and bytes per parameter of the contributions and deltas (int4's
+0.5 plus scales and the safetensors header, which matters for small fragments).
+The whole-run totals (bootstrap included) are in the JSON too.
+
+    .venv/bin/python scripts/bench_traffic.py --json /tmp/traffic.json      # M=4, P=H=24, 240 steps
+    .venv/bin/python scripts/bench_traffic.py --steps 480 --grace-max 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+from bench_bandwidth import dp_bytes_per_step  # noqa: E402
+
+from ddiloco_cli import ledger  # noqa: E402
+from ddiloco_cli.tasks import load_task  # noqa: E402
+
+TARGET_RATIO = 300.0  # issue 12: >= 300x less than data-parallel at P = H = 24, M = 4
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--learners", "-M", type=int, default=4)
+    ap.add_argument("--slowdown", type=float, default=1.5, help="step time of the odd learners / the others'")
+    ap.add_argument("--steps", type=int, default=240, help="inner steps per learner (the run's total_steps)")
+    ap.add_argument("--skip-steps", type=int, default=48, help="the steady window starts at this step")
+    ap.add_argument("--fragments", "-P", type=int, default=24)
+    ap.add_argument("--sync-every", "-H", type=int, default=24)
+    ap.add_argument("--overlap-steps", type=int, default=2, help="tau")
+    ap.add_argument("--codec", default="int4", help="upload codec")
+    ap.add_argument("--publish-codec", default=None, help="default: the run's (= --codec)")
+    ap.add_argument("--keyframe-every", type=int, default=None, help="default: the run's")
+    ap.add_argument("--grace-gamma", type=float, default=None, help="default: the run's")
+    ap.add_argument("--grace-max", type=float, default=None, help="default: the run's")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--syncer-poll", type=float, default=None, help="`sync --poll` (default: its own)")
+    ap.add_argument("--workdir", default=None, help="the run goes here (default: a temp dir, removed after)")
+    ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument("--json", dest="json_path", default=None)
+    args = ap.parse_args(argv)
+    if args.learners < 2 or args.steps <= args.skip_steps or args.slowdown < 1:
+        ap.error("need --learners >= 2, --steps > --skip-steps and --slowdown >= 1")
+    return args
+
+
+def steady_window(beats: list[dict], *, skip_steps: int) -> tuple[dict, dict]:
+    """(first, last) heartbeats of a learner's window: from its first heartbeat at a step
+    >= skip_steps (or, in a run too short for that, its earliest one: a learner writes
+    its first heartbeat after the bootstrap download) to its latest one."""
+    ordered = sorted(beats, key=lambda b: b["time_s"])
+    last = ordered[-1]
+    first = next((b for b in ordered if b["step"] >= skip_steps and b["step"] < last["step"]), ordered[0])
+    return first, last
+
+
+def learner_figures(first: dict, last: dict, *, num_fragments: int, sync_every: int, dp_Bps: float) -> dict:
+    """Bytes per step and versions per fragment per cycle between two heartbeats of one learner."""
+    steps = last["step"] - first["step"]
+    up = (last["bytes_up"] - first["bytes_up"]) / steps
+    down = (last["bytes_down"] - first["bytes_down"]) / steps
+    advanced = sum(last["versions"].get(p, 0) - v for p, v in first["versions"].items())
+    return {"steps": steps, "bytes_up_per_step": up, "bytes_down_per_step": down,
+            "dp_bytes_per_step": dp_Bps, "ratio_vs_dp": dp_Bps / (up + down) if up + down else math.inf,
+            "down_over_up": down / up if up else None,
+            "versions_per_fragment_per_cycle": advanced / num_fragments / (steps / sync_every)}
+
+
+def manifest_figures(manifests: list[dict], *, fragment_numel: list[int]) -> dict:
+    """Committed versions and payload sizes (version 0, written by init, left out)."""
+    deltas = [(m["fragment"], e["size"]) for m in manifests if m["version"] > 0
+              for e in m["payloads"] if e["kind"] == "delta"]
+    fulls = [(m["fragment"], e["size"]) for m in manifests if m["version"] > 0
+             for e in m["payloads"] if e["kind"] == "full"]
+    per_param = lambda xs: sum(s / fragment_numel[p] for p, s in xs) / len(xs) if xs else None  # noqa: E731
+    return {"versions": sum(1 for m in manifests if m["version"] > 0), "delta_payloads": len(deltas),
+            "keyframe_payloads": len(fulls), "mean_delta_bytes": sum(s for _, s in deltas) / max(1, len(deltas)),
+            "mean_keyframe_bytes": sum(s for _, s in fulls) / max(1, len(fulls)),
+            "delta_bytes_per_param": per_param(deltas), "keyframe_bytes_per_param": per_param(fulls)}
+
+
+def run_traffic(args, *, workdir: str) -> dict:
+    ids = [f"l{i}" for i in range(args.learners)]
+    cluster = benchlib.Cluster(os.path.join(workdir, "run"))
+    step_s = benchlib.measure_step_s(load_task("ddiloco_cli.tasks.gpt:tiny"), batch_size=args.batch_size)
+    flags = dict(task=benchlib.PACED_TASK, fragments=args.fragments, sync_every=args.sync_every,
+                 overlap_steps=args.overlap_steps, codec=args.codec, publish_codec=args.publish_codec,
+                 keyframe_every=args.keyframe_every, grace_gamma=args.grace_gamma, grace_max=args.grace_max,
+                 total_steps=args.steps, batch_size=args.batch_size, heartbeat=1, lease=6)
+    samples: dict[str, dict[float, dict]] = {lid: {} for lid in ids}
+    t0 = time.monotonic()
+    try:
+        run = cluster.init(**flags)
+        cluster.start_syncer(*(["--poll", str(args.syncer_poll)] if args.syncer_poll else []))
+        for i, lid in enumerate(ids):
+            cluster.start_learner(lid, env=benchlib.slow_env(step_s, args.slowdown) if i % 2 else None)
+
+        def sample(c: benchlib.Cluster) -> None:
+            for lid, hb in c.heartbeats().items():
+                if lid in samples:
+                    samples[lid][hb["time_s"]] = hb
+
+        cluster.wait_learners_finished(ids, timeout_s=args.timeout_s, on_tick=sample)
+        train_s = time.monotonic() - t0
+        sample(cluster)
+        cluster.stop_syncer()
+        manifests = cluster.manifests()
+        plan = ledger.read_plan(cluster.store, run_id=run["run_id"])
+    finally:
+        cluster.close()
+    num_params = plan.total_numel()
+    dp_Bps = 2 * dp_bytes_per_step(num_params, args.learners)  # sent and received
+    P, H = int(run["num_fragments"]), int(run["sync_every"])
+    learners = {}
+    for i, lid in enumerate(ids):
+        beats = list(samples[lid].values())
+        final = max(beats, key=lambda b: b["time_s"])
+        window = steady_window(beats, skip_steps=args.skip_steps)
+        if window[1]["step"] <= window[0]["step"]:
+            raise RuntimeError(f"learner {lid}: no steps between its heartbeats; raise --steps")
+        fig = learner_figures(*window, num_fragments=P, sync_every=H, dp_Bps=dp_Bps)
+        total = final["bytes_up"] + final["bytes_down"]
+        learners[lid] = {**fig, "paced": args.slowdown if i % 2 else 1.0, "window_steps": [window[0]["step"], window[1]["step"]],
+                         "total_bytes_up": final["bytes_up"], "total_bytes_down": final["bytes_down"],
+                         "total_steps": final["step"], "num_contributions": final["num_contributions"],
+                         "contribution_bytes": final["bytes_up"] / max(1, final["num_contributions"]),
+                         "total_ratio_vs_dp": dp_Bps * final["step"] / total if total else math.inf}
+    steps = sum(r["steps"] for r in learners.values())
+    moved = sum((r["bytes_up_per_step"] + r["bytes_down_per_step"]) * r["steps"] for r in learners.values())
+    numel = [plan.fragment_numel(p) for p in range(P)]
+    mf = manifest_figures(manifests, fragment_numel=numel)
+    mean_steps = sum(r["total_steps"] for r in learners.values()) / len(learners)
+    mf["versions_per_fragment_per_cycle"] = mf["versions"] / P / (mean_steps / H)
+    mf["contribution_bytes_per_param"] = (sum(r["contribution_bytes"] for r in learners.values()) / len(learners)
+                                          / (num_params / P))
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k != "json_path"},
+        "run": {k: run[k] for k in ("num_fragments", "sync_every", "overlap_steps", "codec", "publish_codec",
+                                    "keyframe_every", "quorum")},
+        "num_params": num_params, "step_s_unpaced": step_s, "train_s": train_s,
+        "dp_bytes_per_step": dp_Bps, "learners": learners,
+        "ratio_vs_dp": dp_Bps * steps / moved, "target_ratio": TARGET_RATIO,
+        "target_met": dp_Bps * steps / moved >= TARGET_RATIO, "manifests": mf, "load_end": os.getloadavg(),
+    }
+
+
+def print_report(out: dict) -> None:
+    rows = [[lid, f"{r['paced']:g}x", r["steps"], r["bytes_up_per_step"], r["bytes_down_per_step"],
+             r["dp_bytes_per_step"], f"{r['ratio_vs_dp']:.0f}x", f"{r['versions_per_fragment_per_cycle']:.2f}",
+             f"{r['total_ratio_vs_dp']:.0f}x"] for lid, r in out["learners"].items()]
+    print(benchlib.fmt_table(["learner", "pace", "steps", "up B/step", "down B/step", "DP B/step", "vs DP",
+                              "versions/frag/cycle", "whole run vs DP"], rows))
+    s, m = out["settings"], out["manifests"]
+    print(f"\nall learners, steady window: {out['ratio_vs_dp']:.0f}x less than data-parallel "
+          f"(target >= {TARGET_RATIO:.0f}x: {'met' if out['target_met'] else 'NOT met'})")
+    print(f"syncer: {m['versions']} versions = {m['versions_per_fragment_per_cycle']:.2f} per fragment per cycle; "
+          f"delta {m['mean_delta_bytes']:.0f} B ({m['delta_bytes_per_param']:.3f} B/param), "
+          f"{m['keyframe_payloads']} keyframes of {m['mean_keyframe_bytes']:.0f} B; contributions "
+          f"{m['contribution_bytes_per_param']:.3f} B/param")
+    print(f"settings: M={s['learners']} (odd ones {s['slowdown']:g}x slower) P={out['run']['num_fragments']} "
+          f"H={out['run']['sync_every']} tau={out['run']['overlap_steps']} codec={out['run']['codec']} "
+          f"publish={out['run']['publish_codec']} keyframe_every={out['run']['keyframe_every']} "
+          f"steps={s['steps']} (window from {s['skip_steps']}); tiny GPT {out['num_params']:,} params, "
+          f"{out['step_s_unpaced'] * 1e3:.0f} ms/step unpaced; {out['train_s']:.0f} s; {benchlib.load_text()}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    benchlib.exit_on_sigterm()  # so the Cluster's finally kills its processes
+    torch.set_num_threads(1)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_traffic_")
+    out = run_traffic(args, workdir=workdir)
+    print_report(out)
+    return benchlib.write_result(out, json_path=args.json_path, workdir=workdir, keep_workdir=bool(args.workdir))
+
+
+if __name__ == "__main__":
+    main()
