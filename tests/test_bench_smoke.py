@@ -7,10 +7,13 @@ Run: .venv/bin/python -m pytest tests/test_bench_smoke.py -q
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -63,3 +66,26 @@ def test_bench_store_smoke(tmp_path):
     assert [(r["latency_ms_one_way"], r["size_bytes"]) for r in rep["expect_100_continue"]] == [(0.0, 1024), (5.0, 1024)]
     for r in rep["expect_100_continue"]:
         assert set(r["median_ms"]) == {"expect", "no-expect"} and all(v > 0 for v in r["median_ms"].values())
+
+
+@pytest.mark.slow  # init, a syncer and two learners: ~50 s on a loaded 2-core machine
+def test_bench_traffic_smoke(tmp_path):
+    out = tmp_path / "traffic.json"
+    text = _run("bench_traffic.py", "--learners", "2", "--steps", "24", "--skip-steps", "8", "-P", "4", "-H", "8",
+                "--json", str(out), timeout_s=240)
+    assert "vs DP" in text
+    rep = json.loads(out.read_text())
+    assert set(rep["learners"]) == {"l0", "l1"}
+    assert rep["learners"]["l1"]["paced"] == 1.5
+    assert rep["num_params"] > 0 and rep["dp_bytes_per_step"] == 2 * 2 * (1 / 2) * 4 * rep["num_params"]
+    finite_positive = lambda x: isinstance(x, (int, float)) and 0 < x < math.inf  # noqa: E731
+    for r in rep["learners"].values():
+        assert r["steps"] > 0
+        for key in ("bytes_up_per_step", "bytes_down_per_step", "ratio_vs_dp", "total_ratio_vs_dp",
+                    "versions_per_fragment_per_cycle", "contribution_bytes"):
+            assert finite_positive(r[key]), (key, r)
+    assert finite_positive(rep["ratio_vs_dp"])
+    m = rep["manifests"]
+    assert m["versions"] > 0 and m["delta_payloads"] > 0
+    for key in ("versions_per_fragment_per_cycle", "delta_bytes_per_param", "contribution_bytes_per_param"):
+        assert finite_positive(m[key]), (key, m)
