@@ -142,6 +142,12 @@ def test_paced_task_sleeps_only_in_training(monkeypatch):
     assert task.num_tokens(batch) == 2 * 64
 
 
+def test_slow_env_paces_the_difference_to_the_slowdown():
+    # a 1.5x slower learner of a 40 ms step sleeps 20 ms per step; 1x does not sleep
+    assert benchlib.slow_env(0.04, 1.5) == {benchlib.PACE_ENV: "20.0"}
+    assert benchlib.slow_env(0.04, 1.0) == {benchlib.PACE_ENV: "0.0"}
+
+
 def test_data_parallel_baseline_uses_the_inner_schedule(monkeypatch):
     inner = {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1, "warmup_steps": 2, "lr_schedule": "cosine",
              "total_steps": 4, "grad_clip": 1.0, "batch_size": 2}
