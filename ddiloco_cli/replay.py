@@ -125,23 +125,39 @@ def load_checkpoint(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fr
 
 
 def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fragment: int, reader: FragmentReader,
-                  fetch: Callable[[int, dict[str, Any]], Tensors], latest: int) -> FragmentValue:
-    """The outer state of ``fragment`` at version ``latest``: checkpoint + replay. If the
-    replay cannot run (objects gone, or it does not reproduce the ledger), the state is the
-    checkpoint's momentum with the published value of ``latest`` (residual lost), and an
-    error is logged."""
-    loaded = load_checkpoint(store, run=run, plan=plan, fragment=fragment, latest=latest)
-    if loaded is None:  # version 0 has no momentum, and its raw value is the published one
-        start = reader.read(0)
-        value = FragmentValue(0, start, start, new_outer(run), manifest_cycle(reader.manifest(0)))
-    else:
-        v, outer, raw, accum = loaded
-        m = reader.manifest(v)
-        value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(m), accum, manifest_phase(m))
+                  fetch: Callable[[int, dict[str, Any]], Tensors], latest: int,
+                  republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
+    """The outer state of ``fragment`` at version ``latest``: checkpoint + replay. A
+    checkpoint whose version's published value cannot be read (a payload deleted or
+    corrupt) is passed over for an older one, down to version 0. ``republish(v,
+    payloads)`` is offered every replayed version's payloads as (recorded key, bytes),
+    proven identical to the manifest's, so a syncer can put back the ones that are gone.
+    If the replay cannot run (objects gone, or it does not reproduce the ledger), the
+    state is the checkpoint's momentum with the published value of ``latest`` (residual
+    lost), and an error is logged."""
+    limit = latest
+    while True:
+        loaded = load_checkpoint(store, run=run, plan=plan, fragment=fragment, latest=limit)
+        try:
+            if loaded is None:  # version 0 has no momentum, and its raw value is the published one
+                start = reader.read(0)
+                value = FragmentValue(0, start, start, new_outer(run), manifest_cycle(reader.manifest(0)))
+            else:
+                v, outer, raw, accum = loaded
+                m = reader.manifest(v)
+                value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(m), accum, manifest_phase(m))
+            break
+        except (NotFound, InvalidPayloadError) as exc:
+            if loaded is None:
+                raise
+            log.warning("fragment %d: the value of checkpoint %d cannot be read (%s); trying an older one",
+                        fragment, loaded[0], exc)
+            limit = loaded[0] - 1
     if value.version == latest:
         return value
     try:
-        return replay(run=run, fragment=fragment, reader=reader, fetch=fetch, start=value, latest=latest)
+        return replay(run=run, fragment=fragment, reader=reader, fetch=fetch, start=value, latest=latest,
+                      republish=republish)
     except (NotFound, InvalidPayloadError, ProtocolError) as exc:
         log.error("fragment %d: cannot replay the ledger from checkpoint %d (%s); continuing with the "
                   "checkpoint's momentum and no residual, which lags the committed trajectory",
@@ -152,9 +168,11 @@ def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, frag
 
 
 def replay(*, run: dict[str, Any], fragment: int, reader: FragmentReader,
-           fetch: Callable[[int, dict[str, Any]], Tensors], start: FragmentValue, latest: int) -> FragmentValue:
+           fetch: Callable[[int, dict[str, Any]], Tensors], start: FragmentValue, latest: int,
+           republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
     """Apply ``outer_update`` for every version after ``start`` up to ``latest``, from the
-    ledger. Raises ProtocolError when a re-encoded payload differs from the manifest's."""
+    ledger; each version's re-encoded payloads go to ``republish`` once they are proven
+    identical to the manifest's. Raises ProtocolError when they differ."""
     value = start
     for v in range(start.version + 1, latest + 1):
         m = reader.manifest(v)
@@ -177,4 +195,7 @@ def replay(*, run: dict[str, Any], fragment: int, reader: FragmentReader,
         mine = {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}
         if recorded != mine:
             raise ProtocolError(f"replaying version {v} of fragment {fragment} does not reproduce its payloads")
+        if republish is not None:  # under the names the manifest recorded (a re-encode draws a new nonce)
+            names = {e["kind"]: e["key"] for e in m["payloads"]}
+            republish(v, [(names[entry["kind"]], data) for _, data, entry in encoded.payloads])
     return value

@@ -252,7 +252,7 @@ class Syncer:
         if latest is None:
             raise ProtocolError(f"{self.store.url}: fragment {p} has no committed version (was `ddiloco init` interrupted?)")
         value = restore_value(self.store, run=self.run, plan=self.plan, fragment=p, reader=reader,
-                              fetch=self.intake.fetch_used, latest=latest)
+                              fetch=self.intake.fetch_used, latest=latest, republish=self._republish_missing)
         state = FragmentState(p, value, dict(reader.manifest(latest)["high_water"]))
         state.cycles[latest] = value.cycle
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
@@ -264,6 +264,17 @@ class Syncer:
                 if e["used"]:
                     state.tips.setdefault(e["learner_id"], (e, None))
         return state
+
+    def _republish_missing(self, version: int, payloads: list[tuple[str, bytes]]) -> None:
+        """Put back payloads of a replayed version that are gone from the bucket (deleted by
+        hand or by a faulty tool): the replay proved the bytes are the ones the manifest
+        names (sha256), so every reader can read that version again [M4]."""
+        for key, data in payloads:
+            if not any(info.key == key for info in self.store.list(key)):
+                log.warning("republishing %s/%s (payload of version %d, gone from the bucket)",
+                            self.store.url, key, version)
+                if self.store.put_if_absent(key, data):
+                    self.bytes_out += len(data)
 
     def _reload(self, state: FragmentState) -> None:
         """Re-read a fragment someone else advanced; keep what is not in their ledger yet."""
