@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ddiloco_cli import ledger
+from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.learner.island import resolve_device
 from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions, check_learner_id
+from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import Store
 from ddiloco_cli.tasks import Task, load_run_task, move_batch
 
@@ -140,37 +141,39 @@ class Learner:
         options.check()
         check_learner_id(options.learner_id)
         self.store, self.opts, self.on_progress = store, options, on_progress
-        self.run = ledger.read_run(store)
-        self.task = load_run_task(self.run, override=options.task)
+        record = ledger.read_run(store)
+        self.config = RunConfig.from_record(record, where=f"{store.url}/{layout.RUN_CONFIG}")
+        self.inner = record["inner"]  # lr_at's schedule, as run.json writes it
+        self.task = load_run_task(record, override=options.task)  # checks the task's hash in run.json
         self.device = resolve_device(options.device)
         self.stats = None
         self.model: nn.Module | None = None
 
     def train(self) -> str:
         """Returns "finished", "left" (SIGTERM), "taken over" or "steps" (session limit)."""
-        run, inner, opts, task = self.run, self.run["inner"], self.opts, self.task
-        torch.manual_seed(int(run["seed"]))
+        config, inner, opts, task = self.config, self.inner, self.opts, self.task
+        torch.manual_seed(config.seed)
         model = task.build_model().to(self.device)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         net = shard_island(model, parallel=opts.parallel, world=world)
         # distinct learners get distinct data without coordination: shard by --shard, else by id
         num_shards, shard = (opts.num_shards or 1) * world, (opts.shard or 0) * world + rank
-        seed = int(run["seed"]) if opts.shard is not None else zlib.crc32(opts.learner_id.encode())
-        sync = DiLoCoSync(self.store, net, learner_id=opts.learner_id, run=run,
+        seed = config.seed if opts.shard is not None else zlib.crc32(opts.learner_id.encode())
+        sync = DiLoCoSync(self.store, net, learner_id=opts.learner_id, config=config,
                           heartbeat_fields={"shard": shard, "num_shards": num_shards},
                           options=SyncOptions(upload_queue=opts.upload_queue, upload_workers=opts.upload_workers,
                                               min_poll_s=opts.poll_s, key_path=opts.key_path))
         self.stats, self.model = sync.stats, model
-        optimizer = torch.optim.AdamW([t for t in model.parameters() if t.requires_grad], lr=float(inner["lr"]),
-                                      betas=tuple(inner["betas"]), weight_decay=float(inner["weight_decay"]))
+        optimizer = torch.optim.AdamW([t for t in model.parameters() if t.requires_grad], lr=config.inner_lr,
+                                      betas=config.adam_betas, weight_decay=config.weight_decay)
         forward = torch.compile(net) if opts.compile else net
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"
                     else contextlib.nullcontext())
-        clip = float(inner["grad_clip"])
+        clip = config.grad_clip
         with sync:
             batches, data_state = resumable_batches(task, shard=shard, num_shards=num_shards, seed=seed,
-                                                    batch_size=int(inner["batch_size"]), resume=sync.resume_state)
+                                                    batch_size=config.batch_size, resume=sync.resume_state)
             end_step = sync.step_count + opts.steps if opts.steps is not None else None
             drawn = 0
             while not sync.should_stop and (end_step is None or sync.step_count < end_step):

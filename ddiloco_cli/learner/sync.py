@@ -45,6 +45,7 @@ from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, 
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
 from ddiloco_cli.published import FragmentReader
+from ddiloco_cli.runconfig import RunConfig, read_run_config
 from ddiloco_cli.schedule import FragmentCounters, fragments_due
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import Store
@@ -86,31 +87,31 @@ class DiLoCoSync:
 
     ``num_tokens`` given to ``step`` is what this process trained in that step;
     under torchrun the island counts ``world_size`` times it (every rank trains an
-    equal batch). ``run`` (run.json, if already read) and ``heartbeat_fields`` (more
-    fields of the learner heartbeat) are optional. ``data_state`` (JSON-able) is saved
+    equal batch). ``config`` (the run's config, if already read) and ``heartbeat_fields``
+    (more fields of the learner heartbeat) are optional. ``data_state`` (JSON-able) is saved
     in ``learners/ID/state.json`` after the sends (at most once per heartbeat_s); the
     next session of the same id reads it back as ``resume_state`` to continue its data
     stream."""
 
     def __init__(self, url: str | Store, model: nn.Module, *, learner_id: str,
                  storage_options: dict[str, Any] | None = None, options: SyncOptions = SyncOptions(),
-                 run: dict[str, Any] | None = None, heartbeat_fields: dict[str, Any] | None = None):
+                 config: RunConfig | None = None, heartbeat_fields: dict[str, Any] | None = None):
         check_learner_id(learner_id)
         self.store = url if not isinstance(url, str) else open_store(url, options=storage_options)
         self.learner_id, self.opts = learner_id, options
-        self.run = run if run is not None else ledger.read_run(self.store)
-        self.run_id = self.run["run_id"]
+        self.config = config if config is not None else read_run_config(self.store)
+        self.run_id = self.config.run_id
         self.plan = ledger.read_plan(self.store, run_id=self.run_id)
         self.model = unwrap(model)
         self.params = dict(self.model.named_parameters())
         self._check_model()
         self.island = Island(next(iter(self.params.values())).device)
-        self.lockstep = self.run["mode"] == "lockstep"
-        self.H, self.tau = int(self.run["sync_every"]), int(self.run["overlap_steps"])
-        self.alpha = float(self.run["alpha"])
+        self.lockstep = self.config.mode == "lockstep"
+        self.H, self.tau = self.config.sync_every, self.config.overlap_steps
+        self.alpha = self.config.alpha
         # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
-        self.keep_progress = bool(self.run.get("keep_overlap_progress", False)) and self.tau > 0 and not self.lockstep
-        self.total_steps = int(self.run["inner"]["total_steps"])
+        self.keep_progress = self.config.keep_overlap_progress and self.tau > 0 and not self.lockstep
+        self.total_steps = self.config.total_steps
         self.stats = LearnerStats()
         self.counters = FragmentCounters(self.plan.num_fragments)
         self.base: dict[int, tuple[int, Tensors]] = {}  # fragment -> (version, fp32 published value)
@@ -153,11 +154,11 @@ class DiLoCoSync:
         """Claim the id, load the global model, start the workers."""
         io = self.island.io
         # a run that requires signatures: refuse a key not admitted for this id now, not at the first merge
-        signer = signing.signer_for_run(self.store, run=self.run, key_path=self.opts.key_path,
+        signer = signing.signer_for_run(self.store, run=self.config, key_path=self.opts.key_path,
                                         member_id=self.learner_id, role="learner") if io else None
         self.session = int(self.store.now() * 1e6) if io else 0
         self.started_s = time.time()
-        held = check_id_free(self.store, self.learner_id, lease_s=float(self.run["lease_s"])) if io else None
+        held = check_id_free(self.store, self.learner_id, lease_s=self.config.lease_s) if io else None
         if held is not None:
             # carry step, tokens and byte counters over (a hint: keeps the LR schedule and totals continuous)
             rec, s = held.record, self.stats
@@ -169,12 +170,12 @@ class DiLoCoSync:
             [self.stats.step, self.stats.tokens, state])
         self._last_arrival_step = self._last_alert_step = self.stats.step
         self.seq = self.session
-        trust = signing.Trust(self.store, run=self.run)  # checks manifest signatures in signed runs [A5]
+        trust = signing.Trust(self.store, run=self.config)  # checks manifest signatures in signed runs [A5]
         self.readers = {p: FragmentReader(self.store, run_id=self.run_id, plan=self.plan, fragment=p, trust=trust)
                         for p in range(self.plan.num_fragments)}
         self._bootstrap()
         if io:
-            self._uploader = Uploader(self.store, codec_name=self.run["codec"], block_size=int(self.run["codec_block"]),
+            self._uploader = Uploader(self.store, codec_name=self.config.codec, block_size=self.config.codec_block,
                                       maxsize=self.opts.upload_queue, stats=self.stats,
                                       num_workers=self.opts.upload_workers, newest_wins=not self.lockstep,
                                       signer=signer)
@@ -183,7 +184,7 @@ class DiLoCoSync:
                                       pace_s=lambda: self.stats.step_time_s)
             self._writer = SessionWriter(self.store, learner_id=self.learner_id, session=self.session,
                                          make_record=self._heartbeat_record, run_id=self.run_id,
-                                         lease_s=float(self.run["lease_s"]), every_s=float(self.run["heartbeat_s"]),
+                                         lease_s=self.config.lease_s, every_s=self.config.heartbeat_s,
                                          signer=signer)
             self._writer.beat()  # announce ourselves before any contribution
             for worker in (self._uploader, self._receiver, self._writer):
