@@ -31,6 +31,7 @@ from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.merge import token_weight
 from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
 
@@ -127,11 +128,11 @@ def add_pending(pending: list[Contribution], new: Contribution) -> list[dict[str
 class Intake:
     """Lists, downloads and validates contributions; quarantines what fails [V1][V2]."""
 
-    def __init__(self, store: Store, *, run: dict[str, Any], plan: FragmentPlan, syncer_id: str,
+    def __init__(self, store: Store, *, config: RunConfig, plan: FragmentPlan, syncer_id: str,
                  epoch: Callable[[], int], is_known_learner: Callable[[str], bool], trust: Trust):
         self.store = store
-        self.run = run
-        self.run_id = run["run_id"]
+        self.config = config
+        self.run_id = config.run_id
         self.plan = plan
         self.syncer_id = syncer_id
         self.epoch = epoch
@@ -197,12 +198,12 @@ class Intake:
     def _check_codec(self, data: bytes, *, where: str) -> None:
         """A contribution must use the run's codec (a learner may not upload fp32 in an int4 run)."""
         desc = codec.payload_codec(data, where=where)
-        want = self.run["codec"]
+        want = self.config.codec
         if desc.get("codec") != want:
             raise InvalidPayloadError(f"{where}: codec {desc.get('codec')!r}, but the run's codec is {want!r}")
-        if want in ("int8", "int4") and desc.get("block_size") != int(self.run["codec_block"]):
+        if want in ("int8", "int4") and desc.get("block_size") != self.config.codec_block:
             raise InvalidPayloadError(f"{where}: block size {desc.get('block_size')}, but the run's is "
-                                      f"{self.run['codec_block']}")
+                                      f"{self.config.codec_block}")
 
     def fetch_used(self, p: int, entry: dict[str, Any]) -> Tensors:
         """The tensors of a used ledger entry, checked against its sha256 (replay)."""

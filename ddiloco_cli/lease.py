@@ -17,6 +17,7 @@ from typing import Any, Callable
 from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import ProtocolError
 from ddiloco_cli.fence import FencedStore, fence_interval_s
+from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.signing import Signer, Trust
 from ddiloco_cli.store.base import NotFound, Store
 
@@ -26,14 +27,14 @@ log = logging.getLogger(__name__)
 class Lease:
     """One syncer's claim on a set of fragments. ``epoch`` is None until ``acquire`` succeeds."""
 
-    def __init__(self, store: Store, *, run: dict[str, Any], syncer_id: str, fragments: list[int],
+    def __init__(self, store: Store, *, config: RunConfig, syncer_id: str, fragments: list[int],
                  trust: Trust | None = None, signer: Signer | None = None):
         self.store = store
         self.trust = trust  # signed runs: only admitted syncers' epochs count [A5]
         self.signer = signer
-        self.run_id = run["run_id"]
-        self.lease_s = float(run["lease_s"])
-        self.heartbeat_s = float(run["heartbeat_s"])
+        self.run_id = config.run_id
+        self.lease_s = config.lease_s
+        self.heartbeat_s = config.heartbeat_s
         self.syncer_id = syncer_id
         self.fragments = fragments
         self.epoch: ledger.Epoch | None = None

@@ -23,6 +23,7 @@ from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.intake import effective_weight
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, expected_shapes
+from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, Store
 from ddiloco_cli.update import FragmentValue, outer_update
 
@@ -59,13 +60,13 @@ def staleness_floor(store: Store, *, run_id: str, fragment: int, latest: int, ma
     return v
 
 
-def per_cycle(run: dict[str, Any]) -> bool:
+def per_cycle(config: RunConfig) -> bool:
     """Whether the run's outer optimizer steps once per cycle (outer_lr_scaling = "cycle")."""
-    return run.get("outer_lr_scaling", "none") == "cycle"
+    return config.outer_lr_scaling == "cycle"
 
 
-def new_outer(run: dict[str, Any]) -> OuterOptimizer:
-    return OuterOptimizer(lr=float(run["outer_lr"]), momentum=float(run["outer_momentum"]))
+def new_outer(config: RunConfig) -> OuterOptimizer:
+    return OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum)
 
 
 def checkpoint_bytes(value: FragmentValue, *, run_id: str, fragment: int, epoch: int) -> tuple[str, bytes]:
@@ -98,7 +99,7 @@ def decode_checkpoint(data: bytes, *, plan: FragmentPlan, fragment: int, where: 
     return tensors, meta
 
 
-def load_checkpoint(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fragment: int,
+def load_checkpoint(store: Store, *, config: RunConfig, plan: FragmentPlan, fragment: int,
                     latest: int) -> tuple[int, OuterOptimizer, Tensors, Tensors] | None:
     """(version, optimizer, raw value, cycle gradient) of the newest valid checkpoint at or
     below ``latest``, or None. Invalid ones are skipped with a warning [R4]."""
@@ -111,9 +112,9 @@ def load_checkpoint(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fr
         try:
             tensors, meta = decode_checkpoint(store.get(info.key), plan=plan, fragment=fragment,
                                               where=f"{store.url}/{info.key}")
-            if meta["run_id"] != run["run_id"] or meta["fragment"] != fragment or meta["version"] != v:
+            if meta["run_id"] != config.run_id or meta["fragment"] != fragment or meta["version"] != v:
                 raise ProtocolError(f"{info.key}: checkpoint header does not match its name or run")
-            outer = new_outer(run)
+            outer = new_outer(config)
             outer.load_state_tensors({k: t for k, t in tensors.items() if k in shapes}, expected=shapes)
         except (NotFound, InvalidPayloadError, ProtocolError) as exc:
             log.warning("skipping checkpoint %s: %s", info.key, exc)
@@ -124,7 +125,7 @@ def load_checkpoint(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fr
     return None
 
 
-def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, fragment: int, reader: FragmentReader,
+def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragment: int, reader: FragmentReader,
                   fetch: Callable[[int, dict[str, Any]], Tensors], latest: int,
                   republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
     """The outer state of ``fragment`` at version ``latest``: checkpoint + replay. A
@@ -137,11 +138,11 @@ def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, frag
     lost), and an error is logged."""
     limit = latest
     while True:
-        loaded = load_checkpoint(store, run=run, plan=plan, fragment=fragment, latest=limit)
+        loaded = load_checkpoint(store, config=config, plan=plan, fragment=fragment, latest=limit)
         try:
             if loaded is None:  # version 0 has no momentum, and its raw value is the published one
                 start = reader.read(0)
-                value = FragmentValue(0, start, start, new_outer(run), manifest_cycle(reader.manifest(0)))
+                value = FragmentValue(0, start, start, new_outer(config), manifest_cycle(reader.manifest(0)))
             else:
                 v, outer, raw, accum = loaded
                 m = reader.manifest(v)
@@ -156,7 +157,7 @@ def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, frag
     if value.version == latest:
         return value
     try:
-        return replay(run=run, fragment=fragment, reader=reader, fetch=fetch, start=value, latest=latest,
+        return replay(config=config, fragment=fragment, reader=reader, fetch=fetch, start=value, latest=latest,
                       republish=republish)
     except (NotFound, InvalidPayloadError, ProtocolError) as exc:
         log.error("fragment %d: cannot replay the ledger from checkpoint %d (%s); continuing with the "
@@ -167,7 +168,7 @@ def restore_value(store: Store, *, run: dict[str, Any], plan: FragmentPlan, frag
                              math.floor(manifest_phase(m)))
 
 
-def replay(*, run: dict[str, Any], fragment: int, reader: FragmentReader,
+def replay(*, config: RunConfig, fragment: int, reader: FragmentReader,
            fetch: Callable[[int, dict[str, Any]], Tensors], start: FragmentValue, latest: int,
            republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
     """Apply ``outer_update`` for every version after ``start`` up to ``latest``, from the
@@ -188,9 +189,9 @@ def replay(*, run: dict[str, Any], fragment: int, reader: FragmentReader,
             grads.append(delta)
         value, encoded = outer_update(
             value, fragment=fragment, grads=grads, weights=[effective_weight(e) for e in used],
-            lr=float(m.get("outer_lr", run["outer_lr"])), method=run["merge"], publish_codec=run["publish_codec"],
-            block_size=int(run["codec_block"]), keyframe_every=int(run["keyframe_every"]),
-            cycle=manifest_cycle(m), share=float(m.get("outer_share", 1.0)), per_cycle=per_cycle(run))
+            lr=float(m.get("outer_lr", config.outer_lr)), method=config.merge, publish_codec=config.publish_codec,
+            block_size=config.codec_block, keyframe_every=config.keyframe_every,
+            cycle=manifest_cycle(m), share=float(m.get("outer_share", 1.0)), per_cycle=per_cycle(config))
         recorded = {e["kind"]: e["sha256"] for e in m["payloads"]}
         mine = {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}
         if recorded != mine:

@@ -31,6 +31,7 @@ from ddiloco_cli.intake import REFUSED, USED, Contribution, Intake, add_pending,
 from ddiloco_cli.lease import Lease
 from ddiloco_cli.published import FragmentReader, upload_payloads
 from ddiloco_cli.replay import checkpoint_bytes, manifest_cycle, per_cycle, restore_value
+from ddiloco_cli.runconfig import read_run_config
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 from ddiloco_cli.update import FragmentValue, NonFiniteUpdate, outer_update
 
@@ -121,8 +122,8 @@ def delta_norm(delta: Tensors) -> float:
 class Syncer:
     def __init__(self, store: Store, *, options: SyncerOptions, on_progress: Callable[[dict], None] | None = None):
         self.opts = options
-        self.run = ledger.read_run(store)
-        self.run_id = self.run["run_id"]
+        self.config = read_run_config(store)
+        self.run_id = self.config.run_id
         self.plan = ledger.read_plan(store, run_id=self.run_id)
         all_frags = list(range(self.plan.num_fragments))
         self.fragments = sorted(options.fragments) if options.fragments is not None else all_frags
@@ -131,16 +132,16 @@ class Syncer:
             raise ProtocolError(f"fragments {bad} do not exist in this run (it has {self.plan.num_fragments})")
         self.syncer_id = options.syncer_id or f"{socket.gethostname()}-{os.getpid()}"
         # signed runs [A2][A3][A5]: what this syncer accepts, and the key it signs epochs and manifests with
-        self.trust = signing.Trust(store, run=self.run)
-        self.signer = signing.signer_for_run(store, run=self.run, key_path=options.key_path, member_id=None, role="syncer")
-        self.lease = Lease(store, run=self.run, syncer_id=self.syncer_id, fragments=self.fragments, trust=self.trust,
+        self.trust = signing.Trust(store, run=self.config)
+        self.signer = signing.signer_for_run(store, run=self.config, key_path=options.key_path, member_id=None, role="syncer")
+        self.lease = Lease(store, config=self.config, syncer_id=self.syncer_id, fragments=self.fragments, trust=self.trust,
                            signer=self.signer)
         self.store = store  # fenced by acquire (the one place it is wrapped): every write checks the lease
         self.on_progress = on_progress
         self.states: dict[int, FragmentState] = {}
         self.readers = {p: FragmentReader(self.store, run_id=self.run_id, plan=self.plan, fragment=p, trust=self.trust)
                         for p in self.fragments}
-        self.intake = Intake(self.store, run=self.run, plan=self.plan, syncer_id=self.syncer_id,
+        self.intake = Intake(self.store, config=self.config, plan=self.plan, syncer_id=self.syncer_id,
                              epoch=lambda: self.epoch.epoch if self.epoch else 0, is_known_learner=self._known,
                              trust=self.trust)
         self.sync_time_s = 0.0  # EMA of merge + commit time
@@ -207,7 +208,7 @@ class Syncer:
         self._last_learners_t = time.monotonic()
         beats = [b for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
                  if self.trust.admits(b.record, key=b.key, role="learner", member_id=b.record["learner_id"])]  # [A3]
-        lease_s = float(self.run["lease_s"])
+        lease_s = self.config.lease_s
         self.known_learners = {b.record["learner_id"] for b in beats}
         live = [b for b in beats if b.record["state"] == "running" and b.age_s <= lease_s]
         self.live_learners = {b.record["learner_id"] for b in live}
@@ -251,7 +252,7 @@ class Syncer:
         latest = ledger.latest_version(self.store, p)
         if latest is None:
             raise ProtocolError(f"{self.store.url}: fragment {p} has no committed version (was `ddiloco init` interrupted?)")
-        value = restore_value(self.store, run=self.run, plan=self.plan, fragment=p, reader=reader,
+        value = restore_value(self.store, config=self.config, plan=self.plan, fragment=p, reader=reader,
                               fetch=self.intake.fetch_used, latest=latest, republish=self._republish_missing)
         state = FragmentState(p, value, dict(reader.manifest(latest)["high_water"]))
         state.cycles[latest] = value.cycle
@@ -337,7 +338,7 @@ class Syncer:
 
     def _admit(self, state: FragmentState, c: Contribution) -> str | None:
         """Why ``c`` must be refused now, or None (then its staleness and discount are set)."""
-        max_stale = float(self.run["max_staleness"])
+        max_stale = float(self.config.max_staleness)
         try:
             staleness = state.current.cycle - self._cycle_of(state, c.base_version)
             if staleness > max_stale:
@@ -368,17 +369,17 @@ class Syncer:
             else:
                 del state.pending[lid]
         now_t = self.opts.clock()
-        quorum = int(self.run["quorum"])
+        quorum = self.config.quorum
         if len(state.pending) >= quorum and state.quorum_t is None:
             state.quorum_t = now_t
         all_live = bool(self.live_learners) and self.live_learners <= set(state.pending)
-        if self.run["mode"] == "lockstep" and not all_live:  # K = M: Streaming DiLoCo waits for everyone
+        if self.config.mode == "lockstep" and not all_live:  # K = M: Streaming DiLoCo waits for everyone
             return False
         go, grace = ready_to_merge(
             num_pending=len(state.pending), quorum=quorum, now_t=now_t, first_pending_t=state.first_pending_t,
-            quorum_t=state.quorum_t, step_time_s=self.step_time_s, overlap_steps=int(self.run["overlap_steps"]),
-            sync_time_s=self.sync_time_s, grace_gamma=float(self.run["grace_gamma"]),
-            grace_max_s=float(self.run["grace_max_s"]), all_live_reported=all_live,
+            quorum_t=state.quorum_t, step_time_s=self.step_time_s, overlap_steps=self.config.overlap_steps,
+            sync_time_s=self.sync_time_s, grace_gamma=self.config.grace_gamma,
+            grace_max_s=self.config.grace_max_s, all_live_reported=all_live,
         )
         if not go:
             return False
@@ -389,8 +390,8 @@ class Syncer:
         a merge of m (discounted) contributions out of M live learners steps with lr * m / M:
         learners out of phase (each merged on its own) then move the fragment as far per
         cycle as one merge of all of them, instead of M times as far."""
-        lr = float(self.run["outer_lr"])
-        if self.run.get("outer_lr_scaling", "none") == "participation" and self.live_learners:
+        lr = self.config.outer_lr
+        if self.config.outer_lr_scaling == "participation" and self.live_learners:
             lr *= min(1.0, participation / len(self.live_learners))
         return lr
 
@@ -398,14 +399,14 @@ class Syncer:
         """How far this merge moves the fragment's cycle clock: the inner steps it merges over
         H x the learners taking part (live, or in this merge)."""
         learners = self.live_learners | {c.learner_id for c in contributions}
-        return sum(max(0, c.merged_steps) for c in contributions) / (int(self.run["sync_every"]) * max(1, len(learners)))
+        return sum(max(0, c.merged_steps) for c in contributions) / (self.config.sync_every * max(1, len(learners)))
 
     def _outer_share(self, contributions: list[Contribution]) -> float:
         """The part of a cycle this merge is, for per-cycle momentum: each contribution one
         learner's share (less if it covers fewer than H steps), times its staleness discount.
         Not its steps: a delta over 3H steps already carries 3H steps of progress."""
         learners = self.live_learners | {c.learner_id for c in contributions}
-        H = int(self.run["sync_every"])
+        H = self.config.sync_every
         return sum(c.discount * min(1.0, max(0, c.merged_steps) / H) for c in contributions) / max(1, len(learners))
 
     def _link_increments(self, state: FragmentState, contributions: list[Contribution]) -> None:
@@ -439,9 +440,9 @@ class Syncer:
             with self._stage("update"):
                 new, encoded = outer_update(
                     cur, fragment=p, grads=grads, weights=[c.weight * c.discount for c in contributions], lr=lr,
-                    method=self.run["merge"], publish_codec=self.run["publish_codec"],
-                    block_size=int(self.run["codec_block"]), keyframe_every=int(self.run["keyframe_every"]),
-                    cycle=cur.cycle + advance, share=share, per_cycle=per_cycle(self.run))
+                    method=self.config.merge, publish_codec=self.config.publish_codec,
+                    block_size=self.config.codec_block, keyframe_every=self.config.keyframe_every,
+                    cycle=cur.cycle + advance, share=share, per_cycle=per_cycle(self.config))
         except NonFiniteUpdate as exc:
             culprit = max(contributions, key=lambda c: delta_norm(c.delta))
             self.intake.quarantine(culprit.key, f"{exc}; it had the largest outer gradient")
@@ -486,7 +487,7 @@ class Syncer:
         state.first_pending_t = state.quorum_t = None
         state.last_quorum_size, state.last_grace_s = quorum_size, grace_s
         self.num_merges += 1
-        if new.version % int(self.run["checkpoint_every"]) == 0:
+        if new.version % self.config.checkpoint_every == 0:
             with self._stage("checkpoint"):
                 self.write_checkpoint(state)
         dt = self.opts.clock() - t0
@@ -498,7 +499,7 @@ class Syncer:
     def _trim_cycles(self, state: FragmentState) -> None:
         """Forget the clock of versions beyond the staleness bound (re-read from the manifest
         if a contribution names one: it is refused anyway)."""
-        oldest_cycle = state.current.cycle - float(self.run["max_staleness"]) - 1
+        oldest_cycle = state.current.cycle - float(self.config.max_staleness) - 1
         for v in [v for v, c in state.cycles.items() if c < oldest_cycle and v != state.version]:
             del state.cycles[v]
 
@@ -529,7 +530,7 @@ class Syncer:
                 if self.lease.fence_due():
                     self.check_fence()
                 self.heartbeat()
-                if time.monotonic() - self._last_learners_t > float(self.run["heartbeat_s"]):
+                if time.monotonic() - self._last_learners_t > self.config.heartbeat_s:
                     self._refresh_learners()
                 self.poll_contributions()
                 for state in list(self.states.values()):
@@ -557,11 +558,10 @@ class Syncer:
 
     def _collect_garbage(self) -> None:
         from ddiloco_cli.gc import collect_garbage
-        from ddiloco_cli.runconfig import RunConfig
 
         self._last_gc_t = time.monotonic()
         try:
-            collect_garbage(self.store, config=RunConfig.from_record(self.run), fragments=self.fragments)
+            collect_garbage(self.store, config=self.config, fragments=self.fragments)
         except Exception as exc:  # noqa: BLE001 - GC must never stop serving
             log.warning("garbage collection failed: %s", exc)
 

@@ -125,23 +125,23 @@ def replay_check(cluster: benchlib.Cluster) -> dict[str, int]:
     shutil.copytree(cluster.bucket, bare_dir, ignore=lambda d, names: ["checkpoints"] if d == cluster.bucket else [])
     from_zero = Syncer(open_store(bare_dir), options=SyncerOptions(syncer_id="replay-zero", gc=False))
     from_zero.restore()
-    store, run, plan = with_ckpt.store, with_ckpt.run, with_ckpt.plan
+    store, config, plan = with_ckpt.store, with_ckpt.config, with_ckpt.plan
     out = Counter(restore_mismatches=0, published_mismatches=0, strict_replay_failures=0, checkpoints_replayed=0,
                   checkpoint_mismatches=0, checkpoints_refused=0)
     for p, state in with_ckpt.states.items():
         a, b = state.current, from_zero.states[p].current
         out["restore_mismatches"] += not (_same_value(a, b) and state.high_water == from_zero.states[p].high_water)
-        reader = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=p)
+        reader = FragmentReader(store, run_id=config.run_id, plan=plan, fragment=p)
         out["published_mismatches"] += not _same(a.published, reader.read(a.version))
         zero = reader.read(0)
-        value = FragmentValue(0, zero, zero, replay.new_outer(run), replay.manifest_cycle(reader.manifest(0)))
+        value = FragmentValue(0, zero, zero, replay.new_outer(config), replay.manifest_cycle(reader.manifest(0)))
         try:
             for info in store.list(layout.checkpoint_prefix(p)):
                 v = layout.parse_num(info.key)
                 if v is None or v == 0 or v > a.version:
                     continue
                 if v > value.version:
-                    value = replay.replay(run=run, fragment=p, reader=reader, fetch=with_ckpt.intake.fetch_used,
+                    value = replay.replay(config=config, fragment=p, reader=reader, fetch=with_ckpt.intake.fetch_used,
                                           start=value, latest=v)
                 try:
                     tensors, meta = replay.decode_checkpoint(store.get(info.key), plan=plan, fragment=p,
@@ -158,7 +158,7 @@ def replay_check(cluster: benchlib.Cluster) -> dict[str, int]:
                     shapes.keys() <= tensors.keys() and meta["outer_steps"] == value.outer.num_steps
                     and _same(momentum, value.outer.state_tensors()) and _same(raw, value.raw))
             if a.version > value.version:
-                value = replay.replay(run=run, fragment=p, reader=reader, fetch=with_ckpt.intake.fetch_used,
+                value = replay.replay(config=config, fragment=p, reader=reader, fetch=with_ckpt.intake.fetch_used,
                                       start=value, latest=a.version)
             out["restore_mismatches"] += not _same_value(a, value)
         except (ProtocolError, InvalidPayloadError) as exc:

@@ -25,7 +25,6 @@ from ddiloco_cli.errors import FencedError, InvalidPayloadError, ProtocolError, 
 from ddiloco_cli.gc import collect_garbage
 from ddiloco_cli.learner import LearnerStats, Uploader
 from ddiloco_cli.published import FragmentReader, expected_shapes
-from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import NotFound
@@ -709,7 +708,7 @@ def test_standby_waits_for_lease_by_store_clock_F2(run_store):
     assert not standby.acquire(stop=lambda: next(polls, None) is None)  # looks three times, then gives up
     assert [e.epoch for e in ledger.list_epochs(run_store, run_id=owner.run_id)] == [owner.epoch.epoch]
     # the same moment seen by a store whose clock is a lease later: the lease has expired
-    late = RecordingStore(run_store, clock_shift_s=float(owner.run["lease_s"]) + 1.0)
+    late = RecordingStore(run_store, clock_shift_s=owner.config.lease_s + 1.0)
     standby = Syncer(late, options=SyncerOptions(syncer_id="standby", gc=False))
     assert standby.acquire()
     assert standby.epoch.epoch == owner.epoch.epoch + 1
@@ -810,7 +809,7 @@ def test_gc_keeps_newest_checkpoint_and_everything_after_G1(gc_store):
     m4 = ledger.read_manifest(gc_store, 0, 4)
     after = [c["key"] for c in ledger.read_manifest(gc_store, 0, 5)["contributions"]]
     time.sleep(0.01)  # gc_grace_s is 1 ms (init refuses 0): everything written so far is old enough
-    report = collect_garbage(gc_store, config=RunConfig.from_record(s.run))
+    report = collect_garbage(gc_store, config=s.config)
     assert report.keep_from == {0: 4, 1: 4}
     for p in (0, 1):
         assert ledger.list_versions(gc_store, p) == [4, 5]
@@ -837,11 +836,11 @@ def test_gc_spares_orphans_younger_than_grace_G3(store_url):
     bad, _, _ = contribution(store, 0, "a", 3, header={"run_id": "x"})
     s = live_syncer(store)
     assert not step(s, 0)
-    report = collect_garbage(store, config=RunConfig.from_record(s.run))
+    report = collect_garbage(store, config=s.config)
     assert report.deleted == []
     assert store.get(orphan) == b"partial" and store.get(bad)
     late = RecordingStore(store, clock_shift_s=7200.0)
-    report = collect_garbage(late, config=RunConfig.from_record(s.run))
+    report = collect_garbage(late, config=s.config)
     assert orphan in report.deleted and bad in report.deleted
     assert ledger.list_versions(store, 0) == [0]  # version 0 (with its payload) is never collected
     FragmentReader(store, run_id=s.run_id, plan=s.plan, fragment=0).read(0)
@@ -856,7 +855,7 @@ def test_manifests_deleted_before_their_payloads_G4(gc_store):
     drive(gc_store, s, rounds=5)
     time.sleep(0.01)
     rec = RecordingStore(gc_store)
-    collect_garbage(rec, config=RunConfig.from_record(s.run))
+    collect_garbage(rec, config=s.config)
     deleted = [k for op, k in rec.log if op == "delete"]
     assert layout.manifest_key(0, 0) in deleted and layout.manifest_key(1, 2) in deleted
     for p in (0, 1):
