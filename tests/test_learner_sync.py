@@ -13,6 +13,7 @@ import torch
 from ddiloco_cli import DiLoCoSync, codec, layout, ledger, records
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.learner import Learner, LearnerOptions
+from ddiloco_cli.learner.island import move_model
 from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import load_run_task, load_task
@@ -124,6 +125,18 @@ def test_learn_features_bf16_autocast_and_grad_accum():
 def test_bad_learn_options_are_usage_errors(bad):
     with pytest.raises(UsageError):
         LearnerOptions(learner_id="e", **bad).check()
+
+
+def test_moving_the_model_to_a_device_keeps_tied_weights_tied():
+    """Module.to() onto a device whose tensors cannot take CPU storage in place (XLA; the
+    meta device behaves the same way) gives each module its own Parameter: GPT's tied
+    wte/lm_head weight would split in two and no longer match the run's plan."""
+    task = load_task(TINY)
+    assert len(list(task.build_model().to("meta").parameters())) == 16  # the failure move_model prevents
+    model = move_model(task.build_model(), torch.device("meta"))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert len(list(model.parameters())) == 15
+    assert all(t.device.type == "meta" for t in model.parameters())
 
 
 def test_a_compiled_model_is_attached_by_its_original_parameters():

@@ -16,6 +16,7 @@ from typing import Mapping
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.fragments import FragmentPlan, gather_fragment, scatter_fragment
@@ -39,6 +40,27 @@ def resolve_device(name: str) -> torch.device:
             raise UsageError("--device xla needs torch_xla: pip install 'ddiloco[xla]' (in an env with its matching torch)") from exc
         return torch_xla.device()
     raise UsageError(f"--device {name!r}: use cpu, cuda, cuda:N or xla")
+
+
+def move_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to(device)`` with tied parameters still tied.
+
+    ``Module.to`` swaps a parameter's data in place only when both tensor types are
+    compatible; moving CPU tensors to an XLA device instead puts a new Parameter on
+    every module that names one, so a weight shared by two modules (GPT's ``wte`` and
+    ``lm_head``) would train as two and no longer match the run's plan. On CPU and
+    CUDA the ties survive and this is ``model.to(device)``."""
+    tied: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(t), []).append(name)
+    model = model.to(device)
+    for first, *others in tied.values():
+        shared = model.get_parameter(first)
+        for name in others:
+            if model.get_parameter(name) is not shared:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, shared)
+    return model
 
 
 def _dtensor_type() -> type | None:

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.learner.island import resolve_device
+from ddiloco_cli.learner.island import move_model, resolve_device
 from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions, check_learner_id
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import Store
@@ -153,7 +153,7 @@ class Learner:
         """Returns "finished", "left" (SIGTERM), "taken over" or "steps" (session limit)."""
         config, inner, opts, task = self.config, self.inner, self.opts, self.task
         torch.manual_seed(config.seed)
-        model = task.build_model().to(self.device)
+        model = move_model(task.build_model(), self.device)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         net = shard_island(model, parallel=opts.parallel, world=world)
