@@ -54,8 +54,9 @@ bucket="$work/bucket"
 ddiloco="$venv/bin/ddiloco"
 learner=xla0
 
-"$ddiloco" init "$bucket" --task ddiloco_cli.tasks.gpt:tiny -P 2 -H 10 --overlap-steps 1 \
-  --total-steps "$steps" --warmup-steps 10 --no-require-signatures > "$work/init.log" 2>&1
+# the demo's schedule (P=4, H=16, tau=6, constant lr 2e-3), at most --steps long
+"$ddiloco" init "$bucket" --task ddiloco_cli.tasks.gpt:tiny -P 4 -H 16 --overlap-steps 6 --inner-lr 2e-3 \
+  --warmup-steps 20 --lr-schedule constant --total-steps "$steps" --no-require-signatures > "$work/init.log" 2>&1
 eval_loss() { nice "$ddiloco" eval "$bucket" --max-batches 8 --json | "$py" -c "import json,sys; print(json.load(sys.stdin)['val_loss'])"; }
 eval_before=$(eval_loss)
 
