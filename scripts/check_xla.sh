@@ -70,6 +70,9 @@ if ! PJRT_DEVICE=CPU nice "$ddiloco" learn "$bucket" --learner-id "$learner" --d
   tail -n 40 "$work/learn.log"; echo "FAIL: the xla learner exited with an error"; exit 1
 fi
 learn_s=$(( $(date +%s) - t0 ))
+if ! kill -0 "$syncer_pid" 2>/dev/null; then
+  tail -n 20 "$work/sync.log"; echo "FAIL: the syncer exited before the learner finished"; exit 1
+fi
 
 # wait (up to 120 s) until every contribution the learner wrote is in a committed manifest
 "$py" - "$bucket" "$learner" <<'EOF'
