@@ -96,7 +96,7 @@ class RunConfig:
     keep_overlap_progress: bool = _f(True, "keep-overlap-progress", _M, kind=bool)
     merge: str = _f("rda", "merge", _M, kind=str, choices=Merge)
     outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True)
-    outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True)
+    outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, lo_open=True, hi=1.0, hi_open=True)  # Nesterov needs > 0
     outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling)
     inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr")
     adam_betas: tuple[float, float] = _f((0.9, 0.95), "adam-betas", _I, kind=tuple, lo=0.0, hi=1.0, hi_open=True,
