@@ -1,9 +1,49 @@
 #!/usr/bin/env bash
 # The test command (README): set up .venv on a fresh machine if needed, then run pytest.
-#   scripts/test.sh                 # the whole suite (~minutes on 2 cores)
+#   scripts/test.sh                 # the whole suite, slow end-to-end runs included (~minutes on 2 cores)
+#   scripts/test.sh -m "not slow"   # without the multi-process end-to-end runs
 #   scripts/test.sh -k store -x     # extra arguments go to pytest
+#   scripts/test.sh --under-load    # the same with two busy `yes > /dev/null` processes beside it, which
+#                                   # it stops at exit: no test may depend on the machine's speed
+# DDILOCO_VENV=PATH uses an existing environment as it is (no set-up), e.g. one shared by worktrees.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-source .venv/bin/activate
-exec python -m pytest -q -p no:cacheprovider "$@"
+
+under_load=0
+if [ "${1:-}" = "--under-load" ]; then
+  under_load=1
+  shift
+fi
+
+if [ -n "${DDILOCO_VENV:-}" ]; then
+  # shellcheck disable=SC1091
+  source "$DDILOCO_VENV/bin/activate"
+else
+  bash scripts/setup_env.sh
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+
+if [ "$under_load" = 0 ]; then
+  exec python -m pytest -q -p no:cacheprovider "$@"
+fi
+
+hogs=()
+stop_hogs() {
+  for pid in "${hogs[@]}"; do
+    kill "$pid" 2>/dev/null || true
+  done
+}
+trap stop_hogs EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+for _ in 1 2; do
+  yes > /dev/null &
+  hogs+=("$!")
+done
+echo "under load: yes > /dev/null as pids ${hogs[*]}; $(uptime)"
+start_s=$(date +%s)
+rc=0
+python -m pytest -q -p no:cacheprovider "$@" || rc=$?
+echo "under load: pytest exit $rc after $(( $(date +%s) - start_s )) s; $(uptime)"
+exit "$rc"

@@ -64,11 +64,22 @@ class _SerialMotoServer:
     hold the server with a keep-alive connection.)
     """
 
-    def __init__(self, *, threaded: bool = False):
+    def __init__(self, *, threaded: bool = False, request_log: str | None = None):
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
         from werkzeug.serving import make_server
 
+        log = open(request_log, "a", buffering=1) if request_log else None
+
         class QuietHandler(MotoRequestHandler):
+            def handle_one_request(self) -> None:
+                started = time.monotonic()
+                super().handle_one_request()
+                if log is not None and getattr(self, "command", None):
+                    # who asked (the client's AWS_SDK_UA_APP_ID: tests/procs.py names each process), what, how long
+                    agent = self.headers.get("User-Agent", "") if self.headers else ""
+                    app = next((t[4:] for t in agent.split() if t.startswith("app/")), "-")
+                    log.write(f"{app}\t{self.command}\t{self.path}\t{time.monotonic() - started:.4f}\n")
+
             def log_request(self, *args, **kwargs) -> None:  # one stderr line per request otherwise
                 pass
 

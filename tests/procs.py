@@ -14,7 +14,16 @@ from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.store import open_store
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from benchlib import Launcher as Procs  # noqa: E402
+from benchlib import Launcher  # noqa: E402
+
+
+class Procs(Launcher):
+    """The benchmarks' launcher; each process also tags its S3 requests with its name (User-Agent
+    "app/NAME", from AWS_SDK_UA_APP_ID), so the tests' moto request log (DDILOCO_TEST_MOTO_LOG,
+    tests/moto_proc.py) tells the processes apart."""
+
+    def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return super().spawn(name, argv, env={"AWS_SDK_UA_APP_ID": name, **(env or {})})
 
 
 def wait_for(cond: Callable[[], bool], *, timeout_s: float, what: str, procs: Procs | None = None, poll_s: float = 0.25) -> None:
