@@ -252,9 +252,18 @@ def test_sync_status_inspect_report_hostile_run_files_in_one_line_R7(local_run, 
         os.replace(os.path.join(store.root, key), os.path.join(store.root, key + ".bak"))
         store.put(key, body.encode())
     url = store.url
-    code, out = run_cli(monkeypatch, capsys, "sync", url, "--max-runtime", "0.5", "--no-gc", "--poll", "0.05")
+    if key == layout.epoch_key(1):
+        # the syncer must claim and serve: it stops after its first commit (an event), not after a fixed
+        # --max-runtime that a loaded machine spends before the claim; the runtime is only a ceiling
+        beat(store, "a")
+        contribution(store, 0, "a", 1)
+        limits = ["--max-versions", "1", "--max-runtime", "120"]
+    else:
+        limits = ["--max-runtime", "0.5"]  # it fails at once, reading the file
+    code, out = run_cli(monkeypatch, capsys, "sync", url, *limits, "--no-gc", "--poll", "0.05")
     if key == layout.epoch_key(1):
         assert code == 0, out  # the junk claim is skipped: the syncer claims epoch 2 and serves
+        assert ledger.latest_version(store, 0) == 1, out
         assert ledger.list_epochs(store, run_id=ledger.read_run(store)["run_id"])[-1].epoch == 2
     else:
         assert code != 0 and one_error(out, naming=key), out
