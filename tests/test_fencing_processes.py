@@ -18,12 +18,16 @@ import subprocess
 import sys
 import time
 
+import pytest
 
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import FencedError
 from ddiloco_cli.store import open_store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A's lease is 10 s: a lease of 2 s let B take over from an A that a loaded machine had merely starved of
+# CPU for 2 s, before the test froze it (the takeover then waits 10 s, an event with a generous ceiling)
+pytestmark = pytest.mark.slow
 
 
 def _cli(*args: str, log_path: str) -> subprocess.Popen:
@@ -69,7 +73,7 @@ def test_stale_syncer_is_fenced_after_takeover_F1_F2_F3(tmp_path):
     logs = {n: str(tmp_path / f"{n}.log") for n in ("init", "a", "b", "learner")}
     init = subprocess.run(
         [sys.executable, "-m", "ddiloco_cli", "init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2",
-         "-H", "4", "--lease", "2", "--heartbeat", "0.5", "--codec", "bf16", "--total-steps", "0",
+         "-H", "4", "--lease", "10", "--heartbeat", "1", "--codec", "bf16", "--total-steps", "0",
          "--checkpoint-every", "1000", "--batch-size", "4"],
         cwd=ROOT, capture_output=True, timeout=120,
     )
