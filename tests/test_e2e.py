@@ -15,15 +15,25 @@ from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import evaluate, load_task
 from tests.procs import Procs, all_manifests, learner_heartbeat, terminate, versions, wait_for
 
-pytestmark = pytest.mark.slow
+# Every wait below is for an event; its ceiling only bounds a broken run. The test's own timeout covers
+# the sum of those ceilings on a loaded machine (idle, the whole test takes about a minute).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+WAIT_S = 240
+POLL_S = 1.0  # the test's own reads share the one-request-at-a-time S3 server with the run
 
 P = 2
-# s3:// runs require signatures by default (tests/test_signed_run.py covers them); this test is about faults
-INIT = ["--task", "ddiloco_cli.tasks.gpt:tiny", "-P", str(P), "-H", "6", "--overlap-steps", "1", "-K", "1",
+# s3:// runs require signatures by default (tests/test_signed_run.py covers them); this test is about faults.
+# H = 24 (a contribution every 12 steps per learner): with H = 6 three tiny-model learners wrote a contribution
+# every 0.5 s each, more than a syncer sharing two loaded cores with them could download and decode, so it
+# fell further behind with every merge (and the single-threaded moto server spent half the test serving
+# them). Lease and heartbeat are the product defaults (10 s, 2 s): a takeover waits at most one lease.
+# Learners poll for a new version at most once a second: with H = 24 the polls of latest.json were the
+# largest share of the S3 requests (count them: DDILOCO_TEST_MOTO_LOG, tests/moto_proc.py).
+INIT = ["--task", "ddiloco_cli.tasks.gpt:tiny", "-P", str(P), "-H", "24", "--overlap-steps", "1", "-K", "1",
         "--codec", "int4", "--inner-lr", "2e-3", "--warmup-steps", "0", "--lr-schedule", "constant",
-        "--total-steps", "0", "--batch-size", "8", "--lease", "4", "--heartbeat", "1", "--checkpoint-every", "4",
+        "--total-steps", "0", "--batch-size", "8", "--checkpoint-every", "4",
         "--max-staleness", "1000", "--no-require-signatures"]
-LEARN = ["--threads", "1", "--poll", "0.5"]
+LEARN = ["--threads", "1", "--poll", "1.0"]
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
@@ -74,16 +84,17 @@ def test_survives_kill9_of_learner_and_syncer(run_url, tmp_path):
         procs.start("syncer-1", "sync", url, "--poll", "0.2", "--no-gc")
         learners = {lid: procs.start(lid, "learn", url, "--learner-id", lid, *LEARN)
                     for lid in ("learner-0", "learner-1", "learner-2")}
-        wait_for(lambda: min(versions(url, P)) >= 3, timeout_s=120, what="3 versions of every fragment", procs=procs)
+        wait_for(lambda: min(versions(url, P)) >= 3, timeout_s=WAIT_S, what="3 versions of every fragment",
+                 procs=procs, poll_s=POLL_S)
         wait_for(lambda: all((learner_heartbeat(url, lid) or {}).get("num_contributions", 0) >= 2 for lid in learners),
-                 timeout_s=120, what="every learner contributing", procs=procs)
+                 timeout_s=WAIT_S, what="every learner contributing", procs=procs, poll_s=POLL_S)
 
         # kill -9 a learner (its uploads may be in flight): versions keep advancing without it
         learners["learner-2"].send_signal(signal.SIGKILL)
         learners["learner-2"].wait()
         before = versions(url, P)
-        wait_for(lambda: min(v - b for v, b in zip(versions(url, P), before)) >= 2, timeout_s=90,
-                 what="versions advancing while learner-2 is gone", procs=procs)
+        wait_for(lambda: min(v - b for v, b in zip(versions(url, P), before)) >= 2, timeout_s=WAIT_S,
+                 what="versions advancing while learner-2 is gone", procs=procs, poll_s=POLL_S)
         first_session = learner_heartbeat(url, "learner-2")["session"]
         learners["learner-2"] = procs.start("learner-2b", "learn", url, "--learner-id", "learner-2", *LEARN)
 
@@ -103,25 +114,25 @@ def test_survives_kill9_of_learner_and_syncer(run_url, tmp_path):
                 seen_versions[p] = latest
             return False
 
-        wait_for(rejoined, timeout_s=90, what="learner-2 contributing again after its restart", procs=procs, poll_s=1.0)
+        wait_for(rejoined, timeout_s=WAIT_S, what="learner-2 contributing again after its restart", procs=procs,
+                 poll_s=POLL_S)
 
         # corrupted contributions are quarantined, never merged; training goes on
         bad_keys = _bad_contributions(url, run["run_id"])
         wait_for(lambda: all(any(i.key == layout.quarantine_key(k) for i in store.list("quarantine/")) for k in bad_keys),
-                 timeout_s=60, what="quarantine reports for the 3 bad contributions", procs=procs)
+                 timeout_s=WAIT_S, what="quarantine reports for the 3 bad contributions", procs=procs, poll_s=POLL_S)
 
         # kill -9 the syncer, start another: it takes over after the lease
         procs.procs[0].send_signal(signal.SIGKILL)
         procs.procs[0].wait()
         killed_at = versions(url, P)
         procs.start("syncer-2", "sync", url, "--poll", "0.2", "--no-gc")
-        wait_for(lambda: min(v - k for v, k in zip(versions(url, P), killed_at)) >= 2, timeout_s=90,
-                 what="the second syncer committing", procs=procs)
+        wait_for(lambda: min(v - k for v, k in zip(versions(url, P), killed_at)) >= 2, timeout_s=WAIT_S,
+                 what="the second syncer committing", procs=procs, poll_s=POLL_S)
 
         for lid, proc in learners.items():
             assert terminate(proc) == 0, procs.log(lid)
             assert learner_heartbeat(url, lid)["state"] == "left"
-        time.sleep(1.0)
         assert terminate(procs.procs[-1]) == 0
 
         # the ledger: contiguous versions, nothing applied twice, nothing lost, bad ones never used
