@@ -23,13 +23,13 @@ POLL_S = 1.0  # the test's own reads share the one-request-at-a-time S3 server w
 
 P = 2
 # s3:// runs require signatures by default (tests/test_signed_run.py covers them); this test is about faults.
-# H = 24 (a contribution every 12 steps per learner): with H = 6 three tiny-model learners wrote a contribution
-# every 0.5 s each, more than a syncer sharing two loaded cores with them could download and decode, so it
+# H = 12 (a contribution every 6 steps per learner): with H = 6 three tiny-model learners wrote a contribution
+# every 3 steps each, more than a syncer sharing two loaded cores with them could download and decode, so it
 # fell further behind with every merge (and the single-threaded moto server spent half the test serving
 # them). Lease and heartbeat are the product defaults (10 s, 2 s): a takeover waits at most one lease.
-# Learners poll for a new version at most once a second: with H = 24 the polls of latest.json were the
-# largest share of the S3 requests (count them: DDILOCO_TEST_MOTO_LOG, tests/moto_proc.py).
-INIT = ["--task", "ddiloco_cli.tasks.gpt:tiny", "-P", str(P), "-H", "24", "--overlap-steps", "1", "-K", "1",
+# Learners poll for a new version at most once a second: polls of latest.json were the largest share of
+# the learners' S3 requests (count them: DDILOCO_TEST_MOTO_LOG, tests/moto_proc.py).
+INIT = ["--task", "ddiloco_cli.tasks.gpt:tiny", "-P", str(P), "-H", "12", "--overlap-steps", "1", "-K", "1",
         "--codec", "int4", "--inner-lr", "2e-3", "--warmup-steps", "0", "--lr-schedule", "constant",
         "--total-steps", "0", "--batch-size", "8", "--checkpoint-every", "4",
         "--max-staleness", "1000", "--no-require-signatures"]
