@@ -26,6 +26,17 @@ SPEC = dict(task="ddiloco_cli.tasks.gpt:tiny", num_fragments=1, sync_every=H, ov
             heartbeat_s=0.2, lease_s=5.0)
 
 
+def inner_step(task, model, opt, batch, *, lr: float) -> None:
+    """One plain AdamW step of the reference loops, as the learner takes it (clip 1.0)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = task.loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 def reference_diloco() -> dict[str, torch.Tensor]:
     task = load_task(SPEC["task"])
     torch.manual_seed(SPEC["seed"])
@@ -38,13 +49,7 @@ def reference_diloco() -> dict[str, torch.Tensor]:
     outer = torch.optim.SGD(global_params.values(), lr=SPEC["outer_lr"], momentum=SPEC["outer_momentum"], nesterov=True)
     batches = task.batches(shard=0, num_shards=1, seed=SPEC["seed"], batch_size=8)
     for step in range(H * ROUNDS):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, inner)
-        loss = task.loss(model, next(batches))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        inner_step(task, model, opt, next(batches), lr=lr_at(step, inner))
         if (step + 1) % H == 0:  # outer step: outer gradient = global - local, then overwrite local
             with torch.no_grad():
                 for k, g in global_params.items():
@@ -97,13 +102,7 @@ def reference_streaming_diloco(plan, *, num_learners: int, spec: dict) -> list[d
                               nesterov=True) for p in range(P)]
     for step in range(spec["total_steps"]):
         for model, opt, data in zip(models, opts, batches):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, inner)
-            loss = task.loss(model, next(data))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            inner_step(task, model, opt, next(data), lr=lr_at(step, inner))
         for p in fragments_due(step + 1, num_fragments=P, sync_every=spec["sync_every"]):
             locals_ = [gather_fragment(plan, p, dict(m.named_parameters())) for m in models]
             with torch.no_grad():

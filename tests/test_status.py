@@ -141,7 +141,9 @@ def test_render_status_and_inspect(built):
     assert result.exit_code == 0 and LEARNER in result.output
 
 
-def test_watch_status_redraws_until_ctrl_c(built):
+def flaky_fetch(built):
+    """A status fetch that fails once (bucket unreachable), then is interrupted (Ctrl-C)
+    on its 4th call; returns (fetch, calls)."""
     calls = []
 
     def fetch():
@@ -151,6 +153,12 @@ def test_watch_status_redraws_until_ctrl_c(built):
         if len(calls) == 4:
             raise KeyboardInterrupt
         return run_status(built.store)
+
+    return fetch, calls
+
+
+def test_watch_status_redraws_until_ctrl_c(built):
+    fetch, calls = flaky_fetch(built)
 
     console = Console(file=io.StringIO(), width=160, color_system=None, force_terminal=True)
     watch_status(console, fetch, interval_s=0.0, live=True)
@@ -160,15 +168,7 @@ def test_watch_status_redraws_until_ctrl_c(built):
 
 
 def test_watch_off_a_terminal_prints_one_plain_line_per_refresh(built):
-    calls = []
-
-    def fetch():
-        calls.append(1)
-        if len(calls) == 2:
-            raise StoreAccessError("bucket unreachable")
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return run_status(built.store)
+    fetch, calls = flaky_fetch(built)
 
     console = Console(file=io.StringIO(), width=80, color_system=None)
     watch_status(console, fetch, interval_s=0.0, live=False)
