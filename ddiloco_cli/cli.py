@@ -24,7 +24,7 @@ from typer.core import TyperGroup
 
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.metrics import LOGGERS
-from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterLrScaling, RunConfig
+from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterGradient, OuterLrScaling, RunConfig
 from ddiloco_cli.store.base import TransientStoreError
 
 
@@ -220,6 +220,10 @@ def init(
     outer_lr_scaling: Annotated[OuterLrScaling, typer.Option(
         rich_help_panel=_MERGE, help="participation: a merge of m of M live learners uses lr*m/M")
     ] = OuterLrScaling(_D.outer_lr_scaling),
+    outer_gradient: Annotated[OuterGradient, typer.Option(
+        rich_help_panel=_MERGE, help="current: a contribution's outer gradient is the current value minus its "
+                                     "model ((current - base) + delta); delta: its progress on its own base")
+    ] = OuterGradient(_D.outer_gradient),
     inner_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_INNER,
                                             help="Inner AdamW peak learning rate")] = _D.inner_lr,
     adam_betas: Annotated[str, typer.Option(metavar="B1,B2", rich_help_panel=_INNER,
@@ -248,7 +252,7 @@ def init(
     grace_max: Annotated[float, typer.Option("--grace-max", metavar="SECONDS", rich_help_panel=_FT,
                                              help="Upper bound of the grace window")] = _D.grace_max_s,
     max_staleness: Annotated[int, typer.Option(metavar="N", rich_help_panel=_FT,
-                                               help="Oldest base version accepted, in versions behind")] = _D.max_staleness,
+                                               help="Oldest base accepted, in cycles of the fragment behind the latest version (discounted beyond 2)")] = _D.max_staleness,
     checkpoint_every: Annotated[int, typer.Option(metavar="N", rich_help_panel=_FT,
                                                   help="Outer-state checkpoint every N versions")] = _D.checkpoint_every,
     lease: Annotated[float, typer.Option("--lease", metavar="SECONDS", rich_help_panel=_FT,

@@ -73,12 +73,6 @@ class Contribution:
     def weight(self) -> float:
         return token_weight(max(0, self.merged_tokens), max(0, self.merged_steps))
 
-    def gradient(self) -> Tensors:
-        """What it adds to the global model: its delta, less what an earlier merge already took."""
-        if self.prior_delta is None:
-            return self.delta
-        return {k: t - self.prior_delta[k] for k, t in self.delta.items()}
-
     def entry(self, status: str, *, reason: str = "", carried_by: int | None = None) -> dict[str, Any]:
         """Its ledger entry. A used one carries everything a replay needs."""
         e = {"learner_id": self.learner_id, "seq": self.seq, "key": self.key, "sha256": self.sha256,

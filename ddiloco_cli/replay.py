@@ -25,13 +25,14 @@ from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, expected_shapes
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, Store
-from ddiloco_cli.update import FragmentValue, outer_update
+from ddiloco_cli.update import FragmentValue, contribution_gradient, outer_update
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
 RAW_PREFIX = "raw/"  # plan keys never contain "/" (they are parameter names and row ranges)
 ACCUM_PREFIX = "accum/"
+REPLAY_BASES = 64  # published values a replay keeps for contributions' bases (older ones are re-read)
 
 
 def manifest_cycle(manifest: dict[str, Any]) -> float:
@@ -175,6 +176,7 @@ def replay(*, config: RunConfig, fragment: int, reader: FragmentReader,
     ledger; each version's re-encoded payloads go to ``republish`` once they are proven
     identical to the manifest's. Raises ProtocolError when they differ."""
     value = start
+    bases: dict[int, Tensors] = {}  # published values of versions replayed so far (outer_gradient = current)
     for v in range(start.version + 1, latest + 1):
         m = reader.manifest(v)
         used = [e for e in m["contributions"] if e["used"]]
@@ -182,11 +184,17 @@ def replay(*, config: RunConfig, fragment: int, reader: FragmentReader,
             raise ProtocolError(f"version {v} of fragment {fragment} merged nothing: not a syncer commit")
         grads = []
         for e in used:
-            delta = fetch(fragment, e)
-            if "increment_of" in e:  # only what the earlier merge of the same base did not take
-                prior = fetch(fragment, e["increment_of"])
-                delta = {k: t - prior[k] for k, t in delta.items()}
-            grads.append(delta)
+            # "increment_of": only what the earlier merge of the same base did not take (delta runs)
+            prior = fetch(fragment, e["increment_of"]) if "increment_of" in e else None
+            base = None
+            if config.outer_gradient == "current" and e["base_version"] != value.version:
+                b = int(e["base_version"])
+                base = bases[b] if b in bases else bases.setdefault(b, reader.read(b))
+            grads.append(contribution_gradient(fetch(fragment, e), prior=prior, base=base, current=value.published))
+        if config.outer_gradient == "current":
+            bases[value.version] = value.published
+            if len(bases) > REPLAY_BASES:
+                del bases[min(bases)]
         value, encoded = outer_update(
             value, fragment=fragment, grads=grads, weights=[effective_weight(e) for e in used],
             lr=float(m.get("outer_lr", config.outer_lr)), method=config.merge, publish_codec=config.publish_codec,

@@ -41,6 +41,11 @@ class OuterLrScaling(str, Enum):
     none = "none"
 
 
+class OuterGradient(str, Enum):
+    current = "current"
+    delta = "delta"
+
+
 class Mode(str, Enum):
     decoupled = "decoupled"
     lockstep = "lockstep"
@@ -98,6 +103,7 @@ class RunConfig:
     outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True)
     outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, lo_open=True, hi=1.0, hi_open=True)  # Nesterov needs > 0
     outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling)
+    outer_gradient: str = _f("current", "outer-gradient", _M, kind=str, choices=OuterGradient)
     inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr")
     adam_betas: tuple[float, float] = _f((0.9, 0.95), "adam-betas", _I, kind=tuple, lo=0.0, hi=1.0, hi_open=True,
                                          json_key="inner.betas")

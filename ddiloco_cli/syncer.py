@@ -18,7 +18,7 @@ import os
 import socket
 import statistics
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -33,7 +33,7 @@ from ddiloco_cli.published import FragmentReader, upload_payloads
 from ddiloco_cli.replay import checkpoint_bytes, manifest_cycle, per_cycle, restore_value
 from ddiloco_cli.runconfig import read_run_config
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
-from ddiloco_cli.update import FragmentValue, NonFiniteUpdate, outer_update
+from ddiloco_cli.update import FragmentValue, NonFiniteUpdate, contribution_gradient, outer_update
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ RESTORE_RETRY_S = 30.0  # how often a fragment whose committed state is unreadab
 NORM_BOUND_FACTOR = 100.0  # a contribution whose norm exceeds this many running medians is refused
 NORM_WINDOW = 64  # accepted norms in the running median
 NORM_MIN_SAMPLES = 8  # no bound before this many accepted contributions
+BASE_CACHE_MIN = 8  # published values of recent versions kept for outer_gradient = current (at least)
 TIP_WINDOW = 64  # versions searched on restore for each learner's last merged contribution
 
 
@@ -71,6 +72,8 @@ class FragmentState:
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
     # per learner: its last used ledger entry and (when in memory) that contribution's delta
     tips: dict[str, tuple[dict[str, Any], Tensors | None]] = field(default_factory=dict)
+    # published values of recent versions, newest last (outer_gradient = current: contributions' bases)
+    bases: OrderedDict[int, Tensors] = field(default_factory=OrderedDict)
     first_pending_t: float | None = None
     quorum_t: float | None = None
     last_quorum_size: int = 0
@@ -344,7 +347,9 @@ class Syncer:
             if staleness > max_stale:
                 return (f"stale: base version {c.base_version} is {staleness:.2f} cycles behind version "
                         f"{state.version} (max_staleness {max_stale:g} cycles); re-base on the latest version")
-        except (NotFound, ProtocolError) as exc:
+            if self.config.outer_gradient == "current":
+                self._base_value(state, c.base_version)
+        except (NotFound, ProtocolError, InvalidPayloadError) as exc:
             return f"base version {c.base_version} can no longer be read ({exc}); re-base on the latest version"
         norm = delta_norm(c.delta)
         if len(state.norms) >= NORM_MIN_SAMPLES:
@@ -353,6 +358,24 @@ class Syncer:
                 return f"norm {norm:.4g} exceeds {NORM_BOUND_FACTOR:g}x the running median {median:.4g}"
         c.staleness, c.discount = staleness, staleness_discount(staleness)
         return None
+
+    def _base_value(self, state: FragmentState, version: int) -> Tensors | None:
+        """The published value of a contribution's base version for ``outer_gradient = current``
+        (None: the base is the current version, or the run uses deltas). Recent versions are
+        kept in memory; older ones are read (GC keeps them back to the staleness floor)."""
+        if self.config.outer_gradient != "current" or version == state.version:
+            return None
+        value = state.bases.get(version)
+        if value is None:
+            value = self.readers[state.fragment].read(version)
+            self._remember_base(state, version, value)
+        return value
+
+    def _remember_base(self, state: FragmentState, version: int, value: Tensors) -> None:
+        state.bases[version] = value
+        state.bases.move_to_end(version)
+        while len(state.bases) > max(BASE_CACHE_MIN, 2 * len(self.live_learners) + 2):
+            state.bases.popitem(last=False)
 
     def maybe_merge(self, state: FragmentState) -> bool:
         for lid, cs in list(state.pending.items()):
@@ -431,8 +454,14 @@ class Syncer:
         t0 = self.opts.clock()
         p, cur = state.fragment, state.current
         contributions = state.contributions()
-        self._link_increments(state, contributions)
-        grads = [c.gradient() for c in contributions]  # each learner's progress on its own base
+        try:
+            if self.config.outer_gradient == "delta":
+                self._link_increments(state, contributions)
+            grads = [contribution_gradient(c.delta, prior=c.prior_delta, base=self._base_value(state, c.base_version),
+                                           current=cur.published) for c in contributions]
+        except (NotFound, ProtocolError, InvalidPayloadError) as exc:  # a base read between admit and now
+            log.warning("fragment %d: a contribution's base cannot be read now (%s); merging later", p, exc)
+            return False
         lr = self._outer_lr(sum(c.discount for c in contributions))
         advance = self._cycle_advance(contributions)
         share = self._outer_share(contributions)
@@ -474,6 +503,8 @@ class Syncer:
             log.warning("fragment %d: version %d was committed by another syncer; reloading", p, new.version)
             self._reload(state)
             return False
+        if self.config.outer_gradient == "current":
+            self._remember_base(state, cur.version, cur.published)
         state.current = new
         for c in contributions:
             state.tips[c.learner_id] = (c.entry(USED), c.delta)

@@ -6,11 +6,9 @@ payload bytes (the replay checks their sha256 against the manifest).
 
 The update (PROTOCOL.md "Merge semantics"):
 
-1. the outer gradient of each contribution is its delta, ``g_m = base_m - theta_m``
-   (the learner's progress on the published value it started from), whatever its base:
-   measured against the current value instead (``(published - base_m) + delta_m``), a
-   contribution out of phase pulls the fragment back towards its stale base, and the
-   fragment then moved only ~1 d per cycle where synchronous DiLoCo moves ~5-7 d;
+1. the outer gradient of each contribution (``contribution_gradient``): by default against
+   the current value, ``g_m = current - theta_m = (current - base_m) + delta_m``; or
+   (``outer_gradient = delta``) the learner's progress on its own base, ``base_m - theta_m``;
 2. merge (token-weighted RDA, or mean) with each weight times its staleness discount;
 3. an outer Nesterov step on the *raw* (unquantised) value: one step per merge, or
    (``per_cycle``) one momentum step per cycle of the outer phase (one learner's share of
@@ -54,6 +52,26 @@ class FragmentValue:
     cycle: float = 0.0  # the fragment's cycle clock (staleness) at this version (manifest field `cycle`)
     accum: Tensors = field(default_factory=dict)  # per-cycle mode: this cycle's gradient so far ({}: none)
     phase: float = 0.0  # per-cycle mode: learner shares merged so far (manifest field `outer_phase`)
+
+
+def contribution_gradient(delta: Tensors, *, prior: Tensors | None = None, base: Tensors | None = None,
+                          current: Tensors | None = None) -> Tensors:
+    """The outer gradient of one contribution (``outer_gradient`` in run.json):
+
+    * ``current`` (pass ``base`` and ``current``, the published values of its base version and
+      of the version it merges into): ``current - theta_m = (current - base_m) + delta_m``. A
+      contribution on an older base pulls the fragment towards the learner's model, not past
+      it: what the others merged since its base is not counted twice. ``base`` None: the base
+      is the current version and the gradient is the delta itself, bit for bit.
+    * ``delta``: the learner's progress on its own base, less ``prior`` (the delta of its
+      earlier contribution on the same base that a previous version already merged).
+    """
+    if base is not None:
+        assert current is not None
+        return {k: (current[k] - base[k]) + t for k, t in delta.items()}
+    if prior is not None:
+        return {k: t - prior[k] for k, t in delta.items()}
+    return delta
 
 
 def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, method: str) -> Tensors:

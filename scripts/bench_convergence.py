@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr-schedule", default="cosine")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's default")
     ap.add_argument("--outer-lr-scaling", default="cycle", help="decoupled arms: cycle (the figures in README), participation (the run default) or none")
+    ap.add_argument("--outer-gradient", default="current", help="decoupled arms: current (the run default) or delta")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
@@ -92,7 +93,7 @@ def init_flags(args, *, arm: str) -> dict:
                  batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
                  max_staleness=16, quorum=1, mode="decoupled", merge="rda")
-    flags.update(outer_lr_scaling=args.outer_lr_scaling)
+    flags.update(outer_lr_scaling=args.outer_lr_scaling, outer_gradient=args.outer_gradient)
     if arm == "lockstep":  # Streaming DiLoCo (init fixes the merge, receive, lr scaling and publish codec)
         flags.update(mode="lockstep", quorum=M)
     elif arm == "mixed":

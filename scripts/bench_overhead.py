@@ -123,7 +123,7 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
 
     # main-thread time inside the loop's own ddiloco calls (send: gather + delta + queue;
     # receive: take + scatter), wall and CPU
-    spent = {"send_s": 0.0, "receive_s": 0.0, "send_cpu_s": 0.0, "receive_cpu_s": 0.0}
+    spent = {"send_s": 0.0, "receive_s": 0.0, "send_cpu_s": 0.0, "receive_cpu_s": 0.0, "send_calls": 0, "receive_calls": 0}
 
     def timed(name, fn):
         def wrapped(*a, **k):
@@ -133,17 +133,20 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
             finally:
                 spent[name + "_s"] += time.perf_counter() - t0
                 spent[name + "_cpu_s"] += time.thread_time() - c0
+                spent[name + "_calls"] += 1
         return wrapped
 
     DiLoCoSync._send = timed("send", DiLoCoSync._send)
     DiLoCoSync._receive = timed("receive", DiLoCoSync._receive)
     stamps = [_stamp()]
     threads: dict[str, float] = {}
+    at_last_step: dict[str, float] = {}
 
     def on_progress(p: dict) -> None:
         stamps.append(_stamp())
-        if len(stamps) == steps + 1:  # last step: the workers are still alive
+        if len(stamps) == steps + 1:  # last step: the workers are still alive, the flush on close not begun
             threads.update(thread_cpu_s())
+            at_last_step.update(spent)
 
     learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9,
                                                               task=f"{THIS}:mid"),
@@ -152,8 +155,9 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
     s = learner.stats
     _write(out, arm="ddiloco", stamps=stamps, reason=reason, blocked_s=s.blocked_s, bytes_up=s.bytes_up,
            bytes_down=s.bytes_down, num_contributions=s.num_contributions,
+           num_flushed=spent["send_calls"] - at_last_step["send_calls"],
            versions_received=sum(1 for v in s.versions.values() if v > 0),
-           max_version=max(s.versions.values(), default=0), thread_cpu_s=threads, **spent)
+           max_version=max(s.versions.values(), default=0), thread_cpu_s=threads, **at_last_step)
 
 
 def _write(out: str, **rec) -> None:

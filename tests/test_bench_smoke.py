@@ -50,7 +50,9 @@ def test_bench_overhead_smoke(tmp_path):
     arms = [r["arm"] for r in rep["records"]]
     assert arms == ["plain", "ddiloco"]
     dd = rep["records"][1]
-    assert dd["num_contributions"] == 5  # P = H = 24: one fragment goes up per step
+    assert dd["send_calls"] == 5  # P = H = 24: one fragment goes up per step
+    # then, on close, every fragment with steps not sent yet (all but the last one sent)
+    assert dd["num_flushed"] == 23 and dd["num_contributions"] == 5 + 23
     assert dd["steps_measured"] == 4
     for key in ("overhead_median", "cpu_overhead_median", "plain_vm_hwm_kb", "ddiloco_vm_hwm_kb", "syncer_vm_hwm_kb"):
         assert key in rep

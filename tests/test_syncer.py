@@ -238,11 +238,12 @@ def test_contribution_far_above_the_running_median_norm_is_refused_V2(run_store)
 
 
 def test_a_resend_on_a_merged_base_merges_only_the_increment():
-    """A learner that sends again before it received the version holding its last contribution
-    sends its whole progress since that base again: only the increment is merged (recorded as
-    increment_of), so nothing is applied twice; a restarted syncer replays it the same way."""
+    """outer_gradient = delta: a learner that sends again before it received the version holding
+    its last contribution sends its whole progress since that base again: only the increment is
+    merged (recorded as increment_of), so nothing is applied twice; a restarted syncer replays it
+    the same way."""
     run_store = open_store(f"memory://incr-{uuid.uuid4().hex}")
-    make_run(run_store, outer_lr_scaling="none")  # one Nesterov step per merge: easy to check by hand
+    make_run(run_store, outer_lr_scaling="none", outer_gradient="delta")  # one Nesterov step per merge
     beat(run_store, "a")
     s = live_syncer(run_store)
     d1 = {k: 0.01 * torch.ones_like(t) for k, t in s.states[0].value.items()}
@@ -264,6 +265,39 @@ def test_a_resend_on_a_merged_base_merges_only_the_increment():
         assert torch.equal(t, r.states[0].current.raw[k])
     assert r.states[0].tips["a"][0]["seq"] == 2
     assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).used_tokens[0] == 192
+
+
+def test_an_older_base_is_measured_against_the_current_value():
+    """[M3] outer_gradient = current (the default): a contribution on an older base pulls the
+    fragment towards the learner's model, g = (current - base) + delta, so what the version in
+    between already merged is not applied twice; a resend on a merged base needs no increment.
+    A restarted syncer replays it bit for bit, reading the base's published value."""
+    run_store = open_store(f"memory://cur-{uuid.uuid4().hex}")
+    make_run(run_store, outer_lr_scaling="none")  # one Nesterov step per merge: easy to check by hand
+    beat(run_store, "a")
+    s = live_syncer(run_store)
+    v0 = {k: t.clone() for k, t in s.states[0].value.items()}
+    d1 = {k: 0.01 * torch.ones_like(t) for k, t in v0.items()}
+    d2 = {k: 0.03 * torch.ones_like(t) for k, t in v0.items()}
+    contribution(run_store, 0, "a", 1, tensors=d1, c_tokens=64, c_steps=2)
+    assert step(s, 0)  # version 1: a alone (b has not reported; K = 1)
+    v1 = {k: t.clone() for k, t in s.states[0].value.items()}
+    for k in v1:  # first Nesterov step: buf = g, new = v0 - lr * (g + m * g)
+        assert torch.allclose(v1[k], v0[k] - 0.7 * 1.9 * d1[k], atol=1e-6), k
+    beat(run_store, "a", state="finished")  # b is then the only live learner: no grace window to wait out
+    beat(run_store, "b")  # joins with a contribution on version 0, made before version 1 existed
+    contribution(run_store, 0, "b", 1, tensors=d2, c_tokens=64, c_steps=2)
+    assert step(s, 0)
+    entry = ledger.read_manifest(run_store, 0, 2)["contributions"][0]
+    assert entry["base_version"] == 0 and "increment_of" not in entry
+    g = {k: (v1[k] - v0[k]) + d2[k] for k in v0}  # = v1 - theta_b
+    buf = {k: 0.9 * d1[k] + g[k] for k in g}
+    for k in v1:
+        assert torch.allclose(s.states[0].value[k], v1[k] - 0.7 * (g[k] + 0.9 * buf[k]), atol=1e-6), k
+    r = restored(run_store)  # replays from version 0: reads version 0's published value for b's base
+    for k, t in s.states[0].current.raw.items():
+        assert torch.equal(t, r.states[0].current.raw[k])
+    assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).used_tokens[0] == 128
 
 
 def _toy_movement(num_learners: int, *, per_cycle: bool, cycles: int = 20) -> float:

@@ -256,12 +256,32 @@ class DiLoCoSync:
             self._previous_sigterm = None
         finished = not crashed and self.total_steps > 0 and self.stats.step >= self.total_steps
         self.stats.state = "finished" if finished else "left"
+        if not crashed and self.stop_reason != "taken over" and not self.lockstep:
+            self.flush()
         if self._receiver is not None:
             self._receiver.close()
             self._uploader.close()
             if self._data_state is not None:
                 self._writer.save_state(self._data_state)
             self._writer.close(final_beat=True)
+
+    def flush(self) -> list[int]:
+        """Send every fragment's progress not sent yet (the steps since its last send): a
+        learner that finishes, reaches --steps or leaves on SIGTERM loses no trained step.
+        ``close`` calls it (not in lock-step mode, where a partial contribution would be a
+        merge of its own). Returns the fragments sent."""
+        sent = []
+        for p in range(self.plan.num_fragments):
+            steps, _ = self.counters.snapshot(p)
+            flight = self.in_flight.get(p)
+            if steps - (flight.counters[0] if flight is not None else 0) <= 0:
+                continue
+            self.seq += 1
+            self._send(p, self.seq, self.stats.step)  # on the same base as the one in flight: supersedes it
+            sent.append(p)
+        if sent:
+            log.info("sent the unsent progress of fragments %s before leaving (step %d)", sent, self.stats.step)
+        return sent
 
     # -------------------------------------------------------------- internals
     def _check_model(self) -> None:
