@@ -1,4 +1,4 @@
-"""Golden trajectories of the numerics, simulated in process.
+"""Golden trajectories of the numerics, through the real learner and syncer.
 
 Two learners, two fragments, H = 2, quadratic inner loss with a constant
 per-learner pull (grad = 0.5 * theta + g_m, plain SGD inner steps), different
@@ -10,26 +10,50 @@ tests/golden/*.json; regenerate with
     DDILOCO_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden.py
 
 (only when a change of the numerics is intended; say why in the commit).
+
+Everything runs as in a real run, on an in-memory bucket: ``init_run`` writes
+version 0, ``Syncer.serve`` (its own thread) merges, and each learner is a
+plain training loop in its own thread wrapped in ``DiLoCoSync``. The fixtures
+describe the schedule with a syncer that is never late: a learner always
+receives the version that merged its send exactly tau steps later. A decoupled
+learner never waits, so when a merge reaches it would depend on thread timing;
+the learners here therefore run with their config's mode set to ``lockstep``,
+which only makes them wait for the version that merged their own contribution
+(and skip the flush on leaving). Their receive rule is a decoupled learner's
+with ``keep_overlap_progress`` off, as the run sets it; the syncer reads
+run.json as written (decoupled: RDA, none of lock-step's overrides).
 """
 
+from __future__ import annotations
+
+import dataclasses
+import functools
 import json
 import math
 import os
+import threading
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from ddiloco_cli.fragments import gather_fragment, plan_fragments, scatter_fragment
-from ddiloco_cli.merge import alpha_merge, is_embedding_key, merge_outer_gradients, token_weight
-from ddiloco_cli.outer import OuterOptimizer
-from ddiloco_cli.schedule import FragmentCounters, fragments_due
+from ddiloco_cli import codec, ledger
+from ddiloco_cli.learner import DiLoCoSync, SyncOptions
+from ddiloco_cli.published import FragmentReader
+from ddiloco_cli.runconfig import read_run_config
+from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.store import open_store
+from ddiloco_cli.store.memory import drop_bucket
+from ddiloco_cli.syncer import Syncer, SyncerOptions
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 SHAPES = {"wte.weight": (6, 3), "h.0.w": (4, 5), "h.0.b": (5,), "ln.w": (3,)}
 M, P, H, NUM_STEPS = 2, 2, 2, 8
 TOKENS_PER_STEP = [64, 32]
 INNER_LR = 0.1
+WAIT_S = 120  # ceiling for a thread to finish (a run takes about a second)
 
 
 def _pattern(shape, phase):
@@ -37,62 +61,123 @@ def _pattern(shape, phase):
     return torch.sin(torch.arange(n, dtype=torch.float32) * 0.7 + phase).reshape(shape)
 
 
-def simulate(*, tau: int, alpha: float) -> dict:
-    plan = plan_fragments({k: (s, "float32") for k, s in SHAPES.items()}, P)
-    init = {k: _pattern(s, 0.0) for k, s in SHAPES.items()}
-    learners = [{k: v.clone() for k, v in init.items()} for _ in range(M)]
-    pulls = [{k: _pattern(s, 1.0 + m) for k, s in SHAPES.items()} for m in range(M)]
-    counters = [FragmentCounters(P) for _ in range(M)]
-    global_values = [gather_fragment(plan, p, init) for p in range(P)]
-    versions = [0] * P
-    outers = [OuterOptimizer(lr=0.7, momentum=0.9) for _ in range(P)]
-    bases = [[(0, {k: v.clone() for k, v in global_values[p].items()}) for p in range(P)] for _ in range(M)]
-    pending: dict[int, list] = {p: [] for p in range(P)}  # contributions waiting for quorum
-    deliveries = []  # (due step, learner, fragment)
-    commits = []
+class GoldenTask:
+    """The quadratic task: the model holds the ``SHAPES`` tensors (initialised to a fixed
+    pattern), learner m's batches are its constant pull g_m and its token count, and the
+    loss is sum(0.25 * theta^2 + g_m * theta), so grad = 0.5 * theta + g_m."""
 
-    for step in range(1, NUM_STEPS + 1):
-        for m in range(M):  # inner step
-            for k, theta in learners[m].items():
-                theta.sub_(INNER_LR * (0.5 * theta + pulls[m][k]))
-            counters[m].on_step(TOKENS_PER_STEP[m])
-        for p in fragments_due(step, num_fragments=P, sync_every=H):
-            for m in range(M):  # send: delta = base - theta
-                base_version, base = bases[m][p]
-                theta = gather_fragment(plan, p, learners[m])
-                delta = {k: base[k] - theta[k] for k in theta}
-                pending[p].append((m, base_version, {k: v.clone() for k, v in base.items()}, delta,
-                                   counters[m].snapshot(p)))
-                deliveries.append((step + tau, m, p))
-            if len(pending[p]) >= M:  # syncer: merge, outer step, publish
-                current = global_values[p]
-                grads, weights = [], []
-                for m, _, base, delta, (c_steps, c_tokens) in pending[p]:
-                    grads.append({k: (current[k] - base[k]) + delta[k] for k in delta})
-                    weights.append(token_weight(c_tokens, c_steps))
-                merged = merge_outer_gradients(grads, weights, mean_keys={k for k in current if is_embedding_key(k)})
-                outers[p].step(current, merged)
-                versions[p] += 1
-                pending[p] = []
-                commits.append({"step": step, "fragment": p, "version": versions[p],
-                                "values": {k: v.flatten().tolist() for k, v in current.items()}})
-        for due, m, p in [d for d in deliveries if d[0] <= step]:  # receive
-            deliveries.remove((due, m, p))
-            if bases[m][p][0] < versions[p]:
-                local = gather_fragment(plan, p, learners[m])
-                for k in local:
-                    alpha_merge(local[k], global_values[p][k], alpha)
-                scatter_fragment(plan, p, learners[m], local)
-                bases[m][p] = (versions[p], {k: v.clone() for k, v in global_values[p].items()})
-                counters[m].reset(p)
-                if alpha == 0:
-                    got = gather_fragment(plan, p, learners[m])
-                    assert all(torch.equal(got[k], global_values[p][k]) for k in got)
-    return {
-        "config": {"M": M, "P": P, "H": H, "tau": tau, "alpha": alpha, "num_steps": NUM_STEPS},
-        "commits": commits,
-        "final_learners": [{k: v.flatten().tolist() for k, v in lr.items()} for lr in learners],
-    }
+    def build_model(self) -> torch.nn.Module:
+        root = torch.nn.Module()
+        for name, shape in SHAPES.items():
+            *path, leaf = name.split(".")
+            module = root
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, torch.nn.Parameter(_pattern(shape, 0.0)))
+        return root
+
+    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int):
+        pull = {k: _pattern(s, 1.0 + shard) for k, s in SHAPES.items()}
+        while True:
+            yield {"pull": pull, "tokens": TOKENS_PER_STEP[shard]}
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return sum((0.25 * t.pow(2) + batch["pull"][k] * t).sum() for k, t in model.named_parameters())
+
+    def num_tokens(self, batch: dict[str, Any]) -> int:
+        return batch["tokens"]
+
+
+def _train(store, m: int, *, syncer_done: threading.Event, alpha: float) -> dict[str, torch.Tensor]:
+    """Learner m: NUM_STEPS plain SGD steps in a user's own loop, wrapped in DiLoCoSync."""
+    task = GoldenTask()
+    model = task.build_model()  # its values are replaced by version 0 on entry
+    opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    config = dataclasses.replace(read_run_config(store), mode="lockstep")  # wait for each merge (docstring)
+    options = SyncOptions(min_poll_s=0.005, stall_alert=False)
+    with DiLoCoSync(store, model, learner_id=f"l{m}", config=config, options=options) as sync:
+        batches = task.batches(shard=m, num_shards=M, seed=0, batch_size=1)
+        for _ in range(NUM_STEPS):
+            batch = next(batches)
+            task.loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            for p in sync.step(num_tokens=task.num_tokens(batch)):
+                if alpha == 0:  # alpha = 0 overwrites the fragment with the global value, bit for bit
+                    version, value = sync.base[p]
+                    got = dict(model.named_parameters())
+                    assert all(torch.equal(got[k].detach(), t) for k, t in value.items()), (m, p, version)
+        # live (heartbeats) until the syncer has merged the last sends, as a learner that
+        # trained on would be
+        assert syncer_done.wait(WAIT_S), "the syncer did not commit every version"
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _commits(store) -> list[dict[str, Any]]:
+    """Every committed version above 0, with the learner step whose sends it merged (from the
+    merged contributions' headers) and its published value."""
+    run_id = ledger.read_run(store)["run_id"]
+    plan = ledger.read_plan(store, run_id=run_id)
+    commits = []
+    for p in range(P):
+        reader = FragmentReader(store, run_id=run_id, plan=plan, fragment=p)
+        for v in ledger.list_versions(store, p)[1:]:
+            entries = [e for e in reader.manifest(v)["contributions"] if e["used"]]
+            assert sorted(e["learner_id"] for e in entries) == [f"l{m}" for m in range(M)]  # quorum K = M
+            steps = {codec.decode_tensors(store.get(e["key"]), max_numel=plan.fragment_numel(p))[1]["step"]
+                     for e in entries}
+            assert len(steps) == 1, (p, v, steps)  # both learners' sends of the same step
+            commits.append({"step": steps.pop(), "fragment": p, "version": v,
+                            "values": {k: t.flatten().tolist() for k, t in reader.read(v).items()}})
+    return sorted(commits, key=lambda c: (c["step"], c["fragment"]))
+
+
+@functools.cache
+def run(*, tau: int, alpha: float) -> dict:
+    """One golden run (cached: the last test compares all four)."""
+    name = f"golden-{uuid.uuid4().hex[:12]}"
+    store = open_store(f"memory://{name}")
+    try:
+        init_run(store, RunSpec(task="test_golden:GoldenTask", num_fragments=P, sync_every=H, overlap_steps=tau,
+                                quorum=M, alpha=alpha, keep_overlap_progress=False, merge="rda", codec="none",
+                                publish_codec="none", outer_lr=0.7, outer_momentum=0.9, total_steps=NUM_STEPS,
+                                heartbeat_s=0.2, lease_s=30.0))
+        syncer = Syncer(store, options=SyncerOptions(poll_s=0.005, gc=False, max_versions=P * NUM_STEPS // H))
+        syncer_done = threading.Event()
+        results: dict[Any, Any] = {}
+
+        def serve() -> None:
+            try:
+                results["syncer"] = syncer.serve()
+            finally:
+                syncer_done.set()
+
+        def learn(m: int) -> None:
+            try:
+                results[m] = _train(store, m, syncer_done=syncer_done, alpha=alpha)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+                results[m] = exc
+
+        threads = [threading.Thread(target=serve, daemon=True)]
+        threads += [threading.Thread(target=learn, args=(m,), daemon=True) for m in range(M)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=WAIT_S)
+        assert not any(t.is_alive() for t in threads), "a learner or the syncer did not finish"
+        for m in range(M):
+            if isinstance(results[m], BaseException):
+                raise results[m]
+        assert results["syncer"] == "limit"
+        return {
+            "config": {"M": M, "P": P, "H": H, "tau": tau, "alpha": alpha, "num_steps": NUM_STEPS},
+            "commits": _commits(store),
+            "final_learners": [{k: v.flatten().tolist() for k, v in results[m].items()} for m in range(M)],
+        }
+    finally:
+        drop_bucket(name)
 
 
 def _close(a, b, path=""):
@@ -112,7 +197,7 @@ def _close(a, b, path=""):
 
 @pytest.mark.parametrize("tau,alpha", [(0, 0.0), (1, 0.0), (0, 0.5), (1, 0.5)])
 def test_golden_trajectory(tau, alpha):
-    got = simulate(tau=tau, alpha=alpha)
+    got = run(tau=tau, alpha=alpha)
     assert len(got["commits"]) == P * NUM_STEPS // H  # every fragment merged every H steps
     path = GOLDEN_DIR / f"ddiloco_tau{tau}_alpha{alpha}.json"
     if os.environ.get("DDILOCO_REGEN_GOLDEN") == "1":
@@ -124,6 +209,6 @@ def test_golden_trajectory(tau, alpha):
 
 def test_overlap_and_alpha_change_the_trajectory():
     """The four fixtures must differ, or they would not test tau and alpha."""
-    runs = {(t, a): simulate(tau=t, alpha=a)["final_learners"][0]["h.0.w"] for t in (0, 1) for a in (0.0, 0.5)}
+    runs = {(t, a): run(tau=t, alpha=a)["final_learners"][0]["h.0.w"] for t in (0, 1) for a in (0.0, 0.5)}
     values = list(runs.values())
     assert all(values[i] != values[j] for i in range(4) for j in range(i + 1, 4))
