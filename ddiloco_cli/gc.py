@@ -9,7 +9,9 @@ on is kept: the manifests and payloads a reader needs for any recent version
 (a keyframe plus the deltas after it), and the ledger plus contributions a
 restarting syncer needs to replay from its checkpoint, and the manifests of
 the versions a pending contribution may still name as its base (their cycle
-clock is within max_staleness cycles of the latest: replay.staleness_floor). Older manifests and
+clock is within max_staleness cycles of the latest: replay.staleness_floor), and, when outer
+gradients are measured against the current value, the bases of the contributions a replay from
+``ckpt`` merges again (replay.replay_base_floor). Older manifests and
 payloads go; contributions go once merged (or superseded) at or before
 ``ckpt``; orphans (payloads no manifest names, quarantined inputs, older
 checkpoints, clock probes, temp files of writes that died midway) go only
@@ -27,7 +29,7 @@ from typing import Any, Iterable
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
-from ddiloco_cli.replay import decode_checkpoint, staleness_floor
+from ddiloco_cli.replay import decode_checkpoint, replay_base_floor, staleness_floor
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
@@ -102,12 +104,15 @@ def collect_garbage(store: Store, *, config: RunConfig, fragments: Iterable[int]
         # only a checkpoint that decodes counts: a corrupt one must not license deleting the ledger behind it
         newest_ckpt = max((v for v, i in checkpoints if _checkpoint_ok(store, i.key, run_id=run_id,
                                                                       plan=plan, fragment=p)), default=0)
+        floor = staleness_floor(store, run_id=run_id, fragment=p, latest=latest,
+                                max_staleness=float(config.max_staleness))
+        if config.outer_gradient == "current":  # a replay reads the bases of what it merges again
+            floor = min(floor, replay_base_floor(store, run_id=run_id, fragment=p, checkpoint=newest_ckpt,
+                                                 latest=latest))
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
                                  retain_versions=config.retain_versions,
                                  publish_codec=config.publish_codec, keyframe_every=config.keyframe_every,
-                                 max_staleness=newest_ckpt - min(newest_ckpt, staleness_floor(
-                                     store, run_id=run_id, fragment=p, latest=latest,
-                                     max_staleness=float(config.max_staleness))))
+                                 max_staleness=newest_ckpt - min(newest_ckpt, floor))
         report.keep_from[p] = keep
         referenced: set[str] = set()
         high_water: dict[str, int] = {}

@@ -61,6 +61,20 @@ def staleness_floor(store: Store, *, run_id: str, fragment: int, latest: int, ma
     return v
 
 
+def replay_base_floor(store: Store, *, run_id: str, fragment: int, checkpoint: int, latest: int) -> int:
+    """The oldest base version a replay from ``checkpoint`` to ``latest`` reads (outer_gradient =
+    current: every used contribution is measured against its base's published value), at most
+    ``checkpoint``; 0 when a manifest in between cannot be read."""
+    floor = checkpoint
+    try:
+        for v in range(checkpoint + 1, latest + 1):
+            m = ledger.read_manifest(store, fragment, v, run_id=run_id)
+            floor = min([floor] + [int(e["base_version"]) for e in m["contributions"] if e["used"]])
+    except (NotFound, ProtocolError):
+        return 0
+    return floor
+
+
 def per_cycle(config: RunConfig) -> bool:
     """Whether the run's outer optimizer steps once per cycle (outer_lr_scaling = "cycle")."""
     return config.outer_lr_scaling == "cycle"

@@ -801,18 +801,20 @@ def test_gc_keeps_newest_checkpoint_and_everything_after_G1(gc_store):
     beat(gc_store, "b")
     s = live_syncer(gc_store)
     # checkpoints at 2 and 4; 1.25 cycles per version: version 4 (cycle 5.0) is the oldest within
-    # max_staleness = 2 cycles of version 5 (6.25), so keep from min(5 - 1 + 1, 4, 4) = 4
+    # max_staleness = 2 cycles of version 5 (6.25), but a replay from checkpoint 4 measures b's
+    # contribution in version 5 against its base, version 3 [M6]: keep from min(5 - 1 + 1, 4, 4, 3) = 3
+    # (every version is a full payload here: publish codec none)
     drive(gc_store, s, rounds=5)
     m4 = ledger.read_manifest(gc_store, 0, 4)
     after = [c["key"] for c in ledger.read_manifest(gc_store, 0, 5)["contributions"]]
     time.sleep(0.01)  # gc_grace_s is 1 ms (init refuses 0): everything written so far is old enough
     report = collect_garbage(gc_store, config=s.config)
-    assert report.keep_from == {0: 4, 1: 4}
+    assert report.keep_from == {0: 3, 1: 3}
     for p in (0, 1):
-        assert ledger.list_versions(gc_store, p) == [4, 5]
+        assert ledger.list_versions(gc_store, p) == [3, 4, 5]
         ckpts = [layout.parse_num(i.key) for i in gc_store.list(layout.checkpoint_prefix(p))]
         assert ckpts == [4]
-        named = {e["key"] for v in (4, 5) for e in ledger.read_manifest(gc_store, p, v)["payloads"]}
+        named = {e["key"] for v in (3, 4, 5) for e in ledger.read_manifest(gc_store, p, v)["payloads"]}
         assert {i.key for i in gc_store.list(layout.payload_prefix(p))} == named
     left = {i.key for i in gc_store.list(layout.contribution_prefix(0))}
     assert set(after) <= left
