@@ -50,12 +50,15 @@ def entry_status(entry: dict[str, Any]) -> str:
 def audit_ledger(store: Store, *, run_id: str, fragments: Iterable[int]) -> LedgerAudit:
     out = LedgerAudit()
     reports = {i.key for i in store.list("quarantine/")}  # compared with layout.quarantine_key(key)
+    # outer_gradient = current (the default when absent): a replay also reads each used entry's base
+    needs_bases = ledger.read_run(store).get("outer_gradient", "current") == "current"
     for p in fragments:
-        _audit_fragment(store, run_id=run_id, p=p, out=out, reports=reports)
+        _audit_fragment(store, run_id=run_id, p=p, out=out, reports=reports, needs_bases=needs_bases)
     return out
 
 
-def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, reports: set[str]) -> None:
+def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, reports: set[str],
+                    needs_bases: bool) -> None:
     versions = ledger.list_versions(store, p)
     if not versions:
         return
@@ -100,6 +103,13 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
     for v, used in sorted(used_by_version.items()):
         if v > replay_from:
             needed += [(v, e["key"]) for e in used] + [(v, e["increment_of"]["key"]) for e in used if "increment_of" in e]
+    if needs_bases:
+        present = set(versions)
+        for v, used in sorted(used_by_version.items()):
+            for b in sorted({int(e["base_version"]) for e in used} - present) if v > replay_from else ():
+                out.problems.append(f"{layout.manifest_key(p, b)}: the base of a contribution used by version {v} "
+                                    f"and gone, but a restarting syncer replays that merge from checkpoint "
+                                    f"{replay_from} against it")
     for v, key in needed:
         if key not in listed:
             out.problems.append(f"{key}: used by version {v} of fragment {p} and gone, but a restarting syncer "

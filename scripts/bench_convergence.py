@@ -17,7 +17,8 @@ Every arm trains on M * N * batch tokens:
                 of M = 4 (M*B must be divisible by 8)
 
 Lock-step is Streaming DiLoCo: K = M, mean merge, plain overwrite on receive, no lr
-scaling, exact published values. The decoupled arms use outer_lr_scaling = cycle.
+scaling, exact published values. The decoupled arms use the run defaults (outer gradient against
+the current value, outer_lr_scaling = participation) unless --outer-gradient / --outer-lr-scaling say otherwise.
 Per arm the JSON has val_loss, ratio_to_dp and merged_token_fraction: tokens of the
 used ledger entries (averaged over fragments) / tokens the learners trained.
 
@@ -64,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--lr-schedule", default="cosine")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's default")
-    ap.add_argument("--outer-lr-scaling", default="cycle", help="decoupled arms: cycle (the figures in README), participation (the run default) or none")
+    ap.add_argument("--outer-lr-scaling", default="participation", help="decoupled arms: participation (the run default), cycle or none")
     ap.add_argument("--outer-gradient", default="current", help="decoupled arms: current (the run default) or delta")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")

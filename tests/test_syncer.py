@@ -323,3 +323,20 @@ def test_per_cycle_momentum_moves_out_of_phase_learners_like_synchronous_diloco_
     assert _toy_movement(num_learners, per_cycle=True) == pytest.approx(sync, rel=1e-5)
     assert sync > 4  # momentum builds up (4.5 d per cycle over 20 cycles; 7 d in the steady state)
     assert _toy_movement(1, per_cycle=True) == sync  # advance 1 from a boundary: the plain step
+
+
+def test_audit_flags_a_gone_base_that_replay_needs_M6():
+    """[M6] with outer gradients against the current value, a restarting syncer replays each
+    merge against its contributions' bases: `inspect --verify` (audit_ledger) reports a base
+    version that is gone while a replay still needs it."""
+    run_store = open_store(f"memory://base-{uuid.uuid4().hex}")
+    make_run(run_store, checkpoint_every=10)  # no checkpoint: a replay runs from version 0
+    beat(run_store, "a")
+    beat(run_store, "b")
+    s = live_syncer(run_store)
+    drive(run_store, s, rounds=3)  # b's contribution in version 3 is on base 1
+    assert not audit_ledger(run_store, run_id=s.run_id, fragments=[0]).problems
+    run_store.delete(layout.manifest_key(0, 1))
+    problems = audit_ledger(run_store, run_id=s.run_id, fragments=[0]).problems
+    assert any(layout.manifest_key(0, 1) in p and "the base of a contribution used by version" in p
+               for p in problems), problems
