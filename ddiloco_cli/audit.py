@@ -102,7 +102,9 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
     replay_from = max(checkpoints, default=0)
     for v, used in sorted(used_by_version.items()):
         if v > replay_from:
-            needed += [(v, e["key"]) for e in used] + [(v, e["increment_of"]["key"]) for e in used if "increment_of" in e]
+            needed += [(v, e["key"]) for e in used]
+            if not needs_bases:  # outer_gradient = delta: a replay subtracts the earlier delta an entry increments
+                needed += [(v, e["increment_of"]["key"]) for e in used if "increment_of" in e]
     if needs_bases:
         present = set(versions)
         for v, used in sorted(used_by_version.items()):

@@ -198,8 +198,9 @@ def replay(*, config: RunConfig, fragment: int, reader: FragmentReader,
             raise ProtocolError(f"version {v} of fragment {fragment} merged nothing: not a syncer commit")
         grads = []
         for e in used:
-            # "increment_of": only what the earlier merge of the same base did not take (delta runs)
-            prior = fetch(fragment, e["increment_of"]) if "increment_of" in e else None
+            # "increment_of" (delta runs): only what the earlier merge of the same base did not take
+            prior = fetch(fragment, e["increment_of"]) if "increment_of" in e and config.outer_gradient == "delta" \
+                else None
             base = None
             if config.outer_gradient == "current" and e["base_version"] != value.version:
                 b = int(e["base_version"])

@@ -434,8 +434,10 @@ class Syncer:
 
     def _link_increments(self, state: FragmentState, contributions: list[Contribution]) -> None:
         """A learner that sends again on the base of a contribution already merged (it had not
-        received the new version yet) sends its whole progress since that base again: merge
-        only the increment (``Contribution.increment_of``)."""
+        received the new version yet) sends its whole progress since that base again: count only
+        the increment's tokens and steps (``Contribution.increment_of``), and, under
+        ``outer_gradient = delta``, merge only the increment of the delta (under ``current`` the
+        merged part is already in the value the gradient is measured against)."""
         tips = dict(state.tips)
         for c in contributions:  # in seq order per learner
             tip = tips.get(c.learner_id)
@@ -444,7 +446,8 @@ class Syncer:
                     and c.c_steps > tip[0]["c_steps"] and c.c_tokens >= tip[0]["c_tokens"]:
                 entry, delta = tip
                 c.increment_of = {k: entry[k] for k in ("seq", "key", "sha256", "c_tokens", "c_steps")}
-                c.prior_delta = delta if delta is not None else self.intake.fetch_used(state.fragment, entry)
+                if self.config.outer_gradient == "delta":
+                    c.prior_delta = delta if delta is not None else self.intake.fetch_used(state.fragment, entry)
             tips[c.learner_id] = (c.entry(USED), c.delta)
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
@@ -455,8 +458,7 @@ class Syncer:
         p, cur = state.fragment, state.current
         contributions = state.contributions()
         try:
-            if self.config.outer_gradient == "delta":
-                self._link_increments(state, contributions)
+            self._link_increments(state, contributions)
             grads = [contribution_gradient(c.delta, prior=c.prior_delta, base=self._base_value(state, c.base_version),
                                            current=cur.published) for c in contributions]
         except (NotFound, ProtocolError, InvalidPayloadError) as exc:  # a base read between admit and now

@@ -270,8 +270,7 @@ def test_a_resend_on_a_merged_base_merges_only_the_increment():
 def test_an_older_base_is_measured_against_the_current_value():
     """[M3] outer_gradient = current (the default): a contribution on an older base pulls the
     fragment towards the learner's model, g = (current - base) + delta, so what the version in
-    between already merged is not applied twice; a resend on a merged base needs no increment.
-    A restarted syncer replays it bit for bit, reading the base's published value."""
+    between already merged is not applied twice. A restarted syncer replays it bit for bit, reading the base's published value."""
     run_store = open_store(f"memory://cur-{uuid.uuid4().hex}")
     make_run(run_store, outer_lr_scaling="none")  # one Nesterov step per merge: easy to check by hand
     beat(run_store, "a")
@@ -340,3 +339,32 @@ def test_audit_flags_a_gone_base_that_replay_needs_M6():
     problems = audit_ledger(run_store, run_id=s.run_id, fragments=[0]).problems
     assert any(layout.manifest_key(0, 1) in p and "the base of a contribution used by version" in p
                for p in problems), problems
+
+
+def test_a_resend_on_a_merged_base_counts_only_new_tokens_under_current_M6():
+    """[M6] outer_gradient = current: a resend on a base already merged is measured against the
+    current value, which holds the merged part, so its gradient is the whole `current - theta`;
+    its tokens and steps count only the increment (weight, ledger totals), and a restarted
+    syncer replays it bit for bit."""
+    run_store = open_store(f"memory://resend-{uuid.uuid4().hex}")
+    make_run(run_store, outer_lr_scaling="none")
+    beat(run_store, "a")
+    s = live_syncer(run_store)
+    v0 = {k: t.clone() for k, t in s.states[0].value.items()}
+    d1 = {k: 0.01 * torch.ones_like(t) for k, t in v0.items()}
+    d12 = {k: 3 * t for k, t in d1.items()}
+    contribution(run_store, 0, "a", 1, tensors=d1, c_tokens=64, c_steps=2)
+    assert step(s, 0)
+    v1 = {k: t.clone() for k, t in s.states[0].value.items()}
+    contribution(run_store, 0, "a", 2, tensors=d12, c_tokens=192, c_steps=6)
+    assert step(s, 0)
+    entry = ledger.read_manifest(run_store, 0, 2)["contributions"][0]
+    assert entry["increment_of"]["seq"] == 1 and entry["merged_tokens"] == 128
+    g = {k: (v1[k] - v0[k]) + d12[k] for k in v0}
+    buf = {k: 0.9 * d1[k] + g[k] for k in g}
+    for k in v1:
+        assert torch.allclose(s.states[0].value[k], v1[k] - 0.7 * (g[k] + 0.9 * buf[k]), atol=1e-6), k
+    r = restored(run_store)
+    for k, t in s.states[0].current.raw.items():
+        assert torch.equal(t, r.states[0].current.raw[k])
+    assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).used_tokens[0] == 192
