@@ -20,9 +20,12 @@ are merged, each against its own base.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 
 USED, SUPERSEDED, REFUSED = "used", "superseded", "refused"
+DECODE_THREADS = min(4, os.cpu_count() or 1)  # contributions decoded at once by one syncer
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Contribution:
     c_tokens: int
     c_steps: int
     delta: Tensors
+    norm: float = 0.0  # delta_norm(delta), computed once at intake (the syncer's norm bound)
     staleness: float = 0.0  # cycles between its base and the version it is merged into
     discount: float = 1.0
     # The same learner's contribution on the same base that an earlier version already merged
@@ -100,6 +105,18 @@ def staleness_discount(staleness_cycles: float) -> float:
     return 1.0 if staleness_cycles <= 2.0 else 2.0 / staleness_cycles
 
 
+def delta_norm(delta: Tensors) -> float:
+    """The L2 norm of a whole delta (every tensor). fp32 per tensor: one pass over the values
+    and no copy; a tensor whose squares overflow fp32 is redone in fp64."""
+    total = 0.0
+    for t in delta.values():
+        n = float(torch.linalg.vector_norm(t))
+        if not math.isfinite(n):
+            n = float(torch.linalg.vector_norm(t, dtype=torch.float64))
+        total += n * n
+    return math.sqrt(total)
+
+
 def add_pending(pending: list[Contribution], new: Contribution) -> list[dict[str, Any]]:
     """Insert ``new`` into one learner's pending list (kept in seq order) and return the
     ledger entries of the contributions it supersedes: of two neighbours on the same base
@@ -119,11 +136,24 @@ def add_pending(pending: list[Contribution], new: Contribution) -> list[dict[str
     return out
 
 
+@dataclass
+class _Fetched:
+    """One contribution as downloaded and decoded off the main thread (``Intake._fetch``)."""
+
+    data: bytes | None = None  # None: gone, or unreadable (then ``error``)
+    tensors: Tensors | None = None
+    header: dict[str, Any] | None = None
+    norm: float = 0.0
+    error: InvalidPayloadError | None = None  # it does not decode, or cannot be read
+
+
 class Intake:
-    """Lists, downloads and validates contributions; quarantines what fails [V1][V2]."""
+    """Lists, downloads and validates contributions; quarantines what fails [V1][V2].
+    ``decode_threads`` > 1 decodes several contributions at once (``load_all``)."""
 
     def __init__(self, store: Store, *, config: RunConfig, plan: FragmentPlan, syncer_id: str,
-                 epoch: Callable[[], int], is_known_learner: Callable[[str], bool], trust: Trust):
+                 epoch: Callable[[], int], is_known_learner: Callable[[str], bool], trust: Trust,
+                 decode_threads: int = DECODE_THREADS):
         self.store = store
         self.config = config
         self.run_id = config.run_id
@@ -135,6 +165,8 @@ class Intake:
         self.bad_keys: set[str] = set()
         self.num_quarantined = 0
         self.bytes_in = 0
+        self.decode_threads = decode_threads
+        self._pool: ThreadPoolExecutor | None = None
 
     def list_new(self, fragments: list[int]) -> dict[int, list[ObjectInfo]]:
         """One LIST for all owned fragments (one per fragment would cost P LISTs a poll)."""
@@ -160,20 +192,59 @@ class Intake:
 
     def load(self, p: int, info: ObjectInfo, learner_id: str, seq: int) -> Contribution | None:
         """The validated contribution, or None: invalid (then quarantined) or gone."""
-        key = info.key
-        where = f"{self.store.url}/{key}"
+        return self._validate(p, info, learner_id, seq, self._fetch(p, info.key))
+
+    def load_all(self, p: int, items: list[tuple[ObjectInfo, str, int]]) -> Iterator[Contribution | None]:
+        """``load(p, info, learner_id, seq)`` of each item, yielded in the items' order. The
+        downloads and decodes (zstd and torch release the GIL) run ahead in a small thread
+        pool while the caller takes the earlier ones; everything that decides what happens
+        to a contribution (signature, header checks, quarantine) runs here, in order, so the
+        outcome is the same as loading them one by one."""
+        if len(items) <= 1 or self.decode_threads <= 1:
+            for info, learner_id, seq in items:
+                yield self.load(p, info, learner_id, seq)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.decode_threads, thread_name_prefix="intake-decode")
+        futures: list[Future[_Fetched]] = [self._pool.submit(self._fetch, p, info.key) for info, _, _ in items]
+        try:
+            for (info, learner_id, seq), fut in zip(items, futures):
+                yield self._validate(p, info, learner_id, seq, fut.result())
+        finally:  # the caller stopped early (an error): do not decode the rest
+            for fut in futures:
+                fut.cancel()
+
+    def _fetch(self, p: int, key: str) -> _Fetched:
+        """Download and decode one contribution; thread-safe (reads only). Errors are
+        returned, not raised, for ``_validate`` to report in order."""
         try:
             data = self.store.get(key)
         except NotFound:
-            return None
+            return _Fetched()
         except UnreadableObjectError as exc:  # over its size bound, or not a regular file: never read
-            self.quarantine(key, str(exc))
+            return _Fetched(error=exc)
+        try:
+            tensors, header = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
+                                                   max_numel=self.plan.fragment_numel(p),
+                                                   where=f"{self.store.url}/{key}")
+        except InvalidPayloadError as exc:
+            return _Fetched(data, error=exc)
+        return _Fetched(data, tensors, header, delta_norm(tensors))
+
+    def _validate(self, p: int, info: ObjectInfo, learner_id: str, seq: int, got: _Fetched) -> Contribution | None:
+        key = info.key
+        where = f"{self.store.url}/{key}"
+        if got.data is None:
+            if got.error is not None:
+                self.quarantine(key, str(got.error))
             return None
+        data = got.data
         self.bytes_in += len(data)
         try:
             self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)  # [A2]
-            tensors, header = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
-                                                   max_numel=self.plan.fragment_numel(p), where=where)
+            if got.error is not None:  # the signature is checked first: a forged payload is reported as such
+                raise got.error
+            header = got.header
             records.validate(header, "contribution", where=where)
             if header["run_id"] != self.run_id:
                 raise InvalidPayloadError(f"{where}: belongs to run {header['run_id']}, not this run")
@@ -187,7 +258,7 @@ class Intake:
             self.quarantine(key, str(exc))
             return None
         return Contribution(learner_id, seq, key, records.sha256_hex(data), len(data), int(header["base_version"]),
-                            int(header["c_tokens"]), int(header["c_steps"]), tensors)
+                            int(header["c_tokens"]), int(header["c_steps"]), got.tensors, norm=got.norm)
 
     def _check_codec(self, data: bytes, *, where: str) -> None:
         """A contribution must use the run's codec (a learner may not upload fp32 in an int4 run)."""

@@ -79,76 +79,103 @@ def _check_weights(weights: Sequence[float], n: int) -> list[float]:
     return out
 
 
-def _canonical(vectors: Sequence[torch.Tensor], weights: list[float]) -> list[tuple[float, torch.Tensor, float]]:
-    """(weight, flat fp32 CPU vector, norm) sorted into an order that depends only on
-    the multiset of inputs, so every later sum runs in one canonical order."""
-    items = []
-    for v, w in zip(vectors, weights):
-        flat = v.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        norm = float(torch.linalg.vector_norm(flat))
-        if not math.isfinite(norm):  # squares overflowed fp32: redo this one in fp64
-            norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
-        items.append((w, flat, norm))
+Item = tuple[float, torch.Tensor, float]  # (weight, flat fp32 CPU vector, its norm)
+
+
+def _item(v: torch.Tensor, w: float) -> Item:
+    """(weight, flat fp32 CPU vector, norm). The norm is fp32 (one pass, no copy), redone in
+    fp64 when the squares overflow fp32; it is NaN or Inf only when a value is."""
+    flat = v.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+    norm = float(torch.linalg.vector_norm(flat))
+    if not math.isfinite(norm):
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+    return w, flat, norm
+
+
+def _canonical(items: list[Item]) -> list[Item]:
+    """The items sorted into an order that depends only on the multiset of inputs, so
+    every later sum runs in one canonical order."""
 
     def digest(v: torch.Tensor) -> bytes:
         return hashlib.sha256(v.to(torch.float32).contiguous().numpy().tobytes()).digest()
 
     # sha256 only breaks exact (weight, norm) ties; equal digests mean equal inputs.
-    ties = {}
+    ties: dict[tuple[float, float], int] = {}
     for w, _, n in items:
         ties[(w, n)] = ties.get((w, n), 0) + 1
-    items.sort(key=lambda it: (it[0], it[2], digest(it[1]) if ties[(it[0], it[2])] > 1 else b""))
-    return items
+    return sorted(items, key=lambda it: (it[0], it[2], digest(it[1]) if ties[(it[0], it[2])] > 1 else b""))
 
 
 def _finish(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out.to(torch.float32).reshape(like.shape)
 
 
-def _prepare(vectors: Sequence[torch.Tensor], weights: Sequence[float]):
-    """(canonical items, total weight, result if the merge is trivial else None):
-    no weight at all gives zeros; one weighted contribution passes through bit-exact."""
+def _items(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> list[Item]:
     assert vectors, "need at least one vector"
-    ws = _check_weights(weights, len(vectors))
-    items = _canonical(vectors, ws)
+    return [_item(v, w) for v, w in zip(vectors, _check_weights(weights, len(vectors)))]
+
+
+def _trivial(items: list[Item], like: torch.Tensor) -> torch.Tensor | None:
+    """The result when the merge is trivial, else None: no weight at all gives zeros; one
+    weighted contribution passes through bit-exact."""
     live = [item for item in items if item[0] > 0]
     if not live:
-        return items, 0.0, _finish(torch.zeros(items[0][1].numel()), vectors[0])
+        return _finish(torch.zeros(items[0][1].numel()), like)
     if len(live) == 1:
-        return items, math.fsum(ws), _finish(live[0][1].clone(), vectors[0])
-    return items, math.fsum(ws), None
+        return _finish(live[0][1].clone(), like)
+    return None
+
+
+# The sums below write each term into one scratch buffer (torch.mul/div with out=) instead of
+# a fresh tensor per term: the same operations in the same order, so the same rounding, without
+# an allocation per contribution.
+
+
+def _mean(items: list[Item], like: torch.Tensor) -> torch.Tensor:
+    total = math.fsum(w for w, _, _ in items)
+    acc = torch.zeros(items[0][1].numel(), dtype=torch.float32)
+    term = torch.empty_like(acc)
+    for w, v, _ in items:
+        if w:
+            acc.add_(torch.mul(v, w / total, out=term))  # normalised in float64 first: tiny weights cannot underflow in fp32
+    return _finish(acc, like)
+
+
+def _rda(items: list[Item], like: torch.Tensor) -> torch.Tensor:
+    total = math.fsum(w for w, _, _ in items)
+    direction = torch.zeros(items[0][1].numel(), dtype=torch.float32)
+    term = torch.empty_like(direction)
+    radial = math.fsum(w * n for w, _, n in items) / total
+    for w, v, n in items:
+        if w and n > 0:
+            # unit vector, then a weight in [0, 1]: no over/underflow
+            direction.add_(torch.div(v, n, out=term).mul_(w / total))
+    dnorm = float(torch.linalg.vector_norm(direction))
+    if dnorm < RDA_MIN_ALIGNMENT:  # the directions (nearly) cancel: RDA's direction is noise there
+        return _mean(items, like)
+    if radial == 0:
+        return _finish(torch.zeros_like(direction), like)
+    return _finish(direction.mul_(radial / dnorm), like)
+
+
+def _merge_items(items: list[Item], like: torch.Tensor, *, rda_merge: bool) -> torch.Tensor:
+    items = _canonical(items)
+    trivial = _trivial(items, like)
+    if trivial is not None:
+        return trivial
+    return _rda(items, like) if rda_merge else _mean(items, like)
 
 
 def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """sum w v / sum w, fp32 result (zeros if all weights are 0)."""
-    items, total, trivial = _prepare(vectors, weights)
-    if trivial is not None:
-        return trivial
-    acc = torch.zeros(items[0][1].numel(), dtype=torch.float32)
-    for w, v, _ in items:
-        if w:
-            acc.add_(v * (w / total))  # normalised in float64 first: tiny weights cannot underflow in fp32
-    return _finish(acc, vectors[0])
+    return _merge_items(_items(vectors, weights), vectors[0], rda_merge=False)
 
 
 def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """Radial-Directional Averaging: the weighted mean norm times the direction of
     the weighted mean of unit vectors. fp32 result; zeros if all weights are 0 or
     the directions cancel exactly. A single contribution comes back bit-exact."""
-    items, total, trivial = _prepare(vectors, weights)
-    if trivial is not None:
-        return trivial
-    direction = torch.zeros(items[0][1].numel(), dtype=torch.float32)
-    radial = math.fsum(w * n for w, _, n in items) / total
-    for w, v, n in items:
-        if w and n > 0:
-            direction.add_((v / n) * (w / total))  # unit vector, then a weight in [0, 1]: no over/underflow
-    dnorm = float(torch.linalg.vector_norm(direction))
-    if dnorm < RDA_MIN_ALIGNMENT:  # the directions (nearly) cancel: RDA's direction is noise there
-        return weighted_mean(vectors, weights)
-    if radial == 0:
-        return _finish(torch.zeros_like(direction), vectors[0])
-    return _finish(direction * (radial / dnorm), vectors[0])
+    return _merge_items(_items(vectors, weights), vectors[0], rda_merge=True)
 
 
 def merge_outer_gradients(
@@ -184,14 +211,18 @@ def merge_outer_gradients(
                 raise InvalidPayloadError(
                     f"{label}: tensor {k!r} has shape {list(g[k].shape)}, expected {list(grads[0][k].shape)}"
                 )
-        check_finite(g, where=label)
+    ws = _check_weights(weights, len(grads))
+    # the norms every merge needs are finite exactly when the values are: they stand in for a
+    # separate finiteness pass, and check_finite only runs to name what is wrong
+    items = {k: [_item(g[k], w) for g, w in zip(grads, ws)] for k in keys}
+    for i, g in enumerate(grads):
+        if not all(math.isfinite(items[k][i][2]) for k in keys):
+            check_finite(g, where=f"contribution {i}")
     out = {}
     for k in keys:
-        vs = [g[k] for g in grads]
-        if method == "mean" or k in mean_keys or vs[0].dim() <= 1:  # biases, norms, scalars: no direction to keep
-            out[k] = weighted_mean(vs, weights)
-        else:
-            out[k] = rda(vs, weights)
+        # biases, norms, scalars: no direction to keep
+        use_rda = not (method == "mean" or k in mean_keys or grads[0][k].dim() <= 1)
+        out[k] = _merge_items(items[k], grads[0][k], rda_merge=use_rda)
     return out
 
 

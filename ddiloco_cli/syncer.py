@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ddiloco_cli import layout, ledger, records, signing
+from ddiloco_cli import heap, layout, ledger, records, signing
 from ddiloco_cli.errors import DdilocoError, InvalidPayloadError, ProtocolError
 from ddiloco_cli.intake import REFUSED, USED, Contribution, Intake, add_pending, staleness_discount
 from ddiloco_cli.lease import Lease
@@ -118,13 +118,10 @@ def ready_to_merge(
     return now_t - quorum_t >= grace, grace
 
 
-def delta_norm(delta: Tensors) -> float:
-    return float(torch.sqrt(sum((t.double().pow(2).sum() for t in delta.values()), torch.zeros((), dtype=torch.float64))))
-
-
 class Syncer:
     def __init__(self, store: Store, *, options: SyncerOptions, on_progress: Callable[[dict], None] | None = None):
         self.opts = options
+        heap.keep_freed_memory()  # fragment-sized temporaries reuse the heap, not fresh page-faulting mmaps
         self.config = read_run_config(store)
         self.run_id = self.config.run_id
         self.plan = ledger.read_plan(store, run_id=self.run_id)
@@ -310,9 +307,11 @@ class Syncer:
             _, learner_id, seq = parsed
             if seq > state.high_water.get(learner_id, -1):  # else already in the ledger
                 fresh.append((seq, learner_id, info))
-        for seq, learner_id, info in sorted(fresh, key=lambda f: f[0]):
+        items = [(info, learner_id, seq) for seq, learner_id, info in sorted(fresh, key=lambda f: f[0])]
+        loads = self.intake.load_all(state.fragment, items)  # later ones decode while we take these
+        for info, learner_id, seq in items:
             with self._stage("intake"):
-                got = self.intake.load(state.fragment, info, learner_id, seq)
+                got = next(loads)
             if got is not None and got.base_version > state.version:
                 got = self._future_base(state, got)
             if isinstance(got, dict):
@@ -351,7 +350,7 @@ class Syncer:
                 self._base_value(state, c.base_version)
         except (NotFound, ProtocolError, InvalidPayloadError) as exc:
             return f"base version {c.base_version} can no longer be read ({exc}); re-base on the latest version"
-        norm = delta_norm(c.delta)
+        norm = c.norm
         if len(state.norms) >= NORM_MIN_SAMPLES:
             median = statistics.median(state.norms)
             if median > 0 and norm > NORM_BOUND_FACTOR * median:
@@ -475,7 +474,7 @@ class Syncer:
                     block_size=self.config.codec_block, keyframe_every=self.config.keyframe_every,
                     cycle=cur.cycle + advance, share=share, per_cycle=per_cycle(self.config))
         except NonFiniteUpdate as exc:
-            culprit = max(contributions, key=lambda c: delta_norm(c.delta))
+            culprit = max(contributions, key=lambda c: c.norm)
             self.intake.quarantine(culprit.key, f"{exc}; it had the largest outer gradient")
             state.pending[culprit.learner_id].remove(culprit)
             if not state.pending[culprit.learner_id]:
@@ -513,7 +512,7 @@ class Syncer:
         state.cycles[new.version] = new.cycle
         self._trim_cycles(state)
         state.high_water = high_water
-        state.norms.extend(delta_norm(c.delta) for c in contributions)
+        state.norms.extend(c.norm for c in contributions)
         state.pending.clear()
         state.closed.clear()
         state.seen = {k for k in state.seen if _above_high_water(k, high_water)}
