@@ -1,5 +1,5 @@
 """Syncer throughput: download + decode + validate + merge + outer step + encode + commit,
-on one core, in parameter-contributions per second (one contribution of a fragment of
+by one syncer process, in parameter-contributions per second (one contribution of a fragment of
 n parameters = n parameter-contributions), by codec and by M (contributions per merge).
 
 The real ``ddiloco_cli.syncer.Syncer`` is driven in-process, step by step
@@ -14,8 +14,12 @@ syncer's own stages (``Syncer.stage_s``: intake = download + decode + validate, 
 gradient, update = merge + outer step + encode, commit = upload + manifest, checkpoint),
 plus "io", the store time inside them (from a timing store wrapper), and "other".
 
-Rates are given per CPU-second of the (single-threaded) process, which does not depend on
-the machine's load, and per wall-second. Capacity: for a 1B-parameter model, 1 s inner steps,
+The syncer decodes contributions in a small thread pool (``--decode-threads``; 1 = in
+line). Rates are given per CPU-second of the process (every thread's CPU time: the cost
+per core, which depends far less on the machine's load than wall time), and per wall-second.
+``--shards 1,2`` also runs K syncer processes at once, process i serving only fragment i
+of one run (``ddiloco sync --fragments i``), and prints their aggregate rate: the scaling
+figure (one process per core). Capacity: for a 1B-parameter model, 1 s inner steps,
 P = H = 24, i.e. each fragment (1e9/24 parameters) gets M contributions every H steps:
 required rate = M * 1e9 / (H * step_s), so one core keeps up with
 M_max = throughput * H * step_s / 1e9 learners.
@@ -23,7 +27,8 @@ M_max = throughput * H * step_s / 1e9 learners.
     .venv/bin/python scripts/bench_syncer.py                               # 2.1M-parameter fragment
     .venv/bin/python scripts/bench_syncer.py --json /tmp/syncer.json
     .venv/bin/python scripts/bench_syncer.py --width 256 --rounds 2 --codecs int4 --ms 1,2   # smoke
-    .venv/bin/python scripts/bench_syncer.py --profile int4:8              # cProfile one config
+    .venv/bin/python scripts/bench_syncer.py --profile int4:8              # cProfile one config (main thread)
+    .venv/bin/python scripts/bench_syncer.py --codecs int4 --ms 8 --shards 1,2   # scaling over sharded processes
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import json
 import os
 import pstats
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -149,29 +155,45 @@ def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: 
     return nbytes
 
 
+def _run_url(*, codec: str, m: int, root: str, store_kind: str) -> str:
+    return f"memory://bench-syncer-{codec}-{m}-{time.monotonic_ns()}" if store_kind == "memory" else \
+        os.path.join(root, f"{codec}-m{m}")
+
+
 def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, store_kind: str,
-                 num_fragments: int, profile: bool = False) -> dict[str, Any]:
-    """Time `rounds` merges of fragment 0 with M contributions each."""
+                 num_fragments: int, profile: bool = False, fragment: int = 0, url: str | None = None,
+                 decode_threads: int | None = None) -> dict[str, Any]:
+    """Time `rounds` merges of `fragment` with M contributions each, by a syncer that owns
+    only that fragment (`ddiloco sync --fragments <fragment>`). `url`: a run made by
+    `_make_run` (and its heartbeats) that other shards share; None: make one here."""
+    from ddiloco_cli import ledger
     from ddiloco_cli.store import open_store
     from ddiloco_cli.syncer import Syncer, SyncerOptions
 
-    url = f"memory://bench-syncer-{codec}-{m}-{time.monotonic_ns()}" if store_kind == "memory" else \
-        os.path.join(root, f"{codec}-m{m}")
-    store, run, plan = _make_run(url, codec=codec, m=m, num_fragments=num_fragments)
-    _write_heartbeats(store, run, m)
+    own_run = url is None
+    if own_run:
+        url = _run_url(codec=codec, m=m, root=root, store_kind=store_kind)
+        store, run, plan = _make_run(url, codec=codec, m=m, num_fragments=num_fragments)
+        _write_heartbeats(store, run, m)
+    else:
+        store = open_store(url)
+        run = ledger.read_run(store)
+        plan = ledger.read_plan(store, run_id=run["run_id"])
     timed_store = TimedStore(open_store(url), REGIONS)
-    syncer = Syncer(timed_store, options=SyncerOptions(fragments=[0], syncer_id="bench", gc=False))
+    syncer = Syncer(timed_store, options=SyncerOptions(fragments=[fragment], syncer_id=f"bench-{fragment}", gc=False))
+    if decode_threads is not None:
+        syncer.intake.decode_threads = decode_threads
     assert syncer.acquire()
     syncer.check_fence()
     syncer.restore()
-    state = syncer.states[0]
-    n = plan.fragment_numel(0)
+    state = syncer.states[fragment]
+    n = plan.fragment_numel(fragment)
     gen = torch.Generator().manual_seed(0)
     times, cpu_times, bytes_in = [], [], 0
     prof = cProfile.Profile() if profile else None
     for r in range(warmup + rounds):
         version = state.version
-        nb = _write_contributions(store, run, plan, fragment=0, m=m, seq=r + 1, base_version=version, gen=gen)
+        nb = _write_contributions(store, run, plan, fragment=fragment, m=m, seq=r + 1, base_version=version, gen=gen)
         timed = r >= warmup
         if timed and r == warmup:
             REGIONS.reset()
@@ -181,12 +203,12 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
             prof.enable()
         t0, c0 = time.perf_counter(), time.process_time()
         syncer.poll_contributions()
-        merged = syncer.maybe_merge(syncer.states[0])
+        merged = syncer.maybe_merge(syncer.states[fragment])
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if prof is not None and timed:
             prof.disable()
         REGIONS.enabled = False
-        state = syncer.states[0]
+        state = syncer.states[fragment]
         assert merged and state.version == version + 1, f"round {r}: no merge (pending {len(state.pending)})"
         assert state.last_quorum_size == m
         if timed:
@@ -197,10 +219,11 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     split = {k: (syncer.stage_s.get(k, 0.0) - stages_before.get(k, 0.0)) / rounds for k in STAGES}
     split["other"] = total / rounds - sum(split.values())
     split["io"] = REGIONS.totals.get("io", 0.0) / rounds  # inside the stages above
-    if store_kind != "memory":
+    if own_run and store_kind != "memory":
         shutil.rmtree(url, ignore_errors=True)
     out = {
-        "codec": codec, "m": m, "fragment_numel": n, "rounds": rounds,
+        "codec": codec, "m": m, "fragment": fragment, "fragment_numel": n, "rounds": rounds,
+        "decode_threads": syncer.intake.decode_threads, "wall_s": total, "cpu_s": sum(cpu_times),
         "s_per_merge_median": sorted(times)[len(times) // 2], "s_per_merge_mean": total / rounds,
         "param_contribs_per_s": m * n * rounds / total,
         "cpu_s_per_merge_mean": sum(cpu_times) / rounds,
@@ -210,9 +233,43 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     }
     if prof is not None:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=s).sort_stats(os.environ.get("BENCH_SORT", "tottime")).print_stats(int(os.environ.get("BENCH_TOP", "25")))
         out["profile"] = s.getvalue()
     return out
+
+
+def bench_shards(*, codec: str, m: int, shards: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """`shards` syncer processes at once, process i owning fragment i of one run (as
+    `ddiloco sync --fragments i` would), each timing its own merges as above. The aggregate
+    rate is the sum of the shards' rates while they ran together."""
+    if args.store != "local":
+        raise SystemExit("--shards needs --store local (processes share the run through the bucket)")
+    url = _run_url(codec=codec, m=m, root=root, store_kind="local") + f"-k{shards}"
+    store, run, _ = _make_run(url, codec=codec, m=m, num_fragments=max(args.fragments, shards))
+    _write_heartbeats(store, run, m)
+    procs = []
+    for i in range(shards):
+        out = os.path.join(root, f"shard-{codec}-m{m}-k{shards}-{i}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--shard-of", url, "--fragment", str(i), "--codecs", codec,
+               "--ms", str(m), "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--width", str(args.width),
+               "--layers", str(args.layers), "--fragments", str(max(args.fragments, shards)), "--json", out]
+        if args.decode_threads is not None:
+            cmd += ["--decode-threads", str(args.decode_threads)]
+        procs.append((subprocess.Popen(cmd), out))
+    for proc, _ in procs:
+        if proc.wait() != 0:
+            raise SystemExit(f"a shard failed (exit {proc.returncode}): {' '.join(proc.args)}")
+    shard_results = []
+    for _, out in procs:
+        with open(out) as f:
+            shard_results.append(json.load(f)["results"][0])
+    shutil.rmtree(url, ignore_errors=True)
+    return {
+        "codec": codec, "m": m, "shards": shards, "shard_results": shard_results,
+        "param_contribs_per_s": sum(r["param_contribs_per_s"] for r in shard_results),
+        "param_contribs_per_cpu_s": sum(r["m"] * r["fragment_numel"] * r["rounds"] for r in shard_results)
+        / sum(r["cpu_s"] for r in shard_results),
+    }
 
 
 def capacity(rate: float, *, params: float = 1e9, sync_every: int = 24, step_s: float = 1.0) -> float:
@@ -232,6 +289,13 @@ def main() -> None:
     ap.add_argument("--store", choices=("local", "memory"), default="local")
     ap.add_argument("--root", default=None, help="directory for local stores (default: a temp dir)")
     ap.add_argument("--profile", default=None, help="codec:M to cProfile (prints the top functions)")
+    ap.add_argument("--decode-threads", type=int, default=None,
+                    help="contributions the syncer decodes at once (default: the syncer's own, min(4, cores))")
+    ap.add_argument("--shards", default=None,
+                    help="also run K syncer processes at once, one fragment each (e.g. 1,2): the scaling table; "
+                         "K <= --fragments keeps the fragment size")
+    ap.add_argument("--shard-of", default=None, help=argparse.SUPPRESS)  # internal: one shard's process
+    ap.add_argument("--fragment", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -241,22 +305,33 @@ def main() -> None:
     root = args.root or tempfile.mkdtemp(prefix="bench-syncer-")
     load = os.getloadavg()
     results = []
+    if args.shard_of:
+        res = bench_config(codec=args.codecs, m=int(args.ms), rounds=args.rounds, warmup=args.warmup, root=root,
+                           store_kind="local", num_fragments=args.fragments, fragment=args.fragment,
+                           url=args.shard_of, decode_threads=args.decode_threads)
+        with open(args.json, "w") as f:
+            json.dump({"results": [res]}, f)
+        return
+    shard_results = []
     try:
         if args.profile:
             c, m = args.profile.split(":")
             res = bench_config(codec=c, m=int(m), rounds=args.rounds, warmup=args.warmup, root=root,
-                               store_kind=args.store, num_fragments=args.fragments, profile=True)
+                               store_kind=args.store, num_fragments=args.fragments, profile=True,
+                               decode_threads=args.decode_threads)
             print(res.pop("profile"))
             results.append(res)
         else:
             for c in args.codecs.split(","):
                 for m in (int(x) for x in args.ms.split(",")):
                     res = bench_config(codec=c, m=m, rounds=args.rounds, warmup=args.warmup, root=root,
-                                       store_kind=args.store, num_fragments=args.fragments)
+                                       store_kind=args.store, num_fragments=args.fragments,
+                                       decode_threads=args.decode_threads)
                     results.append(res)
-                    sp = res["split_s_per_merge"]
                     print(f"  {c:5s} M={m}: {res['param_contribs_per_s']:.3g} param-contribs/s "
                           f"({res['s_per_merge_mean'] * 1e3:.0f} ms/merge)", file=sys.stderr, flush=True)
+                    for k in (int(x) for x in (args.shards or "").split(",") if x):
+                        shard_results.append(bench_shards(codec=c, m=m, shards=k, args=args, root=root))
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -264,10 +339,11 @@ def main() -> None:
 
     cols = [*STAGES, "other", "io"]
     n = results[0]["fragment_numel"]
-    print(f"\nSyncer throughput, one core (torch threads 1), fragment of {n / 1e6:.2f}M params, "
+    dt = results[0]["decode_threads"]
+    print(f"\nSyncer throughput, one process (torch threads 1, {dt} decode threads), fragment of {n / 1e6:.2f}M params, "
           f"store {args.store}, {args.rounds} timed merges each")
     print(f"load avg before {load[0]:.2f}, after {load_after[0]:.2f} (2 cores). p-c = parameter-contributions; "
-          f"per CPU-s = per second of this process's CPU time (one thread: one core, load-independent); "
+          f"per CPU-s = per second of this process's CPU time, all threads (= per core; less load-dependent than wall); "
           f"M_max = learners one core keeps up with at 1B params, P = H = 24, 1 s/step (from p-c/CPU-s); "
           f"split columns are wall time")
     head = f"{'codec':5s} {'M':>2s} {'KB/contrib':>10s} {'ms/merge':>9s} {'CPU ms':>7s} {'p-c/CPU-s':>10s} {'p-c/wall-s':>10s} {'M_max':>6s} | " + \
@@ -288,11 +364,23 @@ def main() -> None:
         worst = min(r["param_contribs_per_cpu_s"] for r in int4)
         print(f"\nint4 target >= {target:.0e} param-contribs per CPU-second (one core): min {worst:.3g}, max {best:.3g} -> "
               f"{'MET' if worst >= target else 'met at some M' if best >= target else 'NOT MET'}")
+    if shard_results:
+        print(f"\nSharded syncers: K processes at once, process i serving fragment i only "
+              f"(`ddiloco sync --fragments i`), each one torch thread; {os.cpu_count()} cores on this machine")
+        head = f"{'codec':5s} {'M':>2s} {'K':>2s} {'p-c/CPU-s':>10s} {'p-c/wall-s':>10s} {'per shard (wall)':>30s} {'vs K=1':>7s}"
+        print(head)
+        print("-" * len(head))
+        for r in shard_results:
+            one = next((o for o in shard_results if o["shards"] == 1 and (o["codec"], o["m"]) == (r["codec"], r["m"])), None)
+            scale = f"{r['param_contribs_per_s'] / one['param_contribs_per_s']:.2f}x" if one else "-"
+            per = ", ".join(f"{s['param_contribs_per_s']:.3g}" for s in r["shard_results"])
+            print(f"{r['codec']:5s} {r['m']:>2d} {r['shards']:>2d} {r['param_contribs_per_cpu_s']:>10.3g} "
+                  f"{r['param_contribs_per_s']:>10.3g} {per:>30s} {scale:>7s}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"fragment_numel": n, "store": args.store, "rounds": args.rounds, "threads": 1,
+            json.dump({"fragment_numel": n, "store": args.store, "rounds": args.rounds, "torch_threads": 1, "decode_threads": dt,
                        "load_before": load[0], "load_after": load_after[0], "target_int4": target,
-                       "results": results}, f, indent=2)
+                       "results": results, "shards": shard_results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -251,3 +251,36 @@ def test_chunked_quantization_equals_one_shot(monkeypatch, codec, block):
     y_chunked, _ = decode_tensors(one_shot)
     monkeypatch.setattr(C, "_chunk_elems", lambda b: 10**9)
     assert torch.equal(decode_tensors(one_shot)[0]["a"], y_chunked["a"])
+
+
+@pytest.mark.parametrize("codec,n", [("int4", 512), ("int4", 511), ("int8", 256)])
+def test_every_byte_value_decodes_to_q_times_its_block_scale(codec, n):
+    """The wire format read literally (q + 8 per nibble, low nibble first; q + 128 per byte),
+    times its block's bf16 scale, for every possible byte: the decoder's table agrees."""
+    block = 7
+    nb = -(-n // block)
+    scales = torch.linspace(-3.0, 5.0, nb).to(torch.bfloat16)
+    bodies = bytes(range(256)) * (2 if codec == "int8" else 1)
+    body = bodies[: n if codec == "int8" else -(-n // 2)]
+    qs = [b - 128 for b in body] if codec == "int8" else [q for b in body for q in ((b & 0x0F) - 8, (b >> 4) - 8)][:n]
+    want = torch.tensor([q * float(scales[i // block]) for i, q in enumerate(qs)], dtype=torch.float32)
+    raw = scales.view(torch.int16).numpy().tobytes() + body
+    cctx = zstandard.ZstdCompressor(write_content_size=True)
+    desc = {"format": 1, "codec": codec, "block_size": block, "metadata": {},
+            "tensors": {"t": {"shape": [n], "dtype": "float32", "raw_nbytes": len(raw), "comp_nbytes": 0}}}
+    comp = cctx.compress(raw)
+    header = json.dumps({"__metadata__": {"ddiloco": json.dumps(desc)},
+                         "t": {"dtype": "U8", "shape": [len(comp)], "data_offsets": [0, len(comp)]}}).encode()
+    got, _ = decode_tensors(struct.pack("<Q", len(header)) + header + comp)
+    assert torch.equal(got["t"], want)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_published_value_is_what_a_reader_of_the_payload_gets(codec):
+    """The syncer dequantises its own frames without decompressing them: the value must be
+    the one every learner computes from the payload, bit for bit."""
+    prev = {k: v.float() * 0.5 for k, v in sample(1).items()}
+    payload, published = encode_published_delta(prev, {k: v.float() for k, v in sample(2).items()}, codec=codec)
+    read = apply_published_delta(prev, payload, where="v1")
+    assert published.keys() == read.keys()
+    assert all(torch.equal(published[k], read[k]) for k in read)
