@@ -247,6 +247,10 @@ def init(
         rich_help_panel=_CODEC, help="Codec of published fragment deltas (default: --codec)")] = None,
     keyframe_every: Annotated[int, typer.Option(metavar="N", rich_help_panel=_CODEC,
                                                 help="Full (exact) payload every N versions")] = _D.keyframe_every,
+    error_feedback: Annotated[bool, typer.Option(
+        "--error-feedback/--no-error-feedback", metavar="", rich_help_panel=_CODEC,
+        help="Learners add what the codec dropped from their last contribution of a fragment to the next one")
+    ] = _D.error_feedback,
     grace_gamma: Annotated[float, typer.Option(metavar="X", rich_help_panel=_FT,
                                                help="Grace window = gamma * slack of the overlap window")] = _D.grace_gamma,
     grace_max: Annotated[float, typer.Option("--grace-max", metavar="SECONDS", rich_help_panel=_FT,

@@ -215,6 +215,27 @@ def encode_tensors(
     return _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata)[0]
 
 
+def encode_with_residual(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    codec: str,
+    block_size: int | None = None,
+    zstd_level: int = 1,
+    metadata: dict | None = None,
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """``encode_tensors`` plus what the payload does not carry: ``t - decode(payload)`` per
+    key (fp32 CPU; zeros under codec none), for a sender's error feedback. The encoder
+    dequantises its own frames, so no decode of the payload is needed."""
+    payload, raws = _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata)
+    block = _check_codec(codec, block_size)
+    residual = {}
+    for k, t in tensors.items():
+        x = t.detach().to(device="cpu", dtype=torch.float32)
+        decoded = _dequantize(b"".join(raws[k]), codec, x.numel(), block).view(x.shape)
+        residual[k] = x - decoded
+    return payload, residual
+
+
 def _encode(
     tensors: Mapping[str, torch.Tensor], *, codec: str, block_size: int | None, zstd_level: int, metadata: dict | None
 ) -> tuple[bytes, dict[str, list[memoryview]]]:

@@ -117,6 +117,7 @@ class RunConfig:
     codec_block: int | None = _f(None, "codec-block", _C, kind=int, lo=2, hi=2**24, optional=True)
     publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True)
     keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT)
+    error_feedback: bool = _f(True, "error-feedback", _C, kind=bool)
     grace_gamma: float = _f(0.5, "grace-gamma", _F, kind=float, lo=0.0, hi=1.0, hi_open=True)
     grace_max_s: float = _f(5.0, "grace-max", _F, kind=float, lo=0.0)
     max_staleness: int = _f(8, "max-staleness", _F, kind=int, lo=0, hi=_MAX_INT)

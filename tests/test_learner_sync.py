@@ -5,6 +5,7 @@ learner's own code, the training features of `learn`."""
 from __future__ import annotations
 
 import functools
+import time
 import uuid
 
 import pytest
@@ -265,3 +266,66 @@ def test_lockstep_learner_warns_while_it_waits_for_a_merge_that_does_not_come(ca
         stepping.join(timeout=30)
     assert "at step 2 for the version of fragment 0 that merges this learner's contribution" in caplog.text
     assert "no syncer heartbeat is live" in caplog.text
+
+
+def _contributions(store, p: int) -> list[dict]:
+    """Headers of fragment p's contributions, oldest first."""
+    infos = sorted(store.list(layout.contribution_prefix(p)), key=lambda i: i.key)
+    return [codec.decode_tensors(store.get(i.key), max_numel=10**7)[1] for i in infos]
+
+
+def test_a_stopping_learner_sends_the_progress_it_has_not_sent_L7():
+    """[L7] P = 2, H = 4: after 3 steps fragment 1 went up at step 2 and fragment 0 never did; on
+    close both go up with every step since their base, so no trained step is lost."""
+    store = _run()
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="f") as sync:
+        for _ in range(3):
+            sync.step(num_tokens=5)
+    assert [h["c_steps"] for h in _contributions(store, 0)] == [3]
+    sent = [(h["c_steps"], h["c_tokens"]) for h in _contributions(store, 1)]
+    # the step-2 contribution, unless the flush replaced it in the upload queue (same base: it carries it)
+    assert sent[-1] == (3, 15) and sent[:-1] in ([], [(2, 10)])
+    # lock-step sends only whole cycles (a partial contribution would be a merge of its own)
+    store = _run(mode="lockstep", overlap_steps=2)  # fragment 1 is received at step 4: no wait for a syncer
+    with DiLoCoSync(store, model, learner_id="g") as sync:
+        for _ in range(3):
+            sync.step(num_tokens=5)
+    assert _contributions(store, 0) == [] and len(_contributions(store, 1)) == 1
+
+
+def test_error_feedback_adds_what_the_codec_dropped_to_the_next_delta_L6():
+    """[L6] int4: the second contribution of a fragment is Q(delta_2 + r_1), r_1 = delta_1 -
+    decode(Q(delta_1)); without error feedback it would be Q(delta_2)."""
+    from ddiloco_cli.codec import encode_with_residual
+
+    store = _run(num_fragments=1, sync_every=2, overlap_steps=0, codec="int4")
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="e") as sync:
+        assert sync.error_feedback
+        base = {k: v.clone() for k, v in sync.base[0][1].items()}
+        thetas = []
+        for i in range(2):
+            with torch.no_grad():
+                for t in model.parameters():
+                    t.add_(torch.randn_like(t) * 0.01)  # stands in for training
+            thetas.append({s.key: s.view_of(dict(model.named_parameters())[s.name]).float().clone()
+                           for s in sync.plan.fragments[0]})
+            sync.step(num_tokens=1)
+            sync.step(num_tokens=1)  # fragment 0 is due every 2 steps
+            while sync.stats.num_contributions < i + 1:  # uploaded (and its residual kept) before the next send
+                time.sleep(0.01)
+    infos = sorted(store.list(layout.contribution_prefix(0)), key=lambda i: i.key)[:2]
+    got = [codec.decode_tensors(store.get(i.key), max_numel=10**7)[0] for i in infos]
+    d1 = {k: base[k] - thetas[0][k] for k in base}
+    _, r1 = encode_with_residual(d1, codec="int4", block_size=64)
+    assert any(float(r.abs().max()) > 0 for r in r1.values())
+    d2 = {k: base[k] - thetas[1][k] for k in base}
+    with_feedback = codec.decode_tensors(encode_with_residual({k: d2[k] + r1[k] for k in d2}, codec="int4",
+                                                              block_size=64)[0], max_numel=10**7)[0]
+    without = codec.decode_tensors(codec.encode_tensors(d2, codec="int4", block_size=64), max_numel=10**7)[0]
+    assert all(torch.equal(got[1][k], with_feedback[k]) for k in d2)
+    assert any(not torch.equal(got[1][k], without[k]) for k in d2)
+    store = _run(codec="int4", error_feedback=False)
+    with DiLoCoSync(store, model, learner_id="n") as sync:
+        assert not sync.error_feedback

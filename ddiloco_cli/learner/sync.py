@@ -115,6 +115,12 @@ class DiLoCoSync:
         self.stats = LearnerStats()
         self.counters = FragmentCounters(self.plan.num_fragments)
         self.base: dict[int, tuple[int, Tensors]] = {}  # fragment -> (version, fp32 published value)
+        # error feedback: per fragment, what the codec dropped from the last contribution uploaded
+        # (set by an upload thread, added to the next delta of that fragment); never in lock-step,
+        # whose contributions are Streaming DiLoCo's outer gradients exactly
+        self.error_feedback = self.config.error_feedback and self.config.codec != "none" and not self.lockstep
+        self._residual: dict[int, Tensors] = {}
+        self._residual_lock = threading.Lock()
         self.in_flight: dict[int, InFlight] = {}
         self.session = 0
         self.seq = 0
@@ -178,7 +184,7 @@ class DiLoCoSync:
             self._uploader = Uploader(self.store, codec_name=self.config.codec, block_size=self.config.codec_block,
                                       maxsize=self.opts.upload_queue, stats=self.stats,
                                       num_workers=self.opts.upload_workers, newest_wins=not self.lockstep,
-                                      signer=signer)
+                                      signer=signer, on_residual=self._keep_residual if self.error_feedback else None)
             self._receiver = Receiver(self.store, self.readers, learner_id=self.learner_id,
                                       min_poll_s=self.opts.min_poll_s, stats=self.stats,
                                       pace_s=lambda: self.stats.step_time_s)
@@ -341,6 +347,10 @@ class DiLoCoSync:
             return theta
         base_version, base_value = self.base[p]
         delta = dict(zip(theta, torch._foreach_sub([base_value[k] for k in theta], list(theta.values()))))
+        with self._residual_lock:
+            residual = self._residual.get(p)
+        if residual is not None:  # the part of the last contribution the codec did not carry [L6]
+            torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
         c_steps, c_tokens = self.counters.snapshot(p)
         header = records.make(
             "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
@@ -349,6 +359,12 @@ class DiLoCoSync:
         )
         self.stats.blocked_s += self._uploader.submit(layout.contribution_key(p, self.learner_id, seq), delta, header)
         return theta
+
+    def _keep_residual(self, fragment: int, residual: Tensors) -> None:
+        """Upload thread: the residual of fragment's newest uploaded contribution replaces the last
+        one (that contribution carried the last one in its delta)."""
+        with self._residual_lock:
+            self._residual[fragment] = residual
 
     def _take(self, p: int, flight: InFlight) -> Ready | None:
         """Rank 0: a ready newer version of p, or None (lock-step: wait for the one

@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,7 +28,11 @@ def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: st
                        signer: signing.Signer | None = None) -> bytes:
     """The object a learner creates at ``key`` (contributions/pP/LEARNER/SEQ.safetensors),
     signed by ``signer`` when the run requires signatures."""
-    data = codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header)
+    return _signed(codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header),
+                   header, key=key, signer=signer)
+
+
+def _signed(data: bytes, header: dict[str, Any], *, key: str, signer: signing.Signer | None) -> bytes:
     if signer is None:
         return data
     return signing.sign_payload(data, kind="contribution", run_id=header["run_id"], key=key, signer=signer)
@@ -48,9 +52,12 @@ class Uploader:
     contribution it sent)."""
 
     def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats,
-                 num_workers: int = 2, newest_wins: bool = True, signer: signing.Signer | None = None):
+                 num_workers: int = 2, newest_wins: bool = True, signer: signing.Signer | None = None,
+                 on_residual: Callable[[int, Tensors], None] | None = None):
         self.store, self.codec_name, self.block_size, self.stats = store, codec_name, block_size, stats
         self.signer = signer
+        # error feedback: called with (fragment, what the encoded payload does not carry) once it is uploaded
+        self.on_residual = on_residual
         self.newest_wins = newest_wins
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.lock = threading.Lock()
@@ -89,8 +96,14 @@ class Uploader:
                 self.queue.task_done()
 
     def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
-        data = contribution_bytes(delta, header, codec_name=self.codec_name, block_size=self.block_size, key=key,
-                                  signer=self.signer)
+        residual = None
+        if self.on_residual is not None:
+            data, residual = codec.encode_with_residual(delta, codec=self.codec_name, block_size=self.block_size,
+                                                        metadata=header)
+            data = _signed(data, header, key=key, signer=self.signer)
+        else:
+            data = contribution_bytes(delta, header, codec_name=self.codec_name, block_size=self.block_size,
+                                      key=key, signer=self.signer)
         try:  # each attempt is a whole store call (retried inside); this waits out a longer outage
             created = retrying(lambda: self.store.put_if_absent(key, data), what=f"upload of {key}",
                                policy=OUTAGE_POLICY)
@@ -101,6 +114,8 @@ class Uploader:
         if not created:
             log.warning("contribution %s already exists with other content; dropped", key)
             return
+        if residual is not None:
+            self.on_residual(int(header["fragment"]), residual)
         with self.lock:
             self.stats.bytes_up += len(data)
             self.stats.num_contributions += 1
