@@ -45,6 +45,7 @@ NORM_WINDOW = 64  # accepted norms in the running median
 NORM_MIN_SAMPLES = 8  # no bound before this many accepted contributions
 BASE_CACHE_MIN = 8  # published values of recent versions kept for outer_gradient = current (at least)
 TIP_WINDOW = 64  # versions searched on restore for each learner's last merged contribution
+IDLE_POLL_FRACTION = 0.25  # an idle syncer LISTs at least every this fraction of the learners' step time
 
 
 @dataclass
@@ -288,9 +289,28 @@ class Syncer:
         state.closed = [e for e in state.closed if e["seq"] > hw.get(e["learner_id"], -1)]
 
     # ---------------------------------------------------------------- intake
-    def poll_contributions(self) -> None:
+    def poll_contributions(self) -> int:
+        """One LIST of the owned fragments' contributions; takes in the new ones. Returns
+        how many keys it had not seen before."""
+        fresh = 0
         for p, infos in self.intake.list_new(sorted(self.states)).items():
-            self._take_contributions(self.states[p], infos)
+            state = self.states[p]
+            fresh += sum(1 for info in infos if info.key not in state.seen)
+            self._take_contributions(state, infos)
+        return fresh
+
+    def next_poll_s(self, previous_s: float, *, idle: bool) -> float:
+        """The pause before the next poll: ``poll_s`` while contributions arrive or wait for
+        a merge; while idle it doubles, up to IDLE_POLL_FRACTION of the live learners'
+        median step time (a contribution then waits at most that long to be seen) and
+        never beyond ``heartbeat_s`` (the loop also writes the lease's heartbeat)."""
+        poll_s = self.opts.poll_s
+        if not idle:
+            return poll_s
+        cap_s = self.config.heartbeat_s
+        if self.step_time_s is not None:
+            cap_s = min(cap_s, IDLE_POLL_FRACTION * self.step_time_s)
+        return max(poll_s, min(cap_s, 2 * previous_s))
 
     def _take_contributions(self, state: FragmentState, infos: list[ObjectInfo]) -> None:
         """Load every new contribution above its learner's high-water mark, oldest first, into
@@ -557,6 +577,7 @@ class Syncer:
         self.restore()
         self.heartbeat(force=True)
         committed = 0
+        pause_s = self.opts.poll_s
         try:
             while not stop():
                 if self.lease.fence_due():
@@ -564,7 +585,7 @@ class Syncer:
                 self.heartbeat()
                 if time.monotonic() - self._last_learners_t > self.config.heartbeat_s:
                     self._refresh_learners()
-                self.poll_contributions()
+                fresh = self.poll_contributions()
                 for state in list(self.states.values()):
                     if self.maybe_merge(state):
                         committed += 1
@@ -580,7 +601,9 @@ class Syncer:
                     return "limit"
                 if self.opts.gc and time.monotonic() - self._last_gc_t > self.opts.gc_every_s:
                     self._collect_garbage()
-                time.sleep(self.opts.poll_s)
+                idle = fresh == 0 and not any(state.pending for state in self.states.values())
+                pause_s = self.next_poll_s(pause_s, idle=idle)
+                time.sleep(pause_s)
             return "stopped"
         finally:
             try:

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -116,8 +117,46 @@ def plain_worker(steps: int, out: str) -> None:
     _write(out, arm="plain", stamps=stamps, numel=sum(p.numel() for p in params))
 
 
-def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
+def profile_threads(out_dir: str) -> Callable[[], None]:
+    """cProfile every thread started from now on, and the calling one; the returned
+    function stops the caller's profile and writes one pstats file per thread name
+    (threads that are still running are written as they stand)."""
+    import cProfile
+    import threading
+
+    profiles: dict[str, cProfile.Profile] = {}
+    original_start = threading.Thread.start
+
+    def start(self) -> None:
+        run = self.run  # subclasses override run(): wrap this instance's
+
+        def profiled() -> None:
+            prof = profiles.setdefault(self.name, cProfile.Profile())
+            prof.enable()
+            try:
+                run()
+            finally:
+                prof.disable()
+
+        self.run = profiled
+        original_start(self)
+
+    threading.Thread.start = start
+    main = profiles.setdefault("MainThread", cProfile.Profile())
+    main.enable()
+
+    def dump() -> None:
+        main.disable()
+        os.makedirs(out_dir, exist_ok=True)
+        for name, prof in list(profiles.items()):
+            prof.dump_stats(os.path.join(out_dir, f"{name}.pstats"))
+
+    return dump
+
+
+def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None) -> None:
     torch.set_num_threads(1)
+    dump_profiles = profile_threads(profile_dir) if profile_dir else None
     from ddiloco_cli.learner import DiLoCoSync, Learner, LearnerOptions
     from ddiloco_cli.store import open_store
 
@@ -152,6 +191,8 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str) -> None:
                                                               task=f"{THIS}:mid"),
                       on_progress=on_progress)
     reason = learner.train()
+    if dump_profiles is not None:
+        dump_profiles()
     s = learner.stats
     _write(out, arm="ddiloco", stamps=stamps, reason=reason, blocked_s=s.blocked_s, bytes_up=s.bytes_up,
            bytes_down=s.bytes_down, num_contributions=s.num_contributions,
@@ -180,11 +221,14 @@ def _prefix(cpu: int | None, nice: int = 0) -> list[str]:
     return pre
 
 
-def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | None) -> dict:
+def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | None,
+            profile_dir: str | None = None) -> dict:
     out = os.path.join(workdir, f"{arm}-{rep}.json")
     cmd = [*_prefix(cpu), sys.executable, THIS, "--worker", arm, "--steps", str(steps), "--out", out]
     if arm == "ddiloco":
         cmd += ["--url", url, "--learner-id", f"bench-{rep}"]
+        if profile_dir:
+            cmd += ["--profile", os.path.join(profile_dir, f"rep{rep}")]
     load0 = os.getloadavg()[0]
     subprocess.run(cmd, check=True, env=_env(), cwd=str(REPO))
     with open(out) as f:
@@ -220,7 +264,7 @@ def step_time_comparison(args, workdir: str) -> dict:
             order = ("plain", "ddiloco") if rep % 2 == 0 else ("ddiloco", "plain")
             for arm in order:
                 records.append(run_arm(arm, url=url, rep=rep, steps=args.steps, skip=args.skip, workdir=workdir,
-                                       cpu=cpu_l))
+                                       cpu=cpu_l, profile_dir=args.profile))
         syncer_hwm = vm_hwm_kb(syncer.pid)
     finally:
         syncer.terminate()
@@ -251,10 +295,11 @@ def _machinery(dd: list[dict], *, steps: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for key in ("send_s", "receive_s", "send_cpu_s", "receive_cpu_s"):
         out["main " + key.replace("_s", "").replace("_cpu", " CPU")] = 1e3 * statistics.median(r[key] for r in dd) / steps
-    for name in ("ddiloco-uploader", "ddiloco-receiver", "ddiloco-heartbeat"):
-        out[name + " CPU"] = 1e3 * statistics.median(r["thread_cpu_s"].get(name, 0.0) for r in dd) / steps
-    others = [sum(v for k, v in r["thread_cpu_s"].items() if k not in ("MainThread", "ddiloco-uploader",
-                                                                        "ddiloco-receiver", "ddiloco-heartbeat"))
+    names = ("ddiloco-uploader", "ddiloco-receiver", "ddiloco-heartbeat")  # the uploaders: -0, -1, ... together
+    for name in names:
+        out[name + " CPU"] = 1e3 * statistics.median(
+            sum(v for k, v in r["thread_cpu_s"].items() if k.startswith(name)) for r in dd) / steps
+    others = [sum(v for k, v in r["thread_cpu_s"].items() if k != "MainThread" and not k.startswith(names))
               for r in dd]
     out["other threads CPU"] = 1e3 * statistics.median(others) / steps
     return out
@@ -325,6 +370,9 @@ def main() -> None:
     ap.add_argument("--syncer-width", type=int, default=1024, help="layer width of the syncer-memory model (24 layers)")
     ap.add_argument("--skip-syncer-memory", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="cProfile the ddiloco arm, one pstats file per thread in DIR/repN/ (slows that arm: its "
+                         "figures are then not comparable)")
     # internal: one arm in this process
     ap.add_argument("--worker", choices=("plain", "ddiloco"), help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -334,7 +382,7 @@ def main() -> None:
     if args.worker == "plain":
         return plain_worker(args.steps, args.out)
     if args.worker == "ddiloco":
-        return ddiloco_worker(args.url, args.learner_id, args.steps, args.out)
+        return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile)
     if args.pin and (os.cpu_count() or 1) < 2:
         args.pin = False
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -68,6 +69,7 @@ class Ready:
     value: Tensors
     manifest: dict[str, Any]
     refused: list[dict[str, Any]]  # ledger entries refusing this learner's contributions, since the version it had
+    increment: Tensors | None = None  # value - the ``subtract`` given to want(), computed off the main thread
 
 
 def refusals(manifests: list[dict[str, Any]], learner_id: str) -> list[dict[str, Any]]:
@@ -80,9 +82,14 @@ class Receiver(threading.Thread):
     """Polls for newer committed versions of wanted fragments, downloads and decodes
     them (the main thread only copies ready values in).
 
-    It polls only while something is wanted, at the pace of ``pace_s()`` (the
-    learner's step time: a version is only taken at a step boundary, so polling
-    faster buys nothing), never faster than ``min_poll_s``."""
+    It polls only for fragments the loop registered (``want``: from step t + tau - 1
+    on), each on its own schedule: at once when registered, then every ``pace_s()``
+    (the learner's step time: a version is only taken at a step boundary, so polling
+    faster buys nothing), never faster than ``min_poll_s``. A poll is one GET of the
+    fragment's ``latest`` hint; every ``LIST_EVERY``-th poll of a fragment without a
+    newer version LISTs its manifests instead, in case the hint is stale or lost."""
+
+    LIST_EVERY = 8
 
     def __init__(self, store: Store, readers: dict[int, FragmentReader], *, learner_id: str, min_poll_s: float,
                  stats: LearnerStats, pace_s: Callable[[], float] = lambda: 0.0):
@@ -92,14 +99,25 @@ class Receiver(threading.Thread):
         self.pace_s = pace_s
         self.lock = threading.Lock()
         self.wanted: dict[int, tuple[int, Tensors]] = {}  # fragment -> (have version, have value)
+        self.subtract: dict[int, Tensors] = {}  # fragment -> what to subtract from its new value (see want)
+        self.due_t: dict[int, float] = {}  # fragment -> when to poll it next (monotonic)
+        self.polls: dict[int, int] = {}  # fragment -> polls since it was registered
         self.ready: dict[int, Ready] = {}
         self.stopping = threading.Event()
         self.wake = threading.Event()
         self.num_polls = 0
 
-    def want(self, p: int, have: tuple[int, Tensors]) -> None:
+    def want(self, p: int, have: tuple[int, Tensors], *, subtract: Tensors | None = None) -> None:
+        """Poll for a version of p newer than ``have`` = (version, value). With ``subtract``
+        (the fragment at the send), the Ready also carries ``increment`` = new value -
+        subtract, one ``_foreach`` op here rather than on the training thread."""
         with self.lock:
             self.wanted[p] = have
+            if subtract is not None:
+                self.subtract[p] = subtract
+            else:
+                self.subtract.pop(p, None)
+            self.due_t[p] = 0.0  # poll it at once
         self.wake.set()
 
     def take(self, p: int) -> Ready | None:
@@ -107,28 +125,44 @@ class Receiver(threading.Thread):
             got = self.ready.pop(p, None)
             if got is not None:
                 self.wanted.pop(p, None)
+                self.subtract.pop(p, None)
+                self.due_t.pop(p, None)
+                self.polls.pop(p, None)
             return got
+
+    def _due(self, now: float) -> tuple[list[tuple[int, tuple[int, Tensors]]], float | None]:
+        """The wanted fragments due for a poll now (their next poll scheduled), and how long
+        until the next one is due (None: nothing wanted)."""
+        interval_s = max(self.min_poll_s, self.pace_s())
+        due, next_t = [], None
+        with self.lock:
+            for p, have in self.wanted.items():
+                if p in self.ready:
+                    continue
+                if self.due_t[p] <= now:
+                    due.append((p, have))
+                    self.due_t[p] = now + interval_s
+                next_t = self.due_t[p] if next_t is None else min(next_t, self.due_t[p])
+        return due, None if next_t is None else max(0.0, next_t - now)
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            with self.lock:
-                wanted = {p: have for p, have in self.wanted.items() if p not in self.ready}
-            if not wanted:  # nothing to look for: sleep until the loop registers a fragment
-                self.wake.wait()
-                self.wake.clear()
-                continue
-            for p, have in wanted.items():
+            self.wake.clear()  # before looking: a want() from now on ends the wait below
+            due, wait_s = self._due(time.monotonic())
+            for p, have in due:
                 try:
                     self._fetch(p, have)
                 except Exception as exc:  # noqa: BLE001 - never stop training over a bad download
                     log.warning("fragment %d: download failed: %s", p, exc)
-            self.wake.wait(max(self.min_poll_s, self.pace_s()))
-            self.wake.clear()
+            if not due:  # nothing wanted (wait_s None: until the loop registers a fragment), or not yet due
+                self.wake.wait(wait_s)
 
     def _fetch(self, p: int, have: tuple[int, Tensors]) -> None:
-        # the hint costs a GET; every 8th poll LISTs, in case the hint is stale or lost
+        # the hint costs a GET; a LIST now and then, in case the hint is stale or lost
         self.num_polls += 1
-        latest = ledger.read_latest_hint(self.store, p) if self.num_polls % 8 else None
+        with self.lock:
+            self.polls[p] = n = self.polls.get(p, 0) + 1
+        latest = ledger.read_latest_hint(self.store, p) if n % self.LIST_EVERY else None
         if latest is None:
             latest = ledger.latest_version(self.store, p)
         if latest is None or latest <= have[0]:
@@ -139,8 +173,14 @@ class Receiver(threading.Thread):
         refused = refusals(self._manifests_since(reader, have[0], latest), self.learner_id)
         self.stats.bytes_down += reader.bytes_down - before
         with self.lock:
+            subtract = self.subtract.get(p)
+        increment = None
+        if subtract is not None:
+            keys = list(value)
+            increment = dict(zip(keys, torch._foreach_sub([value[k] for k in keys], [subtract[k] for k in keys])))
+        with self.lock:
             if p in self.wanted:
-                self.ready[p] = Ready(latest, value, reader.manifest(latest), refused)
+                self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment)
 
     @staticmethod
     def _manifests_since(reader: FragmentReader, have: int, latest: int) -> list[dict[str, Any]]:

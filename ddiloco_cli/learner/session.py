@@ -3,10 +3,11 @@ holds the id, and observability) and ``learners/ID/state.json`` (where its data
 stream stands), and the alerts its heartbeat thread raises.
 
 One live session per learner id: a session starts only when the id's heartbeat
-is not ``running`` within the lease, and before every heartbeat it re-reads the
-record; when a newer session holds the id, the older one stops writing and
-leaves (the newer one won a start race, or found this one's heartbeat past the
-lease, e.g. after a SIGSTOP).
+is not ``running`` within the lease, and it re-reads the record before a
+heartbeat write whenever a newer session may have started (``SessionWriter.beat``);
+when a newer session holds the id, the older one stops writing and leaves (the
+newer one won a start race, or found this one's heartbeat past the lease, e.g.
+after a SIGSTOP).
 
 ``heartbeat_bytes`` is the one place where a heartbeat's bytes are made (and, in
 a run that requires signatures, signed: PROTOCOL.md, "Signatures", [A3]).
@@ -138,11 +139,16 @@ def read_state(store: Store, learner_id: str) -> dict[str, Any] | None:
 
 
 class SessionWriter(threading.Thread):
-    """Writes the heartbeat every ``every_s`` with the data state (when it changed),
-    and logs the stall alert the loop asked for at once."""
+    """Writes the heartbeat every ``every_s`` and the data state when it changed (at
+    most every ``lease_s / 2``), and logs the stall alert the loop asked for at once.
+
+    Requests per heartbeat (PROTOCOL.md [L2]): one PUT; the GET that checks for a
+    newer session only when one may have started since the last check (see ``beat``),
+    about once per ``lease_s / 2``; the data state's PUT at most once per ``lease_s / 2``."""
 
     def __init__(self, store: Store, *, learner_id: str, session: int, make_record: Callable[[], dict],
-                 run_id: str, lease_s: float, every_s: float, signer: signing.Signer | None = None):
+                 run_id: str, lease_s: float, every_s: float, signer: signing.Signer | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__(name="ddiloco-heartbeat", daemon=True)
         self.store, self.learner_id, self.session = store, learner_id, session
         self.signer = signer
@@ -152,13 +158,24 @@ class SessionWriter(threading.Thread):
         self.wakeup = threading.Event()
         self.lock = threading.Lock()
         self.taken_over_by: HeldBy | None = None
+        self.clock = clock
+        self.started_t = clock()
+        self._checked_t: float | None = None  # when the heartbeat was last re-read
+        self._state_t: float | None = None  # when the data state was last written
         self._state: dict[str, Any] | None = None
         self._state_written: dict[str, Any] | None = None
         self._alert: str | None = None  # what is wrong; the syncer's liveness is added when logged
 
+    @property
+    def check_every_s(self) -> float:
+        """A newer session can only start once this one's heartbeat is a lease old: re-reading
+        at half that catches it before this session wrote more than a few heartbeats over it."""
+        return self.lease_s / 2
+
     def save_state(self, data: dict[str, Any]) -> None:
-        """Write ``data`` (JSON-able) to learners/ID/state.json with the next heartbeat:
-        at most one write per heartbeat_s, however often the learner sends."""
+        """Write ``data`` (JSON-able) to learners/ID/state.json with a coming heartbeat:
+        when it changed, at most once per lease_s / 2 however often the learner sends,
+        and on close. (A resume hint: a restart replays at most that much of the stream.)"""
         with self.lock:
             self._state = data
 
@@ -177,26 +194,42 @@ class SessionWriter(threading.Thread):
             self._alert = what
         self.wakeup.set()
 
-    def beat(self) -> None:
-        """Write the heartbeat unless a newer session took the id over."""
+    def _check_due(self, now: float) -> bool:
+        """Whether to re-read the heartbeat before writing it [L2]: during the first lease
+        (a start race: two sessions that both found the id free), when the last check is
+        ``check_every_s`` old (a newer session needs this one's heartbeat a lease old: a
+        pause such as SIGSTOP, a long outage or a start race all pass this), and always
+        on the first write."""
+        return (self._checked_t is None or now - self.started_t < self.lease_s
+                or now - self._checked_t >= self.check_every_s)
+
+    def beat(self, *, check: bool | None = None) -> None:
+        """Write the heartbeat unless a newer session took the id over; ``check`` forces
+        (True) or skips (False) the re-read, else ``_check_due`` decides."""
         if self.taken_over_by is not None:
             return
         try:
-            current = _read_record(self.store, self.learner_id)  # one GET; the age only when it matters
-            if current is not None and int(current.get("session", 0)) > self.session:
-                held = read_heartbeat(self.store, self.learner_id) or HeldBy(current, 0.0)
-                self.taken_over_by = held
-                log.error("learner id %r was taken over by a newer session (%s); this session stops",
-                          self.learner_id, describe(held))
-                return
+            now = self.clock()
+            if check if check is not None else self._check_due(now):
+                current = _read_record(self.store, self.learner_id)  # one GET; the age only when it matters
+                self._checked_t = now
+                if current is not None and int(current.get("session", 0)) > self.session:
+                    held = read_heartbeat(self.store, self.learner_id) or HeldBy(current, 0.0)
+                    self.taken_over_by = held
+                    log.error("learner id %r was taken over by a newer session (%s); this session stops",
+                              self.learner_id, describe(held))
+                    return
             self.store.put(self.hb_key, heartbeat_bytes(self.make_record(), signer=self.signer))
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat is not fatal
             log.warning("heartbeat failed: %s", exc)
 
-    def _write_state(self) -> None:
+    def _write_state(self, *, force: bool = False) -> None:
         with self.lock:
             state = self._state
         if state is None or state == self._state_written or self.taken_over_by is not None:
+            return
+        now = self.clock()
+        if not force and self._state_t is not None and now - self._state_t < self.check_every_s:
             return
         rec = records.make("learner_state", run_id=self.run_id, learner_id=self.learner_id, session=self.session,
                            data=state)
@@ -209,7 +242,7 @@ class SessionWriter(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - the next send saves it again
                 log.warning("saving the data state failed: %s", exc)
                 return
-        self._state_written = state
+        self._state_written, self._state_t = state, now
 
     def _raise_alert(self) -> None:
         with self.lock:
@@ -246,9 +279,9 @@ class SessionWriter(threading.Thread):
         self.wakeup.set()
         if self.is_alive():
             self.join(timeout=10)
-        self._write_state()
+        self._write_state(force=True)
         if final_beat:
-            self.beat()
+            self.beat(check=True)  # the last word: never over a newer session's heartbeat
 
 
 def jsonable(data: Any) -> Any:

@@ -112,6 +112,9 @@ class DiLoCoSync:
         # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
         self.keep_progress = self.config.keep_overlap_progress and self.tau > 0 and not self.lockstep
         self.total_steps = self.config.total_steps
+        # receive as theta += Theta_new - theta_at_send on the parameters themselves (the alpha = 0
+        # case of receive_rule, summed in another order), the increment computed by the receiver
+        self._in_place = self.keep_progress and self.alpha == 0.0 and self.island.world == 1
         self.stats = LearnerStats()
         self.counters = FragmentCounters(self.plan.num_fragments)
         self.base: dict[int, tuple[int, Tensors]] = {}  # fragment -> (version, fp32 published value)
@@ -230,7 +233,7 @@ class DiLoCoSync:
             if step >= flight.receive_step - 1 and not flight.wanted:
                 flight.wanted = True  # one step ahead: the download overlaps the last step of the window
                 if self._receiver is not None:
-                    self._receiver.want(p, self.base[p])
+                    self._receiver.want(p, self.base[p], subtract=flight.theta if self._in_place else None)
             if step >= flight.receive_step and self._receive(p, flight):
                 del self.in_flight[p]
                 received.append(p)
@@ -366,6 +369,14 @@ class DiLoCoSync:
         with self._residual_lock:
             self._residual[fragment] = residual
 
+    def _add_to_params(self, p: int, increment: Tensors) -> None:
+        """Add ``increment`` (fp32, keyed by slice key) to fragment p of the model in place:
+        no copy of the fragment out and back as ``receive_rule`` needs."""
+        views = [s.view_of(self.params[s.name]) for s in self.plan.fragments[p]]
+        adds = [increment[s.key].to(v.device) for s, v in zip(self.plan.fragments[p], views)]
+        with torch.no_grad():
+            torch._foreach_add_(views, adds)
+
     def _take(self, p: int, flight: InFlight) -> Ready | None:
         """Rank 0: a ready newer version of p, or None (lock-step: wait for the one
         that merged our contribution)."""
@@ -404,7 +415,9 @@ class DiLoCoSync:
         if version < 0:
             return False
         version, value = self.island.broadcast(self.plan, p, version, got.value if got is not None else {})
-        if self.alpha == 0.0 and not self.keep_progress:
+        if self._in_place and got.increment is not None:
+            self._add_to_params(p, got.increment)
+        elif self.alpha == 0.0 and not self.keep_progress:
             self.island.scatter(self.plan, p, self.params, value)
         else:
             local = self.island.gather(self.plan, p, self.params)

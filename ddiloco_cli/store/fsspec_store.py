@@ -193,13 +193,13 @@ class _FsspecStore:
             return None
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        # list recursively under the deepest "directory" the prefix pins down,
-        # then filter exactly on the full prefix
-        start_dir = prefix.rpartition("/")[0]
-        base = f"{self.root}/{start_dir}" if start_dir else self.root
+        # one recursive listing of the objects under root/prefix, filtered exactly on it;
+        # the prefix goes to find() as such: s3fs asks no more (its HEAD and second LIST
+        # to tell an empty directory from a file) when a listing with a prefix is empty
         full_prefix = f"{self.root}/{prefix}"
         try:
-            found = self._call(lambda: self._fs.find(base, detail=True), what=f"list {prefix!r}")
+            found = self._call(lambda: self._fs.find(self.root, detail=True, prefix=prefix),
+                               what=f"list {prefix!r}")
         except FileNotFoundError:
             return []
         out = []
