@@ -447,7 +447,9 @@ def sync(
         metavar="NAME", envvar="DDILOCO_SYNCER_ID", show_envvar=True,
         help="Name shown in heartbeats and the ledger (default: host and pid)")] = None,
     poll: Annotated[float, typer.Option("--poll", metavar="SECONDS", parser=_number("--poll"),
-                                        help="Seconds between polls of the bucket")] = 0.2,
+                                        help="Seconds between polls of the bucket while contributions arrive; "
+                                             "idle, the pause doubles up to a quarter of the learners' step "
+                                             "time (at most the heartbeat interval)")] = 0.2,
     no_gc: Annotated[bool, typer.Option("--no-gc", metavar="", help="Do not collect garbage while serving")] = False,
     max_versions: Annotated[Optional[int], typer.Option(metavar="N", min=1,
                                                         help="Stop after committing this many versions")] = None,

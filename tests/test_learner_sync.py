@@ -5,8 +5,10 @@ learner's own code, the training features of `learn`."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import uuid
+from collections import Counter
 
 import pytest
 import torch
@@ -15,8 +17,12 @@ from ddiloco_cli import DiLoCoSync, codec, layout, ledger, records
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.learner import Learner, LearnerOptions
 from ddiloco_cli.learner.island import move_model
+from ddiloco_cli.learner.receiver import Receiver
+from ddiloco_cli.learner.session import SessionWriter, heartbeat_bytes
+from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.store import open_store
+from ddiloco_cli.store.base import StoreWrapper
 from ddiloco_cli.tasks import load_run_task, load_task
 
 TINY = "ddiloco_cli.tasks.gpt:tiny"
@@ -203,6 +209,101 @@ def test_receiver_is_idle_until_one_step_before_the_overlap_window_ends():
         assert sync._receiver.num_polls == 0
         sync.step(num_tokens=1)  # step 5 = t + tau - 1
         assert set(sync._receiver.wanted) == {0}
+
+
+class _Counting(StoreWrapper):
+    """Counts the GETs, PUTs and LISTs that reach the store, by key (prefix for LISTs)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.calls: Counter = Counter()
+        self.lock = threading.Lock()
+
+    def _count(self, op: str, key: str) -> None:
+        with self.lock:
+            self.calls[(op, key)] += 1
+
+    def get(self, key, *, max_bytes=None):
+        self._count("get", key)
+        return self.inner.get(key, max_bytes=max_bytes)
+
+    def put(self, key, data):
+        self._count("put", key)
+        self.inner.put(key, data)
+
+    def list(self, prefix=""):
+        self._count("list", prefix)
+        return self.inner.list(prefix)
+
+
+def test_heartbeat_rereads_the_id_only_when_a_newer_session_may_have_started():
+    """[L2] one PUT per heartbeat; the GET that looks for a newer session only on the first
+    write, during the first lease (a start race), once the last look is lease/2 old (after
+    a pause such as SIGSTOP at once) and on the final write; the data state at most once
+    per lease/2, and on close."""
+    store = _Counting(open_store(f"memory://hb-{uuid.uuid4().hex}"))
+    key, state_key = layout.learner_heartbeat_key("a"), layout.learner_state_key("a")
+    now = [0.0]
+
+    def record(session: int = 5) -> dict:
+        return records.make("learner_heartbeat", learner_id="a", state="running", step=1, tokens=0, session=session)
+
+    writer = SessionWriter(store, learner_id="a", session=5, make_record=record, run_id="r", lease_s=10.0, every_s=2.0,
+                           clock=lambda: now[0])
+
+    def beat_at(t: float, step: int) -> None:
+        now[0] = t
+        writer.save_state({"start_step": step})
+        writer.write_state()
+        writer.beat()
+
+    for t in (0, 2, 4, 6, 8):  # the first lease: every write looks first
+        beat_at(t, step=t)
+    assert store.calls[("get", key)] == 5 and store.calls[("put", key)] == 5
+    for t in (10, 12, 14, 16, 18, 20):  # then every lease/2: last look at 8, so at 14 and 20
+        beat_at(t, step=t)
+    assert store.calls[("get", key)] == 7 and store.calls[("put", key)] == 11
+    assert store.calls[("put", state_key)] == 4  # at 0, 6, 12 and 18 (lease/2 apart), not at all 11 beats
+
+    store.inner.put(key, heartbeat_bytes(record(session=6)))  # a newer session, while this one was paused
+    beat_at(26, step=26)  # the first write after the pause looks first, sees it and stops
+    assert writer.taken_over_by is not None and writer.taken_over_by.record["session"] == 6
+    assert store.calls[("put", key)] == 11
+    writer.close(final_beat=True)
+    assert records.loads(store.get(key), "learner_heartbeat", where=key)["session"] == 6
+    assert store.calls[("put", key)] == 11, "a session that lost the id never writes its heartbeat again"
+
+
+def test_receiver_polls_each_wanted_fragment_on_its_own_schedule():
+    """A fragment is polled (one GET of its latest hint) when registered, then once per
+    step time: registering another one polls that one alone, not every wanted fragment."""
+    store = _run(num_fragments=2)
+    counting = _Counting(store)
+    with DiLoCoSync(store, load_task(TINY).build_model(), learner_id="r") as sync:
+        readers = sync.readers
+    receiver = Receiver(counting, readers, learner_id="r", min_poll_s=0.0, stats=LearnerStats(),
+                        pace_s=lambda: 3600.0)  # a step time far beyond the test: no poll is due twice
+    hints = [layout.latest_hint_key(p) for p in range(2)]
+
+    def polls(p: int) -> int:
+        return counting.calls[("get", hints[p])]
+
+    receiver.start()
+    try:
+        receiver.want(0, (0, {}))
+        deadline = time.monotonic() + 60
+        while polls(0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        receiver.want(1, (0, {}))
+        while polls(1) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert polls(0) == 1 and polls(1) == 1
+        receiver.want(0, (0, {}))  # registered again (lock-step: not ours yet): polled again at once
+        while polls(0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert polls(0) == 2 and polls(1) == 1
+    finally:
+        receiver.close()
 
 
 def test_a_crashed_session_of_this_host_frees_its_id_at_once_a_live_one_does_not():

@@ -83,13 +83,18 @@ class Receiver(threading.Thread):
     them (the main thread only copies ready values in).
 
     It polls only for fragments the loop registered (``want``: from step t + tau - 1
-    on), each on its own schedule: at once when registered, then every ``pace_s()``
-    (the learner's step time: a version is only taken at a step boundary, so polling
-    faster buys nothing), never faster than ``min_poll_s``. A poll is one GET of the
-    fragment's ``latest`` hint; every ``LIST_EVERY``-th poll of a fragment without a
-    newer version LISTs its manifests instead, in case the hint is stale or lost."""
+    on), each on its own schedule: at once when registered, then the oldest one
+    every ``pace_s()`` (the learner's step time: a version is only taken at a step
+    boundary, so polling faster buys nothing; never faster than ``min_poll_s``) and
+    the others ``BACKLOG_SLOWDOWN`` times less often: versions come in the order of
+    the sends, so while the oldest wanted fragment has no new version the younger
+    ones rarely have one, and a syncer that falls behind does not multiply the
+    polls. When a poll finds a version, the next oldest is polled at once. A poll
+    is one GET of the fragment's ``latest`` hint; every ``LIST_EVERY``-th poll of a
+    fragment LISTs its manifests instead, in case the hint is stale or lost."""
 
     LIST_EVERY = 8
+    BACKLOG_SLOWDOWN = 4
 
     def __init__(self, store: Store, readers: dict[int, FragmentReader], *, learner_id: str, min_poll_s: float,
                  stats: LearnerStats, pace_s: Callable[[], float] = lambda: 0.0):
@@ -130,18 +135,20 @@ class Receiver(threading.Thread):
                 self.polls.pop(p, None)
             return got
 
+    def _waiting(self) -> list[int]:
+        """Wanted fragments without a ready version, oldest registration first (under the lock)."""
+        return [p for p in self.wanted if p not in self.ready]
+
     def _due(self, now: float) -> tuple[list[tuple[int, tuple[int, Tensors]]], float | None]:
         """The wanted fragments due for a poll now (their next poll scheduled), and how long
         until the next one is due (None: nothing wanted)."""
         interval_s = max(self.min_poll_s, self.pace_s())
         due, next_t = [], None
         with self.lock:
-            for p, have in self.wanted.items():
-                if p in self.ready:
-                    continue
+            for i, p in enumerate(self._waiting()):
                 if self.due_t[p] <= now:
-                    due.append((p, have))
-                    self.due_t[p] = now + interval_s
+                    due.append((p, self.wanted[p]))
+                    self.due_t[p] = now + interval_s * (1 if i == 0 else self.BACKLOG_SLOWDOWN)
                 next_t = self.due_t[p] if next_t is None else min(next_t, self.due_t[p])
         return due, None if next_t is None else max(0.0, next_t - now)
 
@@ -151,13 +158,20 @@ class Receiver(threading.Thread):
             due, wait_s = self._due(time.monotonic())
             for p, have in due:
                 try:
-                    self._fetch(p, have)
+                    found = self._fetch(p, have)
                 except Exception as exc:  # noqa: BLE001 - never stop training over a bad download
                     log.warning("fragment %d: download failed: %s", p, exc)
+                    continue
+                if found:  # the next version in line may be there too
+                    with self.lock:
+                        waiting = self._waiting()
+                        if waiting:
+                            self.due_t[waiting[0]] = 0.0
             if not due:  # nothing wanted (wait_s None: until the loop registers a fragment), or not yet due
                 self.wake.wait(wait_s)
 
-    def _fetch(self, p: int, have: tuple[int, Tensors]) -> None:
+    def _fetch(self, p: int, have: tuple[int, Tensors]) -> bool:
+        """Poll p; when a newer version is there, download and decode it. Returns whether it did."""
         # the hint costs a GET; a LIST now and then, in case the hint is stale or lost
         self.num_polls += 1
         with self.lock:
@@ -166,7 +180,7 @@ class Receiver(threading.Thread):
         if latest is None:
             latest = ledger.latest_version(self.store, p)
         if latest is None or latest <= have[0]:
-            return
+            return False
         reader = self.readers[p]
         before = reader.bytes_down
         value = reader.read(latest, have=have)
@@ -181,6 +195,7 @@ class Receiver(threading.Thread):
         with self.lock:
             if p in self.wanted:
                 self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment)
+        return True
 
     @staticmethod
     def _manifests_since(reader: FragmentReader, have: int, latest: int) -> list[dict[str, Any]]:

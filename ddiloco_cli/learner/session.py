@@ -223,7 +223,9 @@ class SessionWriter(threading.Thread):
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat is not fatal
             log.warning("heartbeat failed: %s", exc)
 
-    def _write_state(self, *, force: bool = False) -> None:
+    def write_state(self, *, force: bool = False) -> None:
+        """Write the data state if it changed since the last write and that write is
+        ``check_every_s`` old (``force``: whenever it changed)."""
         with self.lock:
             state = self._state
         if state is None or state == self._state_written or self.taken_over_by is not None:
@@ -268,7 +270,7 @@ class SessionWriter(threading.Thread):
             self._raise_alert()
             now = time.monotonic()
             if now >= next_beat:
-                self._write_state()
+                self.write_state()
                 self.beat()
                 next_beat = now + self.every_s
             self.wakeup.wait(max(0.0, next_beat - time.monotonic()))
@@ -279,7 +281,7 @@ class SessionWriter(threading.Thread):
         self.wakeup.set()
         if self.is_alive():
             self.join(timeout=10)
-        self._write_state(force=True)
+        self.write_state(force=True)
         if final_beat:
             self.beat(check=True)  # the last word: never over a newer session's heartbeat
 

@@ -89,7 +89,7 @@ class DiLoCoSync:
     under torchrun the island counts ``world_size`` times it (every rank trains an
     equal batch). ``config`` (the run's config, if already read) and ``heartbeat_fields``
     (more fields of the learner heartbeat) are optional. ``data_state`` (JSON-able) is saved
-    in ``learners/ID/state.json`` after the sends (at most once per heartbeat_s); the
+    in ``learners/ID/state.json`` after the sends (at most once per lease_s / 2); the
     next session of the same id reads it back as ``resume_state`` to continue its data
     stream."""
 
