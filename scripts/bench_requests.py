@@ -9,8 +9,9 @@ differences of the log between two moments, so start-up is left out:
 
 1. idle syncer: the syncer alone (no learner has started), --idle-s seconds after
    --settle-s; requests per second by kind;
-2. learner: from its first heartbeat at step >= --skip-steps, for --window-s
-   seconds; its requests per step by kind (method and key family: the latest
+2. learner: from a heartbeat at step >= --skip-steps to the first one --window-s
+   seconds later (each taken as it appears, so its step is current); its
+   requests per step by kind (method and key family: the latest
    hint, manifests, payloads, contributions, its heartbeat and data state,
    metrics, ...), and the serving syncer's requests per second.
 
@@ -159,11 +160,19 @@ def run_requests(args, *, workdir: str) -> dict:
             beats = ledger.read_heartbeats(store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
             return max((b.record["step"] for b in beats), default=0)
 
+        def fresh() -> tuple[Counter, int, float]:
+            """The counts as a new heartbeat appears: its step is then current (to within a
+            poll, not a heartbeat interval)."""
+            before = step()
+            wait_until(lambda: step() != before, timeout_s=args.timeout_s, what="a learner heartbeat",
+                       launcher=launcher)
+            return count_requests(log_path), step(), time.monotonic()
+
         wait_until(lambda: step() >= args.skip_steps, timeout_s=args.timeout_s, what="the learner's steps",
                    launcher=launcher)
-        c2, s2, t2 = count_requests(log_path), step(), time.monotonic()
+        c2, s2, t2 = fresh()
         time.sleep(args.window_s)
-        c3, s3, t3 = count_requests(log_path), step(), time.monotonic()
+        c3, s3, t3 = fresh()
         if s3 <= s2:
             raise RuntimeError("the learner made no step in the window; raise --window-s")
         steps, seconds = s3 - s2, t3 - t2

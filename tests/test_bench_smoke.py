@@ -91,3 +91,30 @@ def test_bench_traffic_smoke(tmp_path):
     assert m["versions"] > 0 and m["delta_payloads"] > 0
     for key in ("versions_per_fragment_per_cycle", "delta_bytes_per_param", "contribution_bytes_per_param"):
         assert finite_positive(m[key]), (key, m)
+
+
+@pytest.mark.slow  # a moto server, init, a syncer and a learner: ~40 s on a loaded 2-core machine
+def test_bench_requests_smoke(tmp_path):
+    out = tmp_path / "requests.json"
+    text = _run("bench_requests.py", "-P", "2", "-H", "2", "--pace-ms", "50", "--heartbeat", "0.5", "--lease", "3",
+                "--settle-s", "1", "--idle-s", "3", "--skip-steps", "4", "--window-s", "5", "--json", str(out),
+                timeout_s=240)
+    assert "requests per step" in text
+    rep = json.loads(out.read_text())
+    learner = rep["learner_per_step"]
+    # every step sends a fragment (P = H): one create-only PUT each; the heartbeat is one PUT
+    assert learner["PUT contribution"] == pytest.approx(1.0, abs=0.5), learner
+    assert learner["PUT learner heartbeat"] > 0 and learner["GET latest hint"] > 0, learner
+    assert rep["idle_syncer_per_s"]["LIST contribution"] > 0 and "LIST contribution" in rep["serving_syncer_per_s"]
+    assert rep["learner_total_per_step"] == pytest.approx(sum(learner.values()))
+
+
+def test_bench_requests_names_each_request_by_method_and_key_family():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_requests import request_kind
+
+    assert request_kind("GET", "/b/run/fragments/p00003/latest.json") == "GET latest hint"
+    assert request_kind("GET", "/b?list-type=2&prefix=run%2Fcontributions%2F&delimiter=") == "LIST contribution"
+    assert request_kind("PUT", "/b/run/contributions/p00001/a/00000000000000000007.safetensors") == "PUT contribution"
+    assert request_kind("PUT", "/b/run/learners/a/heartbeat.json") == "PUT learner heartbeat"
+    assert request_kind("HEAD", "/b/run/somewhere/else") == "HEAD other"

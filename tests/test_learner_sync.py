@@ -274,36 +274,43 @@ def test_heartbeat_rereads_the_id_only_when_a_newer_session_may_have_started():
     assert store.calls[("put", key)] == 11, "a session that lost the id never writes its heartbeat again"
 
 
-def test_receiver_polls_each_wanted_fragment_on_its_own_schedule():
-    """A fragment is polled (one GET of its latest hint) when registered, then once per
-    step time: registering another one polls that one alone, not every wanted fragment."""
-    store = _run(num_fragments=2)
+def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_often():
+    """Versions come in the order of the sends: the oldest wanted fragment is polled every
+    step time, younger ones 4x less often; a fragment registered with nothing older
+    waiting is polled at once (one GET of its latest hint), else one interval later."""
+    store = _run(num_fragments=3)
     counting = _Counting(store)
     with DiLoCoSync(store, load_task(TINY).build_model(), learner_id="r") as sync:
         readers = sync.readers
-    receiver = Receiver(counting, readers, learner_id="r", min_poll_s=0.0, stats=LearnerStats(),
-                        pace_s=lambda: 3600.0)  # a step time far beyond the test: no poll is due twice
-    hints = [layout.latest_hint_key(p) for p in range(2)]
-
-    def polls(p: int) -> int:
-        return counting.calls[("get", hints[p])]
-
+    step_s = 1.0
+    receiver = Receiver(counting, readers, learner_id="r", min_poll_s=0.0, stats=LearnerStats(), pace_s=lambda: step_s)
     receiver.start()
     try:
-        receiver.want(0, (0, {}))
+        receiver.want(0, (0, {}))  # nothing older: polled at once, by the thread
         deadline = time.monotonic() + 60
-        while polls(0) < 1 and time.monotonic() < deadline:
+        while counting.calls[("get", layout.latest_hint_key(0))] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        receiver.want(1, (0, {}))
-        while polls(1) < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert polls(0) == 1 and polls(1) == 1
-        receiver.want(0, (0, {}))  # registered again (lock-step: not ours yet): polled again at once
-        while polls(0) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert polls(0) == 2 and polls(1) == 1
+        assert counting.calls[("get", layout.latest_hint_key(0))] == 1
     finally:
         receiver.close()
+    # the schedule itself, on a clock of our own (the thread is stopped)
+    t0 = receiver.polled_t[0]
+    receiver.want(1, (0, {}))
+    receiver.want(2, (0, {}))
+    t1, t2 = receiver.polled_t[1], receiver.polled_t[2]
+    assert t2 >= t1 >= t0  # not at once: 0 is older and still waiting
+
+    def due(at: float) -> list[int]:
+        return [p for p, _ in receiver._due(at)[0]]
+
+    assert due(t0 + 0.5 * step_s) == []
+    assert due(t0 + 1.0 * step_s) == [0]  # the oldest, every step
+    assert due(t0 + 2.0 * step_s) == [0]
+    assert due(t2 + 4.0 * step_s) == [0, 1, 2]  # the younger ones, every 4 steps
+    receiver.ready[0] = None  # 0's version came: 1 is the oldest waiting now, polled every step
+    assert due(t2 + 5.0 * step_s) == [1]
+    assert due(t2 + 6.0 * step_s) == [1]
+    assert due(t2 + 8.0 * step_s) == [1, 2]
 
 
 def test_a_crashed_session_of_this_host_frees_its_id_at_once_a_live_one_does_not():

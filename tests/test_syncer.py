@@ -368,3 +368,24 @@ def test_a_resend_on_a_merged_base_counts_only_new_tokens_under_current_M6():
     for k, t in s.states[0].current.raw.items():
         assert torch.equal(t, r.states[0].current.raw[k])
     assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).used_tokens[0] == 192
+
+
+def test_an_idle_syncer_polls_less_often_and_at_once_again_when_a_contribution_comes(run_store):
+    """The serve loop's pause: poll_s while contributions arrive or wait for a merge; idle, it
+    doubles up to a quarter of the live learners' median step time, never past heartbeat_s
+    (the loop writes the lease's heartbeat too) and never below poll_s."""
+    s = live_syncer(run_store)
+    assert s.poll_contributions() == 0
+    pauses = [s.opts.poll_s]
+    for _ in range(10):
+        pauses.append(s.next_poll_s(pauses[-1], idle=True))
+    assert pauses[:3] == [0.01, 0.02, 0.04] and pauses[-1] == s.config.heartbeat_s == 0.5  # no learner live
+    s.step_time_s = 0.4
+    assert s.next_poll_s(0.5, idle=True) == pytest.approx(0.1)
+    s.step_time_s = 0.001
+    assert s.next_poll_s(0.5, idle=True) == s.opts.poll_s
+    beat(run_store, "a")
+    contribution(run_store, 0, "a", 1)
+    assert s.poll_contributions() == 1  # a key it had not seen: the loop goes back to poll_s
+    assert s.next_poll_s(0.5, idle=False) == s.opts.poll_s
+    assert s.poll_contributions() == 0

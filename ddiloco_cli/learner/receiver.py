@@ -5,6 +5,7 @@ learner's parameters."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -83,14 +84,14 @@ class Receiver(threading.Thread):
     them (the main thread only copies ready values in).
 
     It polls only for fragments the loop registered (``want``: from step t + tau - 1
-    on), each on its own schedule: at once when registered, then the oldest one
-    every ``pace_s()`` (the learner's step time: a version is only taken at a step
-    boundary, so polling faster buys nothing; never faster than ``min_poll_s``) and
-    the others ``BACKLOG_SLOWDOWN`` times less often: versions come in the order of
-    the sends, so while the oldest wanted fragment has no new version the younger
-    ones rarely have one, and a syncer that falls behind does not multiply the
-    polls. When a poll finds a version, the next oldest is polled at once. A poll
-    is one GET of the fragment's ``latest`` hint; every ``LIST_EVERY``-th poll of a
+    on), each on its own schedule: the oldest one every ``pace_s()`` (the learner's
+    step time: a version is only taken at a step boundary, so polling faster buys
+    nothing; never faster than ``min_poll_s``), the others ``BACKLOG_SLOWDOWN`` times
+    less often. Versions come in the order of the sends: while the oldest wanted
+    fragment has no new version the younger ones rarely have one, so a syncer that
+    falls behind does not multiply the polls. A fragment is polled at once when
+    registered with nothing older waiting, else one interval later. A poll is one
+    GET of the fragment's ``latest`` hint; every ``LIST_EVERY``-th poll of a
     fragment LISTs its manifests instead, in case the hint is stale or lost."""
 
     LIST_EVERY = 8
@@ -105,7 +106,7 @@ class Receiver(threading.Thread):
         self.lock = threading.Lock()
         self.wanted: dict[int, tuple[int, Tensors]] = {}  # fragment -> (have version, have value)
         self.subtract: dict[int, Tensors] = {}  # fragment -> what to subtract from its new value (see want)
-        self.due_t: dict[int, float] = {}  # fragment -> when to poll it next (monotonic)
+        self.polled_t: dict[int, float] = {}  # fragment -> when it was last polled (monotonic)
         self.polls: dict[int, int] = {}  # fragment -> polls since it was registered
         self.ready: dict[int, Ready] = {}
         self.stopping = threading.Event()
@@ -122,7 +123,9 @@ class Receiver(threading.Thread):
                 self.subtract[p] = subtract
             else:
                 self.subtract.pop(p, None)
-            self.due_t[p] = 0.0  # poll it at once
+            # at once when nothing older waits (the download then overlaps the window's last step)
+            older = [q for q in self._waiting() if q != p]
+            self.polled_t[p] = time.monotonic() if older else -math.inf
         self.wake.set()
 
     def take(self, p: int) -> Ready | None:
@@ -131,7 +134,7 @@ class Receiver(threading.Thread):
             if got is not None:
                 self.wanted.pop(p, None)
                 self.subtract.pop(p, None)
-                self.due_t.pop(p, None)
+                self.polled_t.pop(p, None)
                 self.polls.pop(p, None)
             return got
 
@@ -146,10 +149,12 @@ class Receiver(threading.Thread):
         due, next_t = [], None
         with self.lock:
             for i, p in enumerate(self._waiting()):
-                if self.due_t[p] <= now:
+                due_t = self.polled_t[p] + interval_s * (1 if i == 0 else self.BACKLOG_SLOWDOWN)
+                if due_t <= now:
                     due.append((p, self.wanted[p]))
-                    self.due_t[p] = now + interval_s * (1 if i == 0 else self.BACKLOG_SLOWDOWN)
-                next_t = self.due_t[p] if next_t is None else min(next_t, self.due_t[p])
+                    self.polled_t[p] = now
+                    due_t = now + interval_s * (1 if i == 0 else self.BACKLOG_SLOWDOWN)
+                next_t = due_t if next_t is None else min(next_t, due_t)
         return due, None if next_t is None else max(0.0, next_t - now)
 
     def run(self) -> None:
@@ -158,20 +163,14 @@ class Receiver(threading.Thread):
             due, wait_s = self._due(time.monotonic())
             for p, have in due:
                 try:
-                    found = self._fetch(p, have)
+                    self._fetch(p, have)
                 except Exception as exc:  # noqa: BLE001 - never stop training over a bad download
                     log.warning("fragment %d: download failed: %s", p, exc)
-                    continue
-                if found:  # the next version in line may be there too
-                    with self.lock:
-                        waiting = self._waiting()
-                        if waiting:
-                            self.due_t[waiting[0]] = 0.0
             if not due:  # nothing wanted (wait_s None: until the loop registers a fragment), or not yet due
                 self.wake.wait(wait_s)
 
-    def _fetch(self, p: int, have: tuple[int, Tensors]) -> bool:
-        """Poll p; when a newer version is there, download and decode it. Returns whether it did."""
+    def _fetch(self, p: int, have: tuple[int, Tensors]) -> None:
+        """Poll p; when a newer version is there, download and decode it."""
         # the hint costs a GET; a LIST now and then, in case the hint is stale or lost
         self.num_polls += 1
         with self.lock:
@@ -180,7 +179,7 @@ class Receiver(threading.Thread):
         if latest is None:
             latest = ledger.latest_version(self.store, p)
         if latest is None or latest <= have[0]:
-            return False
+            return
         reader = self.readers[p]
         before = reader.bytes_down
         value = reader.read(latest, have=have)
@@ -195,7 +194,6 @@ class Receiver(threading.Thread):
         with self.lock:
             if p in self.wanted:
                 self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment)
-        return True
 
     @staticmethod
     def _manifests_since(reader: FragmentReader, have: int, latest: int) -> list[dict[str, Any]]:
