@@ -96,9 +96,9 @@ def test_bench_traffic_smoke(tmp_path):
 @pytest.mark.slow  # a moto server, init, a syncer and a learner: ~40 s on a loaded 2-core machine
 def test_bench_requests_smoke(tmp_path):
     out = tmp_path / "requests.json"
-    text = _run("bench_requests.py", "-P", "2", "-H", "2", "--pace-ms", "50", "--heartbeat", "0.5", "--lease", "3",
-                "--settle-s", "1", "--idle-s", "3", "--skip-steps", "4", "--window-s", "5", "--json", str(out),
-                timeout_s=240)
+    text = _run("bench_requests.py", "-P", "4", "-H", "4", "--overlap-steps", "1", "--pace-ms", "50", "--heartbeat",
+                "0.5", "--lease", "3", "--settle-s", "1", "--idle-s", "3", "--skip-steps", "4", "--window-s", "5",
+                "--json", str(out), timeout_s=240)
     assert "requests per step" in text
     rep = json.loads(out.read_text())
     learner = rep["learner_per_step"]
