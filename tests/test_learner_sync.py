@@ -277,7 +277,8 @@ def test_heartbeat_rereads_the_id_only_when_a_newer_session_may_have_started():
 def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_often():
     """Versions come in the order of the sends: the oldest wanted fragment is polled every
     step time, younger ones 4x less often; a fragment registered with nothing older
-    waiting is polled at once (one GET of its latest hint), else one interval later."""
+    waiting is polled at once (one GET of its latest hint), else one interval later; one
+    the loop blocks on (lock-step) goes first."""
     store = _run(num_fragments=3)
     counting = _Counting(store)
     with DiLoCoSync(store, load_task(TINY).build_model(), learner_id="r") as sync:
@@ -311,6 +312,9 @@ def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_
     assert due(t2 + 5.0 * step_s) == [1]
     assert due(t2 + 6.0 * step_s) == [1]
     assert due(t2 + 8.0 * step_s) == [1, 2]
+    receiver.want(2, (1, {}), blocking=True)  # lock-step: the loop waits for 2, so it goes first, at once
+    assert due(t2 + 8.5 * step_s) == [2]
+    assert due(t2 + 9.5 * step_s) == [2]  # 1 is younger now: every 4 steps
 
 
 def test_a_crashed_session_of_this_host_frees_its_id_at_once_a_live_one_does_not():

@@ -113,19 +113,23 @@ class Receiver(threading.Thread):
         self.wake = threading.Event()
         self.num_polls = 0
 
-    def want(self, p: int, have: tuple[int, Tensors], *, subtract: Tensors | None = None) -> None:
+    def want(self, p: int, have: tuple[int, Tensors], *, subtract: Tensors | None = None,
+             blocking: bool = False) -> None:
         """Poll for a version of p newer than ``have`` = (version, value). With ``subtract``
         (the fragment at the send), the Ready also carries ``increment`` = new value -
-        subtract, one ``_foreach`` op here rather than on the training thread."""
+        subtract, one ``_foreach`` op here rather than on the training thread. ``blocking``:
+        the loop waits for p (lock-step), so p goes first in line."""
         with self.lock:
+            if blocking:
+                self.wanted = {p: have, **{q: h for q, h in self.wanted.items() if q != p}}
             self.wanted[p] = have
             if subtract is not None:
                 self.subtract[p] = subtract
             else:
                 self.subtract.pop(p, None)
-            # at once when nothing older waits (the download then overlaps the window's last step)
-            older = [q for q in self._waiting() if q != p]
-            self.polled_t[p] = time.monotonic() if older else -math.inf
+            # at once when first in line (the download then overlaps the window's last step)
+            waiting = self._waiting()
+            self.polled_t[p] = -math.inf if not waiting or waiting[0] == p else time.monotonic()
         self.wake.set()
 
     def take(self, p: int) -> Ready | None:

@@ -394,7 +394,7 @@ class DiLoCoSync:
                     log.warning("fragment %d: contribution seq %d was refused by the syncer (%s); re-basing on "
                                 "version %d", p, entry["seq"], entry.get("reason", "no reason given"), got.version)
             if got is not None and self.lockstep and got.manifest["high_water"].get(self.learner_id, -1) < flight.seq:
-                receiver.want(p, (got.version, got.value))  # not ours yet: keep waiting for a later version
+                receiver.want(p, (got.version, got.value), blocking=True)  # not ours yet: wait for a later one
                 got = None
             if got is not None or not self.lockstep or self.stop_reason is not None:
                 break
