@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's default")
     ap.add_argument("--outer-lr-scaling", default="participation", help="decoupled arms: participation (the run default), cycle or none")
     ap.add_argument("--outer-gradient", default="current", help="decoupled arms: current (the run default) or delta")
+    ap.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                    help="decoupled arms: learners without error feedback on their contributions")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
@@ -94,7 +96,8 @@ def init_flags(args, *, arm: str) -> dict:
                  batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
                  max_staleness=16, quorum=1, mode="decoupled", merge="rda")
-    flags.update(outer_lr_scaling=args.outer_lr_scaling, outer_gradient=args.outer_gradient)
+    flags.update(outer_lr_scaling=args.outer_lr_scaling, outer_gradient=args.outer_gradient,
+                 error_feedback=args.error_feedback)
     if arm == "lockstep":  # Streaming DiLoCo (init fixes the merge, receive, lr scaling and publish codec)
         flags.update(mode="lockstep", quorum=M)
     elif arm == "mixed":

@@ -246,14 +246,17 @@ class Cluster:
 
     def init(self, **flags: Any) -> dict[str, Any]:
         """`ddiloco init BUCKET --flag value ...` (underscores become dashes; True is a bare
-        flag). Returns run.json. Raises RuntimeError with the output if init fails."""
+        flag, False its --no- form, None leaves it out). Returns run.json. Raises RuntimeError
+        with the output if init fails."""
         args = ["init", self.url]
         for k, v in flags.items():
-            flag = "--" + k.replace("_", "-")
+            name = k.replace("_", "-")
             if v is True:
-                args.append(flag)
-            elif v is not None and v is not False:
-                args += [flag, str(v)]
+                args.append("--" + name)
+            elif v is False:
+                args.append("--no-" + name)
+            elif v is not None:
+                args += ["--" + name, str(v)]
         out = self.launcher.run(*args, timeout_s=300)
         if out.returncode != 0:
             raise RuntimeError(f"ddiloco init failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
