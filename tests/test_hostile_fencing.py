@@ -163,6 +163,9 @@ def test_commit_in_the_window_keeps_one_linear_history_F5_W3(store_url):
     b._refresh_learners()
     assert step(b, 0)  # version 2 from b's contribution, on top of A's version 1
     contribution(store, 1, "a", 3)
+    beat(store, "a")  # a is the only live learner and has reported: A merges at once, no grace window
+    beat(store, "b", state="left")  # (which a fast merge, a short sync_time, would otherwise open)
+    a._refresh_learners()
     a.poll_contributions()
     with pytest.raises(FencedError, match=r"epoch 2 \(B\) took over"):
         a.maybe_merge(a.states[1])
