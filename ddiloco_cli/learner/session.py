@@ -138,6 +138,16 @@ def read_state(store: Store, learner_id: str) -> dict[str, Any] | None:
         return None
 
 
+def suspend_aware_clock() -> float:
+    """Seconds on a clock that also runs while the machine is suspended (Linux's
+    CLOCK_BOOTTIME; elsewhere the monotonic clock): a session woken from a suspended
+    VM must see the gap, or it would write over a newer session's heartbeat unchecked."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
 class SessionWriter(threading.Thread):
     """Writes the heartbeat every ``every_s`` and the data state when it changed (at
     most every ``lease_s / 2``), and logs the stall alert the loop asked for at once.
@@ -148,7 +158,7 @@ class SessionWriter(threading.Thread):
 
     def __init__(self, store: Store, *, learner_id: str, session: int, make_record: Callable[[], dict],
                  run_id: str, lease_s: float, every_s: float, signer: signing.Signer | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] | None = None):
         super().__init__(name="ddiloco-heartbeat", daemon=True)
         self.store, self.learner_id, self.session = store, learner_id, session
         self.signer = signer
@@ -158,8 +168,8 @@ class SessionWriter(threading.Thread):
         self.wakeup = threading.Event()
         self.lock = threading.Lock()
         self.taken_over_by: HeldBy | None = None
-        self.clock = clock
-        self.started_t = clock()
+        self.clock = clock or suspend_aware_clock
+        self.started_t = self.clock()
         self._checked_t: float | None = None  # when the heartbeat was last re-read
         self._state_t: float | None = None  # when the data state was last written
         self._state: dict[str, Any] | None = None
