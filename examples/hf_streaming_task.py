@@ -15,7 +15,7 @@
   one, is not part of the dataset's state: its content is lost on resume.)
 
 The model and loss are the built-in HF task's (a transformers causal LM over UTF-8
-bytes). Needs ``pip install datasets 'ddiloco[hf]'``; tests/test_hf_streaming.py runs
+bytes). Needs ``pip install datasets 'ddiloco[hf]'``; tests/unit/test_hf_streaming.py runs
 it on a local text file (skipped where ``datasets`` is not installed).
 """
 

@@ -2,7 +2,7 @@
 
 Every request costs money and a round trip on S3/GCS. This runs real processes
 (`ddiloco init`, one `ddiloco sync`, one `ddiloco learn` on benchlib's paced tiny
-GPT) against the tests' moto S3 server (tests/moto_proc.py), which logs every
+GPT) against the tests' moto S3 server (tests/support/moto_proc.py), which logs every
 request with the process that made it (DDILOCO_TEST_MOTO_LOG; each process names
 itself by AWS_SDK_UA_APP_ID, the README's "S3 request log"). Counts are taken as
 differences of the log between two moments, so start-up is left out:
@@ -39,7 +39,7 @@ import benchlib  # noqa: E402
 from ddiloco_cli import layout, ledger  # noqa: E402
 from ddiloco_cli.store import open_store  # noqa: E402
 
-MOTO_PROC = SCRIPTS.parent / "tests" / "moto_proc.py"
+MOTO_PROC = SCRIPTS.parent / "tests" / "support" / "moto_proc.py"
 BUCKET = "ddiloco-bench-requests"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 APP_ENV = "AWS_SDK_UA_APP_ID"
@@ -111,7 +111,7 @@ def wait_until(cond, *, timeout_s: float, what: str, launcher: benchlib.Launcher
 
 
 def start_logging_moto(launcher: benchlib.Launcher, *, log_path: str, timeout_s: float = 60) -> str:
-    """tests/moto_proc.py (one request at a time, every request logged to ``log_path``) as
+    """tests/support/moto_proc.py (one request at a time, every request logged to ``log_path``) as
     process "moto"; returns its endpoint URL once bucket BUCKET exists."""
     import boto3
 

@@ -2,7 +2,7 @@
 
 ``Launcher`` is the one way they start processes: ``python -m ddiloco_cli ...``
 (or any command) with its output in a log file, SIGKILLed at ``close()``;
-tests/procs.py is this class. ``start_moto`` runs a moto S3 server on a free port.
+tests/support/procs.py is this class. ``start_moto`` runs a moto S3 server on a free port.
 ``StackTask`` (``--task /abs/path/scripts/benchlib.py:stack``) is the tiny task of
 the benchmarks that need a model of a chosen size but no real data.
 
@@ -10,7 +10,7 @@ A ``Cluster`` runs real ``python -m ddiloco_cli`` processes (init, one syncer, M
 learners) against a local-directory bucket, with logs in a work directory; it
 can SIGKILL and restart learners, waits on learner heartbeats, and reads back
 heartbeats, fragment versions and the manifest ledger. Around it sit the pieces
-with logic of their own, kept pure so tests/test_benchlib.py can check them:
+with logic of their own, kept pure so tests/unit/test_benchlib.py can check them:
 the seeded failure trace, goodput arithmetic, the longest stall in a series of
 version samples, and the plain data-parallel AdamW baseline.
 

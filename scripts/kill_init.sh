@@ -1,7 +1,7 @@
 #!/bin/bash
 # kill -9 `ddiloco init` at N seeded random points after plan.json, rerun the same init, verify the run.
 # Run from the repository root: scripts/kill_init.sh [N]. Prints how many runs ended in each state.
-N=${1:-12}; RANDOM=7; D=$(mktemp -d); ARGS="--task $PWD/tests/wide_task.py:WideTask --fragments 8 --sync-every 8 --codec none"
+N=${1:-12}; RANDOM=7; D=$(mktemp -d); ARGS="--task $PWD/tests/support/wide_task.py:WideTask --fragments 8 --sync-every 8 --codec none"
 trap "rm -rf $D" EXIT
 declare -A out
 for i in $(seq 1 $N); do

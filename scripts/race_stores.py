@@ -6,7 +6,7 @@
 
 Each round, 8 persistent processes wait on a barrier, then all try
 ``put_if_absent`` on the same key and read it back (see
-tests/test_store_races.py for the exact checks). ``s3`` runs against moto served
+tests/integration/test_store_races.py for the exact checks). ``s3`` runs against moto served
 one request at a time (as the tests do); ``s3-threaded`` against moto's own
 multi-threaded server, whose create-only check is not atomic. S3 and GCS run
 against local emulators started here (moto, fake-gcs-server): no cloud account.
@@ -34,8 +34,8 @@ def main() -> None:
     parser.add_argument("--json", dest="json_path", help="also write the figures here")
     args = parser.parse_args()
 
-    sys.path.insert(0, TESTS_DIR)
-    import conftest  # the same emulator launchers the tests use
+    sys.path[:0] = [TESTS_DIR, os.path.join(TESTS_DIR, "integration")]
+    from support import servers  # the same emulator launchers the tests use
     from test_store_races import run_race
 
     rows = []
@@ -47,13 +47,13 @@ def main() -> None:
             elif backend.startswith("s3"):
                 import boto3
 
-                server = conftest._SerialMotoServer(threaded=backend == "s3-threaded")
+                server = servers.SerialMotoServer(threaded=backend == "s3-threaded")
                 server.start()
-                os.environ.update(conftest._s3_env(server.endpoint_url))
+                os.environ.update(servers.s3_env(server.endpoint_url))
                 boto3.client("s3").create_bucket(Bucket="race")
                 url = f"s3://race/{uuid.uuid4().hex[:8]}"
             else:
-                server = conftest._FakeGCSServer(os.path.join(tmp, "fake-gcs.log"))
+                server = servers.FakeGCSServer(os.path.join(tmp, "fake-gcs.log"))
                 server.start()
                 server.create_bucket("race")
                 os.environ["STORAGE_EMULATOR_HOST"] = server.url

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The test command (README): set up .venv on a fresh machine if needed, then run pytest.
-#   scripts/test.sh                 # the whole suite, slow end-to-end runs included (~minutes on 2 cores)
+#   scripts/test.sh                 # the whole suite: tests/unit and tests/integration, slow runs included (CI)
+#   scripts/test.sh unit            # tests/unit only: in-process, no servers, no processes (the quick check)
+#   scripts/test.sh integration     # tests/integration only: S3/GCS servers, real processes, end-to-end runs
 #   scripts/test.sh -m "not slow"   # without the multi-process end-to-end runs
-#   scripts/test.sh -k store -x     # extra arguments go to pytest
+#   scripts/test.sh unit -k store -x  # extra arguments go to pytest
 #   scripts/test.sh --under-load    # the same with two busy `yes > /dev/null` processes beside it, which
 #                                   # it stops at exit: no test may depend on the machine's speed
 # DDILOCO_VENV=PATH uses an existing environment as it is (no set-up), e.g. one shared by worktrees.
@@ -12,6 +14,12 @@ cd "$(dirname "$0")/.."
 under_load=0
 if [ "${1:-}" = "--under-load" ]; then
   under_load=1
+  shift
+fi
+
+part=()  # empty: pyproject's testpaths (both parts)
+if [ "${1:-}" = "unit" ] || [ "${1:-}" = "integration" ]; then
+  part=("tests/$1")
   shift
 fi
 
@@ -25,7 +33,7 @@ else
 fi
 
 if [ "$under_load" = 0 ]; then
-  exec python -m pytest -q -p no:cacheprovider "$@"
+  exec python -m pytest -q -p no:cacheprovider ${part[@]+"${part[@]}"} "$@"
 fi
 
 hogs=()
@@ -44,6 +52,6 @@ done
 echo "under load: yes > /dev/null as pids ${hogs[*]}; $(uptime)"
 start_s=$(date +%s)
 rc=0
-python -m pytest -q -p no:cacheprovider "$@" || rc=$?
+python -m pytest -q -p no:cacheprovider ${part[@]+"${part[@]}"} "$@" || rc=$?
 echo "under load: pytest exit $rc after $(( $(date +%s) - start_s )) s; $(uptime)"
 exit "$rc"

@@ -3,7 +3,7 @@
 Every key is a ``str`` relative to the run root the store was opened on, with
 ``/`` separators (never a ``Path``: ``Path`` mangles ``s3://``).
 
-Contract (every backend MUST honour it; ``tests/test_store_conformance.py``
+Contract (every backend MUST honour it; ``tests/integration/test_store_conformance.py``
 checks each one):
 
 * ``put_if_absent(key, data)`` is the only correctness primitive: an atomic

@@ -1,0 +1,131 @@
+"""Smoke tests of the benchmarks: each script runs end to end with tiny settings and
+writes the JSON keys its report promises. Nothing here asserts a timing.
+
+Run: .venv/bin/python -m pytest tests/integration/test_bench_smoke.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support import REPO
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(script: str, *args: str, timeout_s: float = 120) -> str:
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args], env=ENV, cwd=str(REPO),
+                         capture_output=True, text=True, timeout=timeout_s)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_bench_syncer_smoke(tmp_path):
+    out = tmp_path / "syncer.json"
+    text = _run("bench_syncer.py", "--width", "64", "--layers", "4", "--rounds", "1", "--warmup", "0",
+                "--codecs", "int4,none", "--ms", "1,2", "--json", str(out))
+    assert "param-contrib" in text.lower() or "p-c/" in text
+    rep = json.loads(out.read_text())
+    assert rep["fragment_numel"] == 64 * 64 * 2  # 4 layers over 2 fragments
+    assert [(r["codec"], r["m"]) for r in rep["results"]] == [("int4", 1), ("int4", 2), ("none", 1), ("none", 2)]
+    for r in rep["results"]:
+        assert r["param_contribs_per_cpu_s"] > 0 and r["param_contribs_per_s"] > 0
+        assert r["m_max_1b_h24_1s"] > 0
+        assert {"intake", "update", "commit", "io", "other"} <= set(r["split_s_per_merge"])
+        assert r["split_s_per_merge"]["update"] > 0
+
+
+def test_bench_overhead_smoke(tmp_path):
+    out = tmp_path / "overhead.json"
+    # the syncer-memory part (4 more processes) is left out to keep this test short
+    _run("bench_overhead.py", "--steps", "5", "--skip", "1", "--reps", "1", "--skip-syncer-memory",
+         "--json", str(out), timeout_s=180)
+    rep = json.loads(out.read_text())
+    arms = [r["arm"] for r in rep["records"]]
+    assert arms == ["plain", "ddiloco"]
+    dd = rep["records"][1]
+    assert dd["send_calls"] == 5  # P = H = 24: one fragment goes up per step
+    # then, on close, every fragment with steps not sent yet (all but the last one sent)
+    assert dd["num_flushed"] == 23 and dd["num_contributions"] == 5 + 23
+    assert dd["steps_measured"] == 4
+    for key in ("overhead_median", "cpu_overhead_median", "plain_vm_hwm_kb", "ddiloco_vm_hwm_kb", "syncer_vm_hwm_kb"):
+        assert key in rep
+    assert set(rep["machinery_ms_per_step"]) >= {"main send CPU", "ddiloco-uploader CPU", "ddiloco-receiver CPU"}
+    assert "syncer_memory" not in rep
+
+
+def test_bench_store_smoke(tmp_path):
+    out = tmp_path / "store.json"
+    text = _run("bench_store.py", "--puts", "2", "--sizes", "1024", "--latency-ms", "5", "--json", str(out))
+    assert "no-expect" in text
+    rep = json.loads(out.read_text())
+    assert [(r["latency_ms_one_way"], r["size_bytes"]) for r in rep["expect_100_continue"]] == [(0.0, 1024), (5.0, 1024)]
+    for r in rep["expect_100_continue"]:
+        assert set(r["median_ms"]) == {"expect", "no-expect"} and all(v > 0 for v in r["median_ms"].values())
+
+
+@pytest.mark.slow  # init, a syncer and two learners: ~50 s on a loaded 2-core machine
+def test_bench_traffic_smoke(tmp_path):
+    out = tmp_path / "traffic.json"
+    text = _run("bench_traffic.py", "--learners", "2", "--steps", "24", "--skip-steps", "8", "-P", "4", "-H", "8",
+                "--json", str(out), timeout_s=240)
+    assert "vs DP" in text
+    rep = json.loads(out.read_text())
+    assert set(rep["learners"]) == {"l0", "l1"}
+    assert rep["learners"]["l1"]["paced"] == 1.5
+    assert rep["num_params"] > 0 and rep["dp_bytes_per_step"] == 2 * 2 * (1 / 2) * 4 * rep["num_params"]
+    finite_positive = lambda x: isinstance(x, (int, float)) and 0 < x < math.inf  # noqa: E731
+    for r in rep["learners"].values():
+        assert r["steps"] > 0
+        for key in ("bytes_up_per_step", "bytes_down_per_step", "ratio_vs_dp", "total_ratio_vs_dp",
+                    "versions_per_fragment_per_cycle", "contribution_bytes"):
+            assert finite_positive(r[key]), (key, r)
+    assert finite_positive(rep["ratio_vs_dp"])
+    m = rep["manifests"]
+    assert m["versions"] > 0 and m["delta_payloads"] > 0
+    for key in ("versions_per_fragment_per_cycle", "delta_bytes_per_param", "contribution_bytes_per_param"):
+        assert finite_positive(m[key]), (key, m)
+
+
+@pytest.mark.slow  # a moto server, init, a syncer and a learner: ~40 s on a loaded 2-core machine
+def test_bench_requests_smoke(tmp_path):
+    out = tmp_path / "requests.json"
+    text = _run("bench_requests.py", "-P", "4", "-H", "4", "--overlap-steps", "1", "--pace-ms", "50", "--heartbeat",
+                "0.5", "--lease", "3", "--settle-s", "1", "--idle-s", "3", "--skip-steps", "4", "--window-s", "5",
+                "--json", str(out), timeout_s=240)
+    assert "requests per step" in text
+    rep = json.loads(out.read_text())
+    learner = rep["learner_per_step"]
+    # every step sends a fragment (P = H): one create-only PUT each; the heartbeat is one PUT
+    assert learner["PUT contribution"] == pytest.approx(1.0, abs=0.5), learner
+    assert learner["PUT learner heartbeat"] > 0 and learner["GET latest hint"] > 0, learner
+    assert rep["idle_syncer_per_s"]["LIST contribution"] > 0 and "LIST contribution" in rep["serving_syncer_per_s"]
+    assert rep["learner_total_per_step"] == pytest.approx(sum(learner.values()))
+
+
+def test_bench_requests_names_each_request_by_method_and_key_family():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_requests import request_kind
+
+    assert request_kind("GET", "/b/run/fragments/p00003/latest.json") == "GET latest hint"
+    assert request_kind("GET", "/b?list-type=2&prefix=run%2Fcontributions%2F&delimiter=") == "LIST contribution"
+    assert request_kind("PUT", "/b/run/contributions/p00001/a/00000000000000000007.safetensors") == "PUT contribution"
+    assert request_kind("PUT", "/b/run/learners/a/heartbeat.json") == "PUT learner heartbeat"
+    assert request_kind("HEAD", "/b/run/somewhere/else") == "HEAD other"
+
+
+def test_bench_metrics_smoke(tmp_path):
+    out = tmp_path / "metrics.json"
+    script = str(REPO / "scripts" / "bench_metrics.py")
+    res = subprocess.run([sys.executable, script, "--records", "50", "--backends", "memory", "--json", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = json.loads(out.read_text())["results"]["memory"]
+    assert rep["bytes_per_record"] > 0 and rep["max_records_kept"] == 32000
+    assert "loop_us_per_record_median" in res.stdout

@@ -1,0 +1,211 @@
+"""A run that requires signatures, end to end ([A2], [A3], [A5]; PROTOCOL.md, "Signatures").
+
+In process: an admitted learner's contribution is merged; unsigned, forged,
+replayed and unadmitted ones are quarantined with their reason; fake heartbeats
+move neither liveness nor the outer lr; an unsigned epoch fences nobody; manifests
+are signed and readers refuse altered ones. With real processes (slow): learners
+with admitted keys train and are merged, a learner whose key is not admitted
+refuses to start, and a revoked learner's later contributions are quarantined.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddiloco_cli import codec, layout, ledger, records, signing
+from ddiloco_cli.errors import FencedError, UsageError
+from ddiloco_cli.observe import inspect_run
+from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.signing import SignatureError
+from ddiloco_cli.store import open_store
+from ddiloco_cli.syncer import Syncer, SyncerOptions
+from support.procs import Procs, all_manifests, terminate, wait_for
+
+TASK = "ddiloco_cli.tasks.gpt:tiny"
+
+
+@pytest.fixture
+def keys(tmp_path):
+    return {name: signing.new_key(tmp_path / f"{name}.pem") for name in ("admin", "a", "b", "syncer")}
+
+
+def _contribution(store, run, learner_id: str, seq: int, *, signer: signing.Signer | None) -> tuple[str, bytes]:
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    g = torch.Generator().manual_seed(seq)
+    tensors = {k: 0.01 * torch.randn(s, generator=g) for k, s in expected_shapes(plan, 0).items()}
+    header = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id=learner_id, seq=seq,
+                          base_version=0, c_tokens=64, c_steps=2, nonce=records.new_nonce())
+    data = codec.encode_tensors(tensors, codec="none", metadata=header)
+    key = layout.contribution_key(0, learner_id, seq)
+    if signer is not None:
+        data = signing.sign_payload(data, kind="contribution", run_id=run["run_id"], key=key, signer=signer)
+    return key, data
+
+
+def _beat(store, run, learner_id: str, *, signer: signing.Signer | None) -> None:
+    rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id=learner_id, state="running", step=1,
+                       tokens=1, step_time_s=0.01)
+    key = layout.learner_heartbeat_key(learner_id)
+    if signer is not None:
+        rec = signing.sign_record(rec, run_id=run["run_id"], key=key, signer=signer)
+    store.put(key, records.dumps(rec))
+
+
+def test_signed_run_merges_admitted_and_quarantines_the_rest_A2_A3_A5(keys, tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    run = init_run(store, RunSpec(task=TASK, num_fragments=2, sync_every=4, codec="none", publish_codec="none",
+                                  lease_s=60.0, heartbeat_s=1.0, outer_lr=0.7, outer_lr_scaling="participation",
+                                  ), admin=keys["admin"])
+    for member, role in (("a", "learner"), ("s", "syncer")):
+        signing.admit(store, run=run, member_id=member, public_key=keys["syncer" if role == "syncer" else member].public_key,
+                      role=role, admin=keys["admin"])
+    _beat(store, run, "a", signer=keys["a"])
+    _beat(store, run, "b", signer=keys["b"])  # b signs, but b was never admitted
+    for i in range(50):  # the fake learners that used to cut the outer lr 50-fold
+        _beat(store, run, f"fake-{i}", signer=None)
+
+    good_key, good = _contribution(store, run, "a", 10, signer=keys["a"])
+    store.put_if_absent(good_key, good)
+    forged_key, forged = _contribution(store, run, "a", 11, signer=keys["a"])
+    store.put_if_absent(forged_key, forged[:-4] + bytes(b ^ 0x40 for b in forged[-4:]))  # altered after signing
+    replayed_key = layout.contribution_key(0, "a", 12)
+    store.put_if_absent(replayed_key, good)  # a's signed bytes under another seq
+    unsigned_key, unsigned = _contribution(store, run, "c", 10, signer=None)
+    store.put_if_absent(unsigned_key, unsigned)
+    _beat(store, run, "c", signer=None)
+    stranger_key, stranger = _contribution(store, run, "b", 10, signer=keys["b"])
+    store.put_if_absent(stranger_key, stranger)
+    impostor_key, impostor = _contribution(store, run, "a", 13, signer=keys["b"])  # b's key, a's name
+    store.put_if_absent(impostor_key, impostor)
+
+    with pytest.raises(UsageError, match="is not admitted as a syncer key"):
+        Syncer(store, options=SyncerOptions(syncer_id="s", key_path=str(tmp_path / "a.pem"), gc=False))
+    syncer = Syncer(store, options=SyncerOptions(syncer_id="s", key_path=str(tmp_path / "syncer.pem"), gc=False,
+                                                 poll_s=0.01))
+    assert syncer.acquire()
+    syncer.check_fence()
+    syncer.restore()
+    syncer._refresh_learners()
+    assert syncer.live_learners == {"a"}  # [A3]: unsigned and unadmitted heartbeats are not learners
+    syncer.poll_contributions()
+    assert syncer.maybe_merge(syncer.states[0])
+
+    manifest = ledger.read_manifest(store, 0, 1, trust=signing.Trust(store, run=run))
+    assert [(c["learner_id"], c["seq"], c["used"]) for c in manifest["contributions"]] == [("a", 10, True)]
+    assert manifest["outer_lr"] == pytest.approx(0.7)  # one of one live learner: no 51-fold cut
+    signing.verify_record(manifest, run_id=run["run_id"], key=layout.manifest_key(0, 1),
+                          allowed={keys["syncer"].public_key})
+    epoch_key = layout.epoch_key(syncer.epoch.epoch)
+    signing.verify_record(json.loads(store.get(epoch_key)), run_id=run["run_id"], key=epoch_key,
+                          allowed={keys["syncer"].public_key})
+
+    reasons = {q["key"]: q["reason"] for q in inspect_run(store)["quarantined"]}
+    assert "forged" in reasons[forged_key] and "forged" in reasons[replayed_key]
+    assert "unsigned" in reasons[unsigned_key]
+    assert "not admitted to this run" in reasons[stranger_key]
+    assert "not the key admitted" in reasons[impostor_key]
+    assert good_key not in reasons
+
+    # [A5] an unsigned epoch fences nobody; one signed by an admitted syncer key does
+    fake = records.make("epoch", run_id=run["run_id"], epoch=90, syncer_id="x", fragments=[0, 1], nonce="n")
+    store.put_if_absent(layout.epoch_key(90), records.dumps(fake))
+    syncer.check_fence()
+    real = signing.sign_record({**fake, "epoch": 91}, run_id=run["run_id"], key=layout.epoch_key(91),
+                               signer=keys["syncer"])
+    store.put_if_absent(layout.epoch_key(91), records.dumps(real))
+    with pytest.raises(FencedError):
+        syncer.check_fence()
+
+    # [A5] readers refuse an altered manifest; version 0 is signed by the admin key
+    ledger.read_manifest(store, 1, 0, trust=signing.Trust(store, run=run))
+    store.put(layout.manifest_key(0, 1), records.dumps({**manifest, "outer_steps": 7}))
+    with pytest.raises(SignatureError, match="forged"):
+        ledger.read_manifest(store, 0, 1, trust=signing.Trust(store, run=run))
+
+
+def test_learner_signs_what_it_writes_and_refuses_an_unadmitted_key_A1_A2_A3(keys, tmp_path):
+    from ddiloco_cli.learner.session import heartbeat_bytes
+    from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions
+    from ddiloco_cli.learner.uploader import contribution_bytes
+    from ddiloco_cli.tasks import load_task
+
+    store = open_store(str(tmp_path / "run"))
+    run = init_run(store, RunSpec(task=TASK, num_fragments=2, sync_every=4), admin=keys["admin"])
+    signing.admit(store, run=run, member_id="a", public_key=keys["a"].public_key, role="learner", admin=keys["admin"])
+    key, _ = _contribution(store, run, "a", 5, signer=None)
+    header = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id="a", seq=5, base_version=0,
+                          c_tokens=1, c_steps=1, nonce="n")
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    delta = {k: torch.zeros(s) for k, s in expected_shapes(plan, 0).items()}
+    data = contribution_bytes(delta, header, codec_name="int4", block_size=64, key=key, signer=keys["a"])
+    trust = signing.Trust(store, run=run)
+    trust.check_payload(data, kind="contribution", key=key, member_id="a")
+    beat = records.make("learner_heartbeat", run_id=run["run_id"], learner_id="a", state="running", step=1, tokens=1)
+    trust.check_record(json.loads(heartbeat_bytes(beat, signer=keys["a"])), key=layout.learner_heartbeat_key("a"),
+                       role="learner", member_id="a")
+
+    model = load_task(TASK).build_model()
+    for key_path, match in ((None, "requires signatures: pass --key"), (tmp_path / "b.pem", "has key .* admitted")):
+        sync = DiLoCoSync(store, model, learner_id="a", options=SyncOptions(key_path=key_path, handle_sigterm=False))
+        with pytest.raises(UsageError, match=match):
+            sync.start()
+
+
+def _admit(procs: Procs, url: str, member: str, pub: str, *extra: str) -> None:
+    r = procs.run("admit", url, member, pub, "--admin-key", f"{procs.log_dir}/admin.pem", *extra)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_signed_run_with_real_processes_A1_A2(tmp_path):
+    url = str(tmp_path / "bucket")
+    procs = Procs(tmp_path)
+    pubs = {}
+    for name in ("a", "b", "rogue", "syncer"):
+        r = procs.run("keys", "new", str(tmp_path / f"{name}.pem"))
+        assert r.returncode == 0, r.stderr
+        pubs[name] = r.stdout.strip()
+    try:
+        r = procs.run("init", url, "--task", TASK, "-P", "2", "-H", "4", "--overlap-steps", "1", "--total-steps", "0",
+                      "--batch-size", "4", "--lease", "4", "--heartbeat", "1", "--require-signatures",
+                      "--admin-key", str(tmp_path / "admin.pem"))
+        assert r.returncode == 0, r.stderr
+        _admit(procs, url, "a", pubs["a"])
+        _admit(procs, url, "b", pubs["b"])
+        _admit(procs, url, "syncer-1", pubs["syncer"], "--role", "syncer")
+
+        r = procs.run("learn", url, "--learner-id", "rogue", "--key", str(tmp_path / "rogue.pem"), "--steps", "4")
+        assert r.returncode == 2 and "has no key admitted" in r.stderr, r.stderr  # [A1]: refused at start
+        r = procs.run("sync", url, "--max-runtime", "1")
+        assert r.returncode == 2 and "requires signatures: pass --key" in r.stderr, r.stderr
+
+        procs.start("syncer", "sync", url, "--poll", "0.2", "--no-gc", "--key", str(tmp_path / "syncer.pem"))
+        procs.start("a", "learn", url, "--learner-id", "a", "--key", str(tmp_path / "a.pem"), "--threads", "1")
+        procs.start("b", "learn", url, "--learner-id", "b", "--key", str(tmp_path / "b.pem"), "--threads", "1")
+
+        def used() -> set[str]:
+            return {c["learner_id"] for ms in all_manifests(url).values() for m in ms for c in m["contributions"]
+                    if c["used"]}
+
+        wait_for(lambda: used() >= {"a", "b"}, timeout_s=180, what="merges of a and b", procs=procs)
+        # revoke b by re-admitting its id with another key: b's later contributions are refused
+        _admit(procs, url, "b", pubs["rogue"])
+        store = open_store(url)
+        wait_for(lambda: any(q["key"].startswith("contributions/") and "/b/" in q["key"]
+                             and "not the key admitted" in q["reason"] for q in inspect_run(store)["quarantined"]),
+                 timeout_s=120, what="b's contributions quarantined after its key was revoked", procs=procs)
+        before = {p: len(ms) for p, ms in all_manifests(url).items()}
+        wait_for(lambda: all(len(ms) > before[p] + 1 for p, ms in all_manifests(url).items()), timeout_s=120,
+                 what="a's merges continuing", procs=procs)
+        r = procs.run("inspect", url, "--json")
+        assert r.returncode == 0 and "not the key admitted" in r.stdout
+    finally:
+        for p in procs.procs:
+            if p.poll() is None:
+                terminate(p)
+        procs.close()
+

@@ -1,0 +1,191 @@
+"""`ddiloco init`: the typed RunConfig, config files, and interrupted inits (plan.json
+without run.json) that the same `init` resumes and `init --force-clean` removes (a real
+kill -9 in the middle of writing version 0: tests/integration/test_init_processes.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.errors import ProtocolError, UsageError
+from ddiloco_cli.observe import verify_run
+from ddiloco_cli.runconfig import RunConfig, default_config_toml, flag, hyperparameters, load_config_file, setting_key
+from ddiloco_cli.runinit import PENDING_RUN, init_run
+from ddiloco_cli.store import open_store
+from support.built_run import invoke
+
+SMALL = ["--fragments", "2", "--sync-every", "4", "--overlap-steps", "1"]
+
+
+# ------------------------------------------------------------------ RunConfig
+def test_run_config_round_trips_through_run_json():
+    config = RunConfig(num_fragments=3, sync_every=6, codec="int8", adam_betas=(0.8, 0.9), extra={"future_key": 1})
+    assert (config.codec_block, config.publish_codec) == (256, "int8")  # defaults filled in once
+    record = config.to_record(run_id="abc")
+    records.validate(record, "run", where="test")
+    back = RunConfig.from_record(json.loads(records.dumps(record)))
+    assert back.differences(config) == [] and back.run_id == "abc" and back.extra == {"future_key": 1}
+    with pytest.raises(AttributeError):
+        back.quorum = 5  # frozen: validated once, never changed
+
+
+@pytest.mark.parametrize("field,value", [("inner_lr", float("nan")), ("outer_lr", float("inf")), ("gc_grace_s", -5.0),
+                                         ("quorum", 0), ("codec", "int3"), ("keep_overlap_progress", 1)])
+def test_run_config_refuses_bad_values(field, value):
+    with pytest.raises(UsageError):
+        RunConfig(**{field: value})
+    record = RunConfig().to_record(run_id="r")
+    if field == "inner_lr":
+        record["inner"]["lr"] = value
+    else:
+        record[field] = value
+    with pytest.raises(ProtocolError, match="run.json"):  # the same checks on a record read from a bucket
+        RunConfig.from_record(record)
+
+
+def test_every_setting_is_an_init_flag_and_a_config_key():
+    import tomllib
+
+    import typer
+
+    from ddiloco_cli.cli import app
+
+    init = typer.main.get_command(app).commands["init"]
+    by_name = {param.name: param for param in init.params}
+    printed = tomllib.loads(default_config_toml())
+    for f in hyperparameters():
+        param = by_name[setting_key(f)]  # init reads its settings back by these names
+        assert f"--{flag(f)}" in param.opts
+        if f.name not in ("codec_block", "publish_codec"):  # None by default: commented out
+            assert flag(f) in printed, f.name
+
+
+def test_config_file_with_flag_overrides(tmp_path):
+    defaults = tmp_path / "defaults.toml"
+    result = invoke("init", "--print-config")
+    assert result.exit_code == 0
+    defaults.write_text(result.output)
+    assert RunConfig.from_flags(load_config_file(str(defaults))).differences(RunConfig()) == []
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('fragments = 2\nsync-every = 4\noverlap_steps = 1\ncodec = "int8"\ninner-lr = 0.002\n'
+                   "adam-betas = [0.8, 0.9]\nkeep-overlap-progress = false\n")
+    result = invoke("init", str(tmp_path / "run"), "--config", str(cfg), "--inner-lr", "0.005", "--json")
+    assert result.exit_code == 0, result.output
+    run = ledger.read_run(open_store(str(tmp_path / "run")))
+    assert run["num_fragments"] == 2 and run["codec"] == "int8" and run["keep_overlap_progress"] is False
+    assert run["inner"]["lr"] == 0.005 and run["inner"]["betas"] == [0.8, 0.9]  # the flag wins over the file
+
+    yml = tmp_path / "run.yaml"
+    yml.write_text("fragments: 2\nsync-every: 4\noverlap-steps: 1\nquorum: 2\n")
+    result = invoke("init", str(tmp_path / "run2"), "--config", str(yml))
+    assert result.exit_code == 0, result.output
+    assert ledger.read_run(open_store(str(tmp_path / "run2")))["quorum"] == 2
+
+
+@pytest.mark.parametrize("text,needle", [("bogus = 1\n", "unknown setting 'bogus'"), ("fragments = \n", "not valid TOML"),
+                                         ('codec = "int3"\n', "--codec"), ("gc-grace = -1\n", "--gc-grace")])
+def test_bad_config_files_are_usage_errors(tmp_path, text, needle):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    result = invoke("init", str(tmp_path / "run"), "--config", str(cfg))
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------ interrupted init
+def _half_made(url: str, **spec) -> dict:
+    """What an init killed after its plan and one version 0 leaves: plan.json (with the
+    run.json it meant to write), fragment 0's version 0, no run.json."""
+    store = open_store(url)
+    init_run(store, RunConfig(**spec))
+    run = ledger.read_run(store)
+    for info in store.list(layout.fragment_prefix(1)):
+        store.delete(info.key)
+    store.delete(layout.RUN_CONFIG)
+    return run
+
+
+def test_sync_and_status_call_a_half_made_run_no_run(tmp_path):
+    url = str(tmp_path / "run")
+    _half_made(url, num_fragments=2, sync_every=4)
+    for command in ("status", "inspect", "gc"):
+        result = invoke(command, url)
+        assert result.exit_code == 3 and "no ddiloco run" in result.output
+
+
+def test_init_resumes_a_half_made_run_with_the_same_config(tmp_path):
+    url = str(tmp_path / "run")
+    run = _half_made(url, num_fragments=2, sync_every=4, overlap_steps=1)
+    result = invoke("init", url, *SMALL)
+    assert result.exit_code == 0, result.output
+    assert "resuming the interrupted init" in result.output
+    resumed = ledger.read_run(open_store(url))
+    assert resumed["run_id"] == run["run_id"]
+    assert verify_run(open_store(url)) == []
+
+
+def test_init_with_another_config_says_how_to_recover(tmp_path):
+    url = str(tmp_path / "run")
+    _half_made(url, num_fragments=2, sync_every=4, overlap_steps=1)
+    result = invoke("init", url, *SMALL, "--inner-lr", "0.01")
+    assert result.exit_code == 2
+    assert "interrupted init of another config" in result.output and "--inner-lr: 0.001 there, 0.01 here" in result.output
+    assert "--force-clean" in result.output
+    assert not ledger.run_exists(open_store(url))  # nothing changed
+
+    result = invoke("init", url, *SMALL, "--inner-lr", "0.01", "--force-clean")
+    assert result.exit_code == 0, result.output
+    assert "removed an interrupted init" in result.output
+    store = open_store(url)
+    assert ledger.read_run(store)["inner"]["lr"] == 0.01 and verify_run(store) == []
+
+
+def test_a_plan_without_its_pending_config_can_only_be_cleaned(tmp_path):
+    url = str(tmp_path / "run")
+    _half_made(url, num_fragments=2, sync_every=4, overlap_steps=1)
+    store = open_store(url)
+    plan = records.loads(store.get(layout.PLAN), "plan", where="plan")
+    del plan[PENDING_RUN]  # as written by an older ddiloco
+    store.put(layout.PLAN, records.dumps(plan))
+    result = invoke("init", url, *SMALL)
+    assert result.exit_code == 2 and "--force-clean" in result.output
+    assert invoke("init", url, *SMALL, "--force-clean").exit_code == 0
+
+
+def test_force_clean_never_removes_a_run(tmp_path):
+    url = str(tmp_path / "run")
+    assert invoke("init", url, *SMALL).exit_code == 0
+    result = invoke("init", url, *SMALL, "--force-clean")
+    assert result.exit_code == 2 and "a run already exists" in result.output
+    assert verify_run(open_store(url)) == []
+
+
+def test_wait_for_run_backs_off_then_gives_up():
+    from ddiloco_cli.ledger import RunNotFoundError
+    from ddiloco_cli.runconfig import wait_for_run_config
+
+    store = open_store("memory://wait-for-run-backoff")
+    slept: list[float] = []
+    with pytest.raises(RunNotFoundError):
+        wait_for_run_config(store, timeout_s=0.0, sleep=slept.append)
+    assert slept == []
+    waits: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        if len(slept) == 6:
+            init_run(store, RunConfig(num_fragments=2, sync_every=4))
+
+    config = wait_for_run_config(store, timeout_s=float("inf"), sleep=sleep, on_wait=waits.append)
+    assert config.num_fragments == 2
+    assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0] and len(waits) == 6
+
+
+def test_version_flag():
+    from ddiloco_cli import __version__
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"ddiloco {__version__}"

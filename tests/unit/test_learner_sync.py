@@ -1,0 +1,443 @@
+"""DiLoCoSync and the learn loop in one process (memory store): data resume, fp32
+deltas of bf16 models, lock-step without keep-overlap, tasks loaded from the
+learner's own code, the training features of `learn`."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+import torch
+
+from ddiloco_cli import DiLoCoSync, codec, layout, ledger, records
+from ddiloco_cli.errors import UsageError
+from ddiloco_cli.learner import Learner, LearnerOptions
+from ddiloco_cli.learner.island import move_model
+from ddiloco_cli.learner.receiver import Receiver
+from ddiloco_cli.learner.session import SessionWriter, heartbeat_bytes
+from ddiloco_cli.learner.stats import LearnerStats
+from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.store import open_store
+from ddiloco_cli.store.base import StoreWrapper
+from ddiloco_cli.tasks import load_run_task, load_task
+
+TINY = "ddiloco_cli.tasks.gpt:tiny"
+
+
+def _run(**spec) -> object:
+    store = open_store(f"memory://sync-{uuid.uuid4().hex}")
+    init_run(store, RunSpec(**{"task": TINY, "num_fragments": 2, "sync_every": 4, "overlap_steps": 1, "codec": "none",
+                               "total_steps": 0, "warmup_steps": 0, "batch_size": 4, **spec}))
+    return store
+
+
+def _record_first_batch(learner: Learner, seen: list) -> None:
+    original = learner.task.batches
+
+    @functools.wraps(original)  # keeps the signature: the loop looks for start_step in it
+    def batches(**kwargs):
+        stream = original(**kwargs)
+        first = next(stream)
+        seen.append(first)
+        yield first
+        yield from stream
+
+    learner.task.batches = batches
+
+
+def test_a_restarted_learner_continues_its_data_stream():
+    store = _run()
+    firsts: list = []
+    for _ in range(2):
+        learner = Learner(store, options=LearnerOptions(learner_id="a", steps=3))
+        _record_first_batch(learner, firsts)
+        assert learner.train() == "steps"
+    state = records.loads(store.get(layout.learner_state_key("a")), "learner_state", where="state")
+    assert state["data"] == {"start_step": 6}
+    assert not torch.equal(firsts[0][0], firsts[1][0]), "the second session replayed the first one's data"
+    seed = __import__("zlib").crc32(b"a")
+    stream = load_task(TINY).batches(shard=0, num_shards=1, seed=seed, batch_size=4)
+    expected = [next(stream) for _ in range(4)][3]
+    assert torch.equal(firsts[1][0], expected[0]), "the second session must start at batch 3 of the stream"
+
+
+def test_bf16_model_sends_fp32_delta_against_the_fp32_base():
+    store = _run(num_fragments=1, sync_every=2, overlap_steps=0)
+    model = load_task(TINY).build_model().to(torch.bfloat16)
+    with DiLoCoSync(store, model, learner_id="b") as sync:
+        base = {k: v.clone() for k, v in sync.base[0][1].items()}
+        assert all(v.dtype == torch.float32 for v in base.values())
+        with torch.no_grad():
+            for t in model.parameters():
+                t.add_(0.25)  # stands in for training
+        theta = {s.key: s.view_of(dict(model.named_parameters())[s.name]).float() for s in sync.plan.fragments[0]}
+        sync.step(num_tokens=1)
+        sync.step(num_tokens=1)  # fragment 0 is due after step 2
+    (info,) = store.list(layout.contribution_prefix(0))
+    delta, _ = codec.decode_tensors(store.get(info.key), max_numel=10**7)
+    for k, d in delta.items():
+        assert torch.equal(d, base[k] - theta[k]), k
+    # against the bf16-rounded base the delta would lose the published value's low bits
+    rounded = {k: base[k].bfloat16().float() - theta[k] for k in theta}
+    assert any(not torch.equal(delta[k], rounded[k]) for k in delta)
+
+
+def test_lockstep_never_keeps_overlap_progress():
+    store = _run(mode="lockstep", keep_overlap_progress=True, overlap_steps=2)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="c") as sync:
+        assert not sync.keep_progress
+    store = _run(keep_overlap_progress=True, overlap_steps=2)
+    with DiLoCoSync(store, model, learner_id="c") as sync:
+        assert sync.keep_progress
+
+
+def test_task_comes_from_the_learners_own_code(tmp_path):
+    task_file = tmp_path / "task_here.py"
+    task_file.write_text(open("examples/my_task.py").read())
+    store = _run(task=f"{task_file}:task")
+    run = ledger.read_run(store)
+    assert len(run["task_sha256"]) == 64
+    with pytest.raises(UsageError, match="file path"):
+        load_run_task(run)  # a path from the bucket is never imported
+    assert load_run_task(run, override=f"{task_file}:task") is not None
+    task_file.write_text(task_file.read_text() + "\n# changed\n")
+    with pytest.raises(UsageError, match="differs from the run's"):
+        load_run_task(run, override=f"{task_file}:task")
+    builtin = ledger.read_run(_run())
+    assert load_run_task(builtin) is not None  # an importable module from run.json is fine
+    with pytest.raises(UsageError, match="differs from the run's"):
+        load_run_task({**builtin, "task_sha256": "0" * 64})
+
+
+def test_learn_features_bf16_autocast_and_grad_accum():
+    store = _run(total_steps=4)
+    seen: list = []
+    learner = Learner(store, options=LearnerOptions(learner_id="d", precision="bf16", grad_accum=2))
+    _record_first_batch(learner, seen)
+    assert learner.train() == "finished"
+    hb = records.loads(store.get(layout.learner_heartbeat_key("d")), "learner_heartbeat", where="hb")
+    assert hb["state"] == "finished" and hb["step"] == 4
+    assert hb["tokens"] == 4 * 2 * 4 * 64  # two micro-batches of 4 windows of 64 tokens per step
+    state = records.loads(store.get(layout.learner_state_key("d")), "learner_state", where="state")
+    assert state["data"] == {"start_step": 8}
+    assert all(t.dtype == torch.float32 for t in learner.model.parameters())
+
+
+@pytest.mark.parametrize("bad", [dict(precision="fp8"), dict(grad_accum=0), dict(parallel="tp")])
+def test_bad_learn_options_are_usage_errors(bad):
+    with pytest.raises(UsageError):
+        LearnerOptions(learner_id="e", **bad).check()
+
+
+def test_moving_the_model_to_a_device_keeps_tied_weights_tied():
+    """Module.to() onto a device whose tensors cannot take CPU storage in place (XLA; the
+    meta device behaves the same way) gives each module its own Parameter: GPT's tied
+    wte/lm_head weight would split in two and no longer match the run's plan."""
+    task = load_task(TINY)
+    assert len(list(task.build_model().to("meta").parameters())) == 16  # the failure move_model prevents
+    model = move_model(task.build_model(), torch.device("meta"))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert len(list(model.parameters())) == 15
+    assert all(t.device.type == "meta" for t in model.parameters())
+
+
+def test_a_compiled_model_is_attached_by_its_original_parameters():
+    """torch.compile's wrapper prefixes parameter names with _orig_mod.; the wrapper peels it off,
+    so a compiled model trains and sends like the plain one (inductor itself is exercised by
+    `learn --compile` on accelerators; the eager backend keeps this test fast)."""
+    store = _run(num_fragments=1, sync_every=2, overlap_steps=0)
+    task = load_task(TINY)
+    model = task.build_model()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = task.batches(shard=0, num_shards=1, seed=0, batch_size=2)
+    with DiLoCoSync(store, compiled, learner_id="f") as sync:
+        assert sync.model is model
+        for _ in range(2):
+            task.loss(compiled, next(batches)).backward()
+            opt.step()
+            opt.zero_grad()
+            sync.step(num_tokens=128)
+    assert len(store.list(layout.contribution_prefix(0))) == 1
+
+
+def test_a_refused_contribution_is_logged_and_the_fragment_re_based(caplog):
+    """PROTOCOL.md, ledger entries: a learner that finds its contribution refused in a new
+    manifest logs the reason and re-bases the fragment on that version."""
+    import time
+
+    from ddiloco_cli.published import FragmentReader, encode_version, upload_payloads
+
+    store = _run(num_fragments=1, sync_every=2, overlap_steps=0)
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    v0 = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=0).read(0)
+    encoded = encode_version(fragment=0, version=1, new_value={k: v + 0.5 for k, v in v0.items()}, prev_published=v0,
+                             publish_codec="none", block_size=64, keyframe_every=8)
+    upload_payloads(store, encoded)
+    refused = {"learner_id": "g", "seq": 7, "key": layout.contribution_key(0, "g", 7), "size": 10, "used": False,
+               "status": "refused", "reason": "stale: base 0 is 9 cycles behind (max_staleness 8)"}
+    model = load_task(TINY).build_model()
+    with caplog.at_level("WARNING"), DiLoCoSync(store, model, learner_id="g") as sync:
+        assert ledger.commit_manifest(store, records.make(
+            "manifest", run_id=run["run_id"], fragment=0, version=1, epoch=1, syncer_id="s", nonce=records.new_nonce(),
+            numel=plan.fragment_numel(0), payloads=[e for _, _, e in encoded.payloads], contributions=[refused],
+            quorum_size=0, outer_steps=1, high_water={"g": 7}))
+        deadline = time.monotonic() + 60
+        while sync.stats.versions[0] < 1 and time.monotonic() < deadline:
+            sync.step(num_tokens=1)
+            time.sleep(0.01)
+        assert sync.base[0][0] == 1 and sync.stats.num_refused == 1
+    assert "contribution seq 7 was refused by the syncer (stale: base 0 is 9 cycles behind" in caplog.text
+    assert "re-basing on version 1" in caplog.text
+
+
+def test_receiver_is_idle_until_one_step_before_the_overlap_window_ends():
+    """The receiver polls only for fragments the loop registered, from step t + tau - 1 on
+    (t: the send), so its download overlaps the window's last step; before that it sleeps."""
+    store = _run(num_fragments=1, sync_every=4, overlap_steps=2)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="h") as sync:
+        for _ in range(4):  # the send happens after step 4: receive_step = 6
+            sync.step(num_tokens=1)
+        assert sync.in_flight[0].receive_step == 6 and not sync._receiver.wanted
+        assert sync._receiver.num_polls == 0
+        sync.step(num_tokens=1)  # step 5 = t + tau - 1
+        assert set(sync._receiver.wanted) == {0}
+
+
+class _Counting(StoreWrapper):
+    """Counts the GETs, PUTs and LISTs that reach the store, by key (prefix for LISTs)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.calls: Counter = Counter()
+        self.lock = threading.Lock()
+
+    def _count(self, op: str, key: str) -> None:
+        with self.lock:
+            self.calls[(op, key)] += 1
+
+    def get(self, key, *, max_bytes=None):
+        self._count("get", key)
+        return self.inner.get(key, max_bytes=max_bytes)
+
+    def put(self, key, data):
+        self._count("put", key)
+        self.inner.put(key, data)
+
+    def list(self, prefix=""):
+        self._count("list", prefix)
+        return self.inner.list(prefix)
+
+
+def test_heartbeat_rereads_the_id_only_when_a_newer_session_may_have_started():
+    """[L2] one PUT per heartbeat; the GET that looks for a newer session only on the first
+    write, during the first lease (a start race), once the last look is lease/2 old (after
+    a pause such as SIGSTOP at once) and on the final write; the data state at most once
+    per lease/2, and on close."""
+    store = _Counting(open_store(f"memory://hb-{uuid.uuid4().hex}"))
+    key, state_key = layout.learner_heartbeat_key("a"), layout.learner_state_key("a")
+    now = [0.0]
+
+    def record(session: int = 5) -> dict:
+        return records.make("learner_heartbeat", learner_id="a", state="running", step=1, tokens=0, session=session)
+
+    writer = SessionWriter(store, learner_id="a", session=5, make_record=record, run_id="r", lease_s=10.0, every_s=2.0,
+                           clock=lambda: now[0])
+
+    def beat_at(t: float, step: int) -> None:
+        now[0] = t
+        writer.save_state({"start_step": step})
+        writer.write_state()
+        writer.beat()
+
+    for t in (0, 2, 4, 6, 8):  # the first lease: every write looks first
+        beat_at(t, step=t)
+    assert store.calls[("get", key)] == 5 and store.calls[("put", key)] == 5
+    for t in (10, 12, 14, 16, 18, 20):  # then every lease/2: last look at 8, so at 14 and 20
+        beat_at(t, step=t)
+    assert store.calls[("get", key)] == 7 and store.calls[("put", key)] == 11
+    assert store.calls[("put", state_key)] == 4  # at 0, 6, 12 and 18 (lease/2 apart), not at all 11 beats
+
+    store.inner.put(key, heartbeat_bytes(record(session=6)))  # a newer session, while this one was paused
+    beat_at(26, step=26)  # the first write after the pause looks first, sees it and stops
+    assert writer.taken_over_by is not None and writer.taken_over_by.record["session"] == 6
+    assert store.calls[("put", key)] == 11
+    writer.close(final_beat=True)
+    assert records.loads(store.get(key), "learner_heartbeat", where=key)["session"] == 6
+    assert store.calls[("put", key)] == 11, "a session that lost the id never writes its heartbeat again"
+
+
+def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_often():
+    """Versions come in the order of the sends: the oldest wanted fragment is polled every
+    step time, younger ones 4x less often; a fragment registered with nothing older
+    waiting is polled at once (one GET of its latest hint), else one interval later; one
+    the loop blocks on (lock-step) goes first."""
+    store = _run(num_fragments=3)
+    counting = _Counting(store)
+    with DiLoCoSync(store, load_task(TINY).build_model(), learner_id="r") as sync:
+        readers = sync.readers
+    step_s = 1.0
+    receiver = Receiver(counting, readers, learner_id="r", min_poll_s=0.0, stats=LearnerStats(), pace_s=lambda: step_s)
+    receiver.start()
+    try:
+        receiver.want(0, (0, {}))  # nothing older: polled at once, by the thread
+        deadline = time.monotonic() + 60
+        while counting.calls[("get", layout.latest_hint_key(0))] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counting.calls[("get", layout.latest_hint_key(0))] == 1
+    finally:
+        receiver.close()
+    # the schedule itself, on a clock of our own (the thread is stopped)
+    t0 = receiver.polled_t[0]
+    receiver.want(1, (0, {}))
+    receiver.want(2, (0, {}))
+    t1, t2 = receiver.polled_t[1], receiver.polled_t[2]
+    assert t2 >= t1 >= t0  # not at once: 0 is older and still waiting
+
+    def due(at: float) -> list[int]:
+        return [p for p, _ in receiver._due(at)[0]]
+
+    assert due(t0 + 0.5 * step_s) == []
+    assert due(t0 + 1.0 * step_s) == [0]  # the oldest, every step
+    assert due(t0 + 2.0 * step_s) == [0]
+    assert due(t2 + 4.0 * step_s) == [0, 1, 2]  # the younger ones, every 4 steps
+    receiver.ready[0] = None  # 0's version came: 1 is the oldest waiting now, polled every step
+    assert due(t2 + 5.0 * step_s) == [1]
+    assert due(t2 + 6.0 * step_s) == [1]
+    assert due(t2 + 8.0 * step_s) == [1, 2]
+    receiver.want(2, (1, {}), blocking=True)  # lock-step: the loop waits for 2, so it goes first, at once
+    assert due(t2 + 8.5 * step_s) == [2]
+    assert due(t2 + 9.5 * step_s) == [2]  # 1 is younger now: every 4 steps
+
+
+def test_a_crashed_session_of_this_host_frees_its_id_at_once_a_live_one_does_not():
+    """[L2] unit level (the process test is tests/integration/test_learner_processes.py): a running
+    heartbeat of this host whose process is gone is a crash; one that stops beating
+    frees the id after a lease; one that keeps beating is a live twin."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from ddiloco_cli.learner.session import check_id_free, heartbeat_bytes
+
+    store = open_store(f"memory://ids-{uuid.uuid4().hex}")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def running(pid: int) -> None:
+        store.put(layout.learner_heartbeat_key("i"), heartbeat_bytes(records.make(
+            "learner_heartbeat", learner_id="i", state="running", step=3, tokens=9, session=1,
+            host=socket.gethostname(), pid=pid)))
+
+    running(dead.pid)
+    assert check_id_free(store, "i", lease_s=3600.0).record["step"] == 3  # no wait: would take an hour
+    running(os.getppid())  # a live process that no longer beats: free after one lease
+    assert check_id_free(store, "i", lease_s=0.3) is not None
+
+    stop = threading.Event()
+
+    def twin() -> None:  # keeps beating
+        while not stop.wait(0.05):
+            running(os.getppid())
+
+    running(os.getppid())
+    beating = threading.Thread(target=twin)
+    beating.start()
+    try:
+        with pytest.raises(UsageError, match=r"learner id 'i' is live: session 1 on host .* \(pid \d+\)"):
+            check_id_free(store, "i", lease_s=0.3)
+    finally:
+        stop.set()
+        beating.join()
+
+
+def test_lockstep_learner_warns_while_it_waits_for_a_merge_that_does_not_come(caplog):
+    """No syncer: the lock-step learner blocks at its first send and says so (after the
+    10 s floor of the alert period), naming the syncer's state."""
+    import threading
+    import time
+
+    store = _run(mode="lockstep", num_fragments=1, sync_every=2, overlap_steps=0)
+    model = load_task(TINY).build_model()
+    with caplog.at_level("WARNING"), DiLoCoSync(store, model, learner_id="j") as sync:
+        stepping = threading.Thread(target=lambda: [sync.step(num_tokens=1) for _ in range(2)])
+        stepping.start()
+        deadline = time.monotonic() + 60
+        while "that merges this learner's contribution" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sync.stop_reason = "left"  # what SIGTERM does: the wait ends
+        stepping.join(timeout=30)
+    assert "at step 2 for the version of fragment 0 that merges this learner's contribution" in caplog.text
+    assert "no syncer heartbeat is live" in caplog.text
+
+
+def _contributions(store, p: int) -> list[dict]:
+    """Headers of fragment p's contributions, oldest first."""
+    infos = sorted(store.list(layout.contribution_prefix(p)), key=lambda i: i.key)
+    return [codec.decode_tensors(store.get(i.key), max_numel=10**7)[1] for i in infos]
+
+
+def test_a_stopping_learner_sends_the_progress_it_has_not_sent_L7():
+    """[L7] P = 2, H = 4: after 3 steps fragment 1 went up at step 2 and fragment 0 never did; on
+    close both go up with every step since their base, so no trained step is lost."""
+    store = _run()
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="f") as sync:
+        for _ in range(3):
+            sync.step(num_tokens=5)
+    assert [h["c_steps"] for h in _contributions(store, 0)] == [3]
+    sent = [(h["c_steps"], h["c_tokens"]) for h in _contributions(store, 1)]
+    # the step-2 contribution, unless the flush replaced it in the upload queue (same base: it carries it)
+    assert sent[-1] == (3, 15) and sent[:-1] in ([], [(2, 10)])
+    # lock-step sends only whole cycles (a partial contribution would be a merge of its own)
+    store = _run(mode="lockstep", overlap_steps=2)  # fragment 1 is received at step 4: no wait for a syncer
+    with DiLoCoSync(store, model, learner_id="g") as sync:
+        for _ in range(3):
+            sync.step(num_tokens=5)
+    assert _contributions(store, 0) == [] and len(_contributions(store, 1)) == 1
+
+
+def test_error_feedback_adds_what_the_codec_dropped_to_the_next_delta_L6():
+    """[L6] int4: the second contribution of a fragment is Q(delta_2 + r_1), r_1 = delta_1 -
+    decode(Q(delta_1)); without error feedback it would be Q(delta_2)."""
+    from ddiloco_cli.codec import encode_with_residual
+
+    store = _run(num_fragments=1, sync_every=2, overlap_steps=0, codec="int4")
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="e") as sync:
+        assert sync.error_feedback
+        base = {k: v.clone() for k, v in sync.base[0][1].items()}
+        thetas = []
+        for i in range(2):
+            with torch.no_grad():
+                for t in model.parameters():
+                    t.add_(torch.randn_like(t) * 0.01)  # stands in for training
+            thetas.append({s.key: s.view_of(dict(model.named_parameters())[s.name]).float().clone()
+                           for s in sync.plan.fragments[0]})
+            sync.step(num_tokens=1)
+            sync.step(num_tokens=1)  # fragment 0 is due every 2 steps
+            while sync.stats.num_contributions < i + 1:  # uploaded (and its residual kept) before the next send
+                time.sleep(0.01)
+    infos = sorted(store.list(layout.contribution_prefix(0)), key=lambda i: i.key)[:2]
+    got = [codec.decode_tensors(store.get(i.key), max_numel=10**7)[0] for i in infos]
+    d1 = {k: base[k] - thetas[0][k] for k in base}
+    _, r1 = encode_with_residual(d1, codec="int4", block_size=64)
+    assert any(float(r.abs().max()) > 0 for r in r1.values())
+    d2 = {k: base[k] - thetas[1][k] for k in base}
+    with_feedback = codec.decode_tensors(encode_with_residual({k: d2[k] + r1[k] for k in d2}, codec="int4",
+                                                              block_size=64)[0], max_numel=10**7)[0]
+    without = codec.decode_tensors(codec.encode_tensors(d2, codec="int4", block_size=64), max_numel=10**7)[0]
+    assert all(torch.equal(got[1][k], with_feedback[k]) for k in d2)
+    assert any(not torch.equal(got[1][k], without[k]) for k in d2)
+    store = _run(codec="int4", error_feedback=False)
+    with DiLoCoSync(store, model, learner_id="n") as sync:
+        assert not sync.error_feedback
