@@ -34,9 +34,9 @@ def main() -> None:
     parser.add_argument("--json", dest="json_path", help="also write the figures here")
     args = parser.parse_args()
 
-    sys.path[:0] = [TESTS_DIR, os.path.join(TESTS_DIR, "integration")]
-    from support import servers  # the same emulator launchers the tests use
-    from test_store_races import run_race
+    sys.path[:0] = [TESTS_DIR]
+    from support import servers  # the same emulator launchers and race the tests use
+    from support.races import run_race
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,10 +13,7 @@
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
