@@ -97,24 +97,31 @@ def _chunk_elems(block: int) -> int:
     return c if c % 2 == 0 else 2 * c
 
 
-def _quantize(x: torch.Tensor, codec: str, block: int) -> list:
+def _quantize(x: torch.Tensor, codec: str, block: int, *, residual: torch.Tensor | None = None) -> list:
     """fp32 flat contiguous tensor -> raw (uncompressed) frame, as a list of
-    buffers to be concatenated."""
+    buffers to be concatenated. ``residual`` (a flat fp32 tensor like x), when given,
+    receives ``x - decode(frame)``, bit for bit what a decoder's values leave out."""
     n = x.numel()
     if codec == "none":
+        if residual is not None:
+            residual.zero_()
         return [x.numpy()]
     if codec == "bf16":
-        return [x.to(torch.bfloat16).view(torch.int16).numpy()]
+        b = x.to(torch.bfloat16)
+        if residual is not None:
+            torch.sub(x, b.to(torch.float32), out=residual)
+        return [b.view(torch.int16).numpy()]
     step = _chunk_elems(block)
     scales, bodies = [], []
     for start in range(0, n, step):
-        sc, body = _quantize_chunk(x[start : start + step], codec, block)
+        sc, body = _quantize_chunk(x[start : start + step], codec, block,
+                                   residual=None if residual is None else residual[start : start + step])
         scales.append(sc)
         bodies.append(body)
     return scales + bodies
 
 
-def _quantize_chunk(x: torch.Tensor, codec: str, block: int):
+def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, residual: torch.Tensor | None = None):
     n = x.numel()
     qmax = _QMAX[codec]
     xb, _ = _full_blocks(x, block)
@@ -127,6 +134,14 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int):
     y = xb * inv[:, None]
     y.add_(offset + 0.5)
     u = y.to(torch.uint8).view(-1)[:n]
+    if residual is not None:  # x - q * scale: the decoder's products (_dequantize_chunk), subtracted
+        q = u.to(torch.float32).sub_(offset)
+        full = (n // block) * block
+        if full:
+            q[:full].view(-1, block).mul_(scale[: full // block, None])
+        if full < n:
+            q[full:].mul_(scale[full // block])
+        torch.sub(x, q, out=residual)
     scale_buf = scale.to(torch.bfloat16).view(torch.int16).numpy()
     if codec == "int8":
         return scale_buf, u.numpy()  # stored as q + 128 (uint8)
@@ -226,21 +241,19 @@ def encode_with_residual(
     """``encode_tensors`` plus what the payload does not carry: ``t - decode(payload)`` per
     key (fp32 CPU; zeros under codec none), for a sender's error feedback. The encoder
     dequantises its own frames, so no decode of the payload is needed."""
-    payload, raws = _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata)
-    block = _check_codec(codec, block_size)
-    residual = {}
-    for k, t in tensors.items():
-        x = t.detach().to(device="cpu", dtype=torch.float32)
-        decoded = _dequantize(b"".join(raws[k]), codec, x.numel(), block).view(x.shape)
-        residual[k] = x - decoded
+    residual: dict[str, torch.Tensor] = {}
+    payload, _ = _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
+                         residuals=residual)
     return payload, residual
 
 
 def _encode(
-    tensors: Mapping[str, torch.Tensor], *, codec: str, block_size: int | None, zstd_level: int, metadata: dict | None
+    tensors: Mapping[str, torch.Tensor], *, codec: str, block_size: int | None, zstd_level: int, metadata: dict | None,
+    residuals: dict[str, torch.Tensor] | None = None,
 ) -> tuple[bytes, dict[str, list[memoryview]]]:
     """(payload, {key: raw frame as the buffers to concatenate}): the raw frames are exactly
-    what a decoder of the payload decompresses, so the encoder can dequantise them itself."""
+    what a decoder of the payload decompresses, so the encoder can dequantise them itself.
+    ``residuals``, when given, is filled with each tensor's ``x - decode(frame)`` (its shape)."""
     block = _check_codec(codec, block_size)
     cctx = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True, write_checksum=True)
     frames: list[tuple[str, bytes]] = []
@@ -248,7 +261,10 @@ def _encode(
     info: dict[str, Any] = {}
     for key, t in tensors.items():
         x = t.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
-        parts = [memoryview(p).cast("B") for p in _quantize(x, codec, block)]
+        r = None
+        if residuals is not None:
+            r = residuals[key] = torch.empty(t.shape, dtype=torch.float32)
+        parts = [memoryview(p).cast("B") for p in _quantize(x, codec, block, residual=None if r is None else r.view(-1))]
         raw_n = sum(p.nbytes for p in parts)
         assert raw_n == _raw_nbytes(codec, x.numel(), block)
         cobj = cctx.compressobj(size=raw_n)

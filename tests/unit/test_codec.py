@@ -16,6 +16,7 @@ from ddiloco_cli.codec import (
     encode_tensors,
     payload_codec,
 )
+from ddiloco_cli import codec
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 
 
@@ -284,3 +285,23 @@ def test_published_value_is_what_a_reader_of_the_payload_gets(codec):
     read = apply_published_delta(prev, payload, where="v1")
     assert published.keys() == read.keys()
     assert all(torch.equal(published[k], read[k]) for k in read)
+
+
+@pytest.mark.parametrize("codec_name", ["int4", "int8", "bf16", "none"])
+def test_the_residual_is_exactly_what_a_decoder_leaves_out(codec_name):
+    """encode_with_residual (learner error feedback, PROTOCOL [L6]) computes x - decode(payload)
+    in the quantising pass: bit for bit what a decoder of the payload leaves out, for partial
+    blocks, zero blocks, outliers and more than one chunk."""
+    torch.manual_seed(0)
+    for n in (1, 63, 64, 65, 130_001, 2_100_001):
+        x = torch.randn(n) * 0.01
+        x[::97] *= 50
+        x[5:70] = 0
+        tensors = {"a": x, "b": torch.randn(3, 7)}
+        data, residual = codec.encode_with_residual(tensors, codec=codec_name, block_size=64)
+        decoded, _ = codec.decode_tensors(data, max_numel=10**8)
+        assert data == codec.encode_tensors(tensors, codec=codec_name, block_size=64)  # the same payload
+        for k, t in tensors.items():
+            assert torch.equal(residual[k], t - decoded[k]), (n, k)
+        if codec_name == "none":
+            assert all(not r.any() for r in residual.values())
