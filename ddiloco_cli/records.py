@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import re
 import uuid
@@ -21,8 +22,10 @@ from typing import Any
 import jsonschema
 import numpy as np
 
-from ddiloco_cli import layout
+from ddiloco_cli import layout, schemacheck
 from ddiloco_cli.errors import DdilocoError, ProtocolError
+
+log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 PROTOCOL_MINOR = 0
@@ -135,16 +138,33 @@ def sha256_hex(data: bytes) -> str:
 
 
 @functools.cache
+def _schema(record_type: str) -> dict[str, Any]:
+    return json.loads(resources.files("ddiloco_cli").joinpath(f"schemas/{record_type}.schema.json").read_text())
+
+
+@functools.cache
 def _validator(record_type: str) -> jsonschema.protocols.Validator:
-    text = resources.files("ddiloco_cli").joinpath(f"schemas/{record_type}.schema.json").read_text()
-    schema = json.loads(text)
+    schema = _schema(record_type)
     cls = jsonschema.validators.validator_for(schema)
     return cls(schema, format_checker=_FORMATS)
 
 
+@functools.cache
+def _fast_check(record_type: str) -> schemacheck.Check:
+    """The compiled yes/no check of ``record_type`` (schemacheck); never-yes if its schema
+    uses a keyword the compiler does not implement (then jsonschema decides every time)."""
+    try:
+        return schemacheck.compile_schema(_schema(record_type), formats=_FORMAT_CHECKS)
+    except schemacheck.Unsupported as exc:
+        log.warning("schema %s: %s; validating with jsonschema only", record_type, exc)
+        return lambda record: False
+
+
 # The schemas name the learner-id grammar by format; its one definition is in layout.
+_FORMAT_CHECKS = {"ddiloco-learner-id": lambda value: not isinstance(value, str) or layout.valid_learner_id(value)}
 _FORMATS = jsonschema.FormatChecker(formats=())
-_FORMATS.checks("ddiloco-learner-id")(lambda value: not isinstance(value, str) or layout.valid_learner_id(value))
+for _name, _check in _FORMAT_CHECKS.items():
+    _FORMATS.checks(_name)(_check)
 
 
 def make(record_type: str, **fields: Any) -> dict[str, Any]:
@@ -171,7 +191,9 @@ def validate(record: Any, record_type: str, *, where: str) -> dict[str, Any]:
             f"{where} was written with ddiloco protocol version {version}, this ddiloco "
             f"speaks version {PROTOCOL_VERSION}: upgrade ddiloco (pip install -U ddiloco)"
         )
-    error = jsonschema.exceptions.best_match(_validator(record_type).iter_errors(record))
+    # the compiled check accepts the common case fast; jsonschema has the last word otherwise
+    error = None if _fast_check(record_type)(record) else \
+        jsonschema.exceptions.best_match(_validator(record_type).iter_errors(record))
     if error is not None:
         path = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         raise ProtocolError(f"{where}: not a valid {record_type} record at {path}: {one_line(error.message)}")
