@@ -81,11 +81,15 @@ def test_bench_traffic_smoke(tmp_path):
     assert rep["learners"]["l1"]["paced"] == 1.5
     assert rep["num_params"] > 0 and rep["dp_bytes_per_step"] == 2 * 2 * (1 / 2) * 4 * rep["num_params"]
     finite_positive = lambda x: isinstance(x, (int, float)) and 0 < x < math.inf  # noqa: E731
+    finite = lambda x: isinstance(x, (int, float)) and 0 <= x < math.inf  # noqa: E731
     for r in rep["learners"].values():
         assert r["steps"] > 0
-        for key in ("bytes_up_per_step", "bytes_down_per_step", "ratio_vs_dp", "total_ratio_vs_dp",
-                    "versions_per_fragment_per_cycle", "contribution_bytes"):
+        for key in ("bytes_up_per_step", "ratio_vs_dp", "total_ratio_vs_dp", "contribution_bytes"):
             assert finite_positive(r[key]), (key, r)
+        # what a learner downloads inside the short steady window depends on how soon the syncer
+        # merges, i.e. on the machine's load (a loaded CI run saw none): only the plumbing is checked
+        for key in ("bytes_down_per_step", "versions_per_fragment_per_cycle"):
+            assert finite(r[key]), (key, r)
     assert finite_positive(rep["ratio_vs_dp"])
     m = rep["manifests"]
     assert m["versions"] > 0 and m["delta_payloads"] > 0
