@@ -100,18 +100,18 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
     checkpoints = [parsed[1] for info in store.list(layout.checkpoint_prefix(p))
                    if (parsed := layout.parse_checkpoint_key(info.key)) is not None and parsed[1] <= versions[-1]]
     replay_from = max(checkpoints, default=0)
+    present = set(versions)
     for v, used in sorted(used_by_version.items()):
-        if v > replay_from:
-            needed += [(v, e["key"]) for e in used]
-            if not needs_bases:  # outer_gradient = delta: a replay subtracts the earlier delta an entry increments
-                needed += [(v, e["increment_of"]["key"]) for e in used if "increment_of" in e]
-    if needs_bases:
-        present = set(versions)
-        for v, used in sorted(used_by_version.items()):
-            for b in sorted({int(e["base_version"]) for e in used} - present) if v > replay_from else ():
-                out.problems.append(f"{layout.manifest_key(p, b)}: the base of a contribution used by version {v} "
-                                    f"and gone, but a restarting syncer replays that merge from checkpoint "
-                                    f"{replay_from} against it")
+        if v <= replay_from:
+            continue
+        needed += [(v, e["key"]) for e in used]
+        if not needs_bases:  # outer_gradient = delta: a replay subtracts the earlier delta an entry increments
+            needed += [(v, e["increment_of"]["key"]) for e in used if "increment_of" in e]
+            continue
+        for b in sorted({int(e["base_version"]) for e in used} - present):
+            out.problems.append(f"{layout.manifest_key(p, b)}: the base of a contribution used by version {v} "
+                                f"and gone, but a restarting syncer replays that merge from checkpoint "
+                                f"{replay_from} against it")
     for v, key in needed:
         if key not in listed:
             out.problems.append(f"{key}: used by version {v} of fragment {p} and gone, but a restarting syncer "

@@ -65,9 +65,10 @@ def _checkpoint_ok(store: Store, key: str, *, run_id: str, plan: FragmentPlan, f
 
 
 def keep_from_version(*, latest: int, newest_checkpoint: int, retain_versions: int,
-                      publish_codec: str, keyframe_every: int, max_staleness: int = 0) -> int:
-    """The oldest version GC keeps for a fragment (see the module docstring)."""
-    keep = max(0, min(latest - retain_versions + 1, newest_checkpoint - max_staleness))
+                      publish_codec: str, keyframe_every: int, floor: int) -> int:
+    """The oldest version GC keeps for a fragment (see the module docstring); ``floor`` is the
+    oldest version a pending contribution or a replay may still read as a base."""
+    keep = max(0, min(latest - retain_versions + 1, newest_checkpoint, floor))
     if publish_codec != "none":
         keep -= keep % keyframe_every  # the keyframe the retained delta chain starts from
     return keep
@@ -112,7 +113,7 @@ def collect_garbage(store: Store, *, config: RunConfig, fragments: Iterable[int]
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
                                  retain_versions=config.retain_versions,
                                  publish_codec=config.publish_codec, keyframe_every=config.keyframe_every,
-                                 max_staleness=newest_ckpt - min(newest_ckpt, floor))
+                                 floor=floor)
         report.keep_from[p] = keep
         referenced: set[str] = set()
         high_water: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """Contribution uploads: a bounded queue drained by a few worker threads.
 
-``contribution_bytes`` is the one place where a contribution's bytes are made
+``encode_contribution`` is the one place where a contribution's bytes are made
 (and, in a run that requires signatures, signed: PROTOCOL.md, "Signatures", [A2]).
 """
 
@@ -28,14 +28,22 @@ def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: st
                        signer: signing.Signer | None = None) -> bytes:
     """The object a learner creates at ``key`` (contributions/pP/LEARNER/SEQ.safetensors),
     signed by ``signer`` when the run requires signatures."""
-    return _signed(codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header),
-                   header, key=key, signer=signer)
+    return encode_contribution(delta, header, codec_name=codec_name, block_size=block_size, key=key,
+                               signer=signer)[0]
 
 
-def _signed(data: bytes, header: dict[str, Any], *, key: str, signer: signing.Signer | None) -> bytes:
-    if signer is None:
-        return data
-    return signing.sign_payload(data, kind="contribution", run_id=header["run_id"], key=key, signer=signer)
+def encode_contribution(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int, key: str,
+                        signer: signing.Signer | None = None,
+                        residual: bool = False) -> tuple[bytes, Tensors | None]:
+    """``contribution_bytes``, and with ``residual`` also what the encoding leaves out of
+    ``delta`` (error feedback, PROTOCOL [L6]); None without."""
+    if residual:
+        data, left_out = codec.encode_with_residual(delta, codec=codec_name, block_size=block_size, metadata=header)
+    else:
+        data, left_out = codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header), None
+    if signer is not None:
+        data = signing.sign_payload(data, kind="contribution", run_id=header["run_id"], key=key, signer=signer)
+    return data, left_out
 
 
 class Uploader:
@@ -96,14 +104,8 @@ class Uploader:
                 self.queue.task_done()
 
     def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
-        residual = None
-        if self.on_residual is not None:
-            data, residual = codec.encode_with_residual(delta, codec=self.codec_name, block_size=self.block_size,
-                                                        metadata=header)
-            data = _signed(data, header, key=key, signer=self.signer)
-        else:
-            data = contribution_bytes(delta, header, codec_name=self.codec_name, block_size=self.block_size,
-                                      key=key, signer=self.signer)
+        data, residual = encode_contribution(delta, header, codec_name=self.codec_name, block_size=self.block_size,
+                                             key=key, signer=self.signer, residual=self.on_residual is not None)
         try:  # each attempt is a whole store call (retried inside); this waits out a longer outage
             created = retrying(lambda: self.store.put_if_absent(key, data), what=f"upload of {key}",
                                policy=OUTAGE_POLICY)

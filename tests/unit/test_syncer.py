@@ -237,23 +237,31 @@ def test_contribution_far_above_the_running_median_norm_is_refused_V2(run_store)
     assert entry["status"] == "refused" and "running median" in entry["reason"]
 
 
-def test_a_resend_on_a_merged_base_merges_only_the_increment():
-    """outer_gradient = delta: a learner that sends again before it received the version holding
-    its last contribution sends its whole progress since that base again: only the increment is
-    merged (recorded as increment_of), so nothing is applied twice; a restarted syncer replays it
-    the same way."""
-    run_store = open_store(f"memory://incr-{uuid.uuid4().hex}")
-    make_run(run_store, outer_lr_scaling="none", outer_gradient="delta")  # one Nesterov step per merge
+def _resend_on_a_merged_base(*, outer_gradient: str):
+    """Learner a sends d1 (seq 1, base 0), version 1 merges it, then a sends d12 = 3 d1 (its
+    progress 1 plus progress 2, still on base 0) and version 2 merges that; one Nesterov step per
+    merge. Returns (store, syncer, v0, v1, d1, d12, version 2's ledger entry)."""
+    run_store = open_store(f"memory://resend-{uuid.uuid4().hex}")
+    make_run(run_store, outer_lr_scaling="none", outer_gradient=outer_gradient)
     beat(run_store, "a")
     s = live_syncer(run_store)
-    d1 = {k: 0.01 * torch.ones_like(t) for k, t in s.states[0].value.items()}
-    d12 = {k: 3 * t for k, t in d1.items()}  # progress 1 plus progress 2 (twice as much), same base 0
+    v0 = {k: t.clone() for k, t in s.states[0].value.items()}
+    d1 = {k: 0.01 * torch.ones_like(t) for k, t in v0.items()}
+    d12 = {k: 3 * t for k, t in d1.items()}
     contribution(run_store, 0, "a", 1, tensors=d1, c_tokens=64, c_steps=2)
     assert step(s, 0)
     v1 = {k: t.clone() for k, t in s.states[0].value.items()}
     contribution(run_store, 0, "a", 2, tensors=d12, c_tokens=192, c_steps=6)
     assert step(s, 0)
-    entry = ledger.read_manifest(run_store, 0, 2)["contributions"][0]
+    return run_store, s, v0, v1, d1, d12, ledger.read_manifest(run_store, 0, 2)["contributions"][0]
+
+
+def test_a_resend_on_a_merged_base_merges_only_the_increment():
+    """outer_gradient = delta: a learner that sends again before it received the version holding
+    its last contribution sends its whole progress since that base again: only the increment is
+    merged (recorded as increment_of), so nothing is applied twice; a restarted syncer replays it
+    the same way."""
+    run_store, s, v0, v1, d1, d12, entry = _resend_on_a_merged_base(outer_gradient="delta")
     assert entry["increment_of"]["seq"] == 1 and entry["merged_tokens"] == 128
     assert entry["weight"] == 128 * 128 / 4
     # the second step used the increment 2 * d1, not 3 * d1 (first Nesterov buf = d1)
@@ -346,19 +354,7 @@ def test_a_resend_on_a_merged_base_counts_only_new_tokens_under_current_M6():
     current value, which holds the merged part, so its gradient is the whole `current - theta`;
     its tokens and steps count only the increment (weight, ledger totals), and a restarted
     syncer replays it bit for bit."""
-    run_store = open_store(f"memory://resend-{uuid.uuid4().hex}")
-    make_run(run_store, outer_lr_scaling="none")
-    beat(run_store, "a")
-    s = live_syncer(run_store)
-    v0 = {k: t.clone() for k, t in s.states[0].value.items()}
-    d1 = {k: 0.01 * torch.ones_like(t) for k, t in v0.items()}
-    d12 = {k: 3 * t for k, t in d1.items()}
-    contribution(run_store, 0, "a", 1, tensors=d1, c_tokens=64, c_steps=2)
-    assert step(s, 0)
-    v1 = {k: t.clone() for k, t in s.states[0].value.items()}
-    contribution(run_store, 0, "a", 2, tensors=d12, c_tokens=192, c_steps=6)
-    assert step(s, 0)
-    entry = ledger.read_manifest(run_store, 0, 2)["contributions"][0]
+    run_store, s, v0, v1, d1, d12, entry = _resend_on_a_merged_base(outer_gradient="current")
     assert entry["increment_of"]["seq"] == 1 and entry["merged_tokens"] == 128
     g = {k: (v1[k] - v0[k]) + d12[k] for k in v0}
     buf = {k: 0.9 * d1[k] + g[k] for k in g}
