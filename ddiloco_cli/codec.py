@@ -37,19 +37,18 @@ import struct
 import warnings
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 import zstandard
 
 from ddiloco_cli import records
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.merge import all_finite
+from ddiloco_cli.quantized import QMAX, DecodedTensors, Quantized, Source, chunk_elems, num_blocks
 
 FORMAT_VERSION = 1
 METADATA_KEY = "ddiloco"
 CODECS = ("none", "bf16", "int8", "int4")
 DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64}
-_QMAX = {"int8": 127, "int4": 7}
 _MAX_HEADER_BYTES = 64 << 20
 _MAX_NDIM = 8
 _MAX_NUMEL = 1 << 40  # per payload, whatever the caller's bounds: 4 TB of fp32
@@ -68,33 +67,22 @@ def _bf16_scales_up(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
     return up.view(torch.float32)
 
 
-def _num_blocks(n: int, block: int) -> int:
-    return -(-n // block)
-
-
 def _raw_nbytes(codec: str, n: int, block: int) -> int:
     if codec == "none":
         return 4 * n
     if codec == "bf16":
         return 2 * n
-    scales = 2 * _num_blocks(n, block)
+    scales = 2 * num_blocks(n, block)
     return scales + (n if codec == "int8" else -(-n // 2))
 
 
 def _full_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     """x (flat, n) as (num_blocks, block), zero-padding only the last block."""
     n = x.numel()
-    nb = _num_blocks(n, block)
+    nb = num_blocks(n, block)
     if nb * block == n:
         return x.view(nb, block), nb
     return torch.nn.functional.pad(x, (0, nb * block - n)).view(nb, block), nb
-
-
-def _chunk_elems(block: int) -> int:
-    """Elements per chunk: ~1M (a few MB stay in cache between the passes), a
-    multiple of the block size and even, so chunked output equals one-shot output."""
-    c = block * max(1, (1 << 20) // block)
-    return c if c % 2 == 0 else 2 * c
 
 
 def _quantize(x: torch.Tensor, codec: str, block: int, *, residual: torch.Tensor | None = None) -> list:
@@ -111,7 +99,7 @@ def _quantize(x: torch.Tensor, codec: str, block: int, *, residual: torch.Tensor
         if residual is not None:
             torch.sub(x, b.to(torch.float32), out=residual)
         return [b.view(torch.int16).numpy()]
-    step = _chunk_elems(block)
+    step = chunk_elems(block)
     scales, bodies = [], []
     for start in range(0, n, step):
         sc, body = _quantize_chunk(x[start : start + step], codec, block,
@@ -123,7 +111,7 @@ def _quantize(x: torch.Tensor, codec: str, block: int, *, residual: torch.Tensor
 
 def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, residual: torch.Tensor | None = None):
     n = x.numel()
-    qmax = _QMAX[codec]
+    qmax = QMAX[codec]
     xb, _ = _full_blocks(x, block)
     absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())
     scale = _bf16_scales_up(absmax, qmax)
@@ -156,51 +144,14 @@ def _dequantize(raw: bytes, codec: str, n: int, block: int) -> torch.Tensor:
     """raw frame bytes (length already checked) -> flat fp32 tensor of n values."""
     if n == 0:
         return torch.empty(0, dtype=torch.float32)
+    if codec in QMAX:
+        return Quantized.from_frame(raw, codec=codec, shape=(n,), block=block).dense()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffer: we never write into it
         buf = torch.frombuffer(raw, dtype=torch.uint8)
     if codec == "none":
         return buf.view(torch.float32).clone()
-    if codec == "bf16":
-        return buf.view(torch.bfloat16).to(torch.float32)
-    nb = _num_blocks(n, block)
-    scale = buf[: 2 * nb].view(torch.bfloat16).to(torch.float32)
-    body = buf[2 * nb :]
-    out = torch.empty(n, dtype=torch.float32)
-    step = _chunk_elems(block)
-    per_byte = 1 if codec == "int8" else 2
-    for start in range(0, n, step):
-        m = min(step, n - start)
-        b0 = start // block
-        chunk_body = body[start // per_byte : start // per_byte + -(-m // per_byte)]
-        _dequantize_chunk(scale[b0 : b0 + _num_blocks(m, block)], chunk_body, codec, m, block, out=out[start : start + m])
-    return out
-
-
-# q of every byte value, as fp32: int4 bytes hold two (low nibble first), int8 bytes one.
-# One table lookup per byte (numpy's take) writes the fp32 values directly: fewer passes
-# than unpacking nibbles with integer ops and casting inside the multiply.
-_Q_OF_BYTE = {
-    "int4": np.array([((b & 0x0F) - 8, (b >> 4) - 8) for b in range(256)], dtype=np.float32),
-    "int8": np.array([[b - 128] for b in range(256)], dtype=np.float32),
-}
-
-
-def _dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: int, block: int, *, out: torch.Tensor) -> None:
-    """Write q * scale (fp32) into out (n values): q exactly as fp32 from a table, then one
-    in-place multiply per block (the same fp32 products as multiplying q by its scale)."""
-    table = _Q_OF_BYTE[codec]
-    if codec == "int4" and n % 2:  # the last byte's high nibble is padding
-        q = torch.empty(n + 1, dtype=torch.float32)
-        np.take(table, body.numpy(), axis=0, out=q.numpy().reshape(-1, 2), mode="clip")
-        out.copy_(q[:n])
-    else:  # mode="clip": a uint8 index is always in range, and no buffered copy of the output
-        np.take(table, body.numpy(), axis=0, out=out.numpy().reshape(-1, table.shape[1]), mode="clip")
-    full = (n // block) * block
-    if full:
-        out[:full].view(-1, block).mul_(scale[: full // block, None])
-    if full < n:
-        out[full:].mul_(scale[-1])
+    return buf.view(torch.bfloat16).to(torch.float32)
 
 
 # --- encode / decode ----------------------------------------------------------------
@@ -209,7 +160,7 @@ def _dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: in
 def _check_codec(codec: str, block_size: int | None) -> int:
     if codec not in CODECS:
         raise UsageError(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
-    if codec in _QMAX:
+    if codec in QMAX:
         block = DEFAULT_BLOCK_SIZE[codec] if block_size is None else int(block_size)
         if block < 1:
             raise UsageError(f"--block-size must be >= 1, got {block}")
@@ -325,8 +276,13 @@ def decode_tensors(
     expected: Mapping[str, tuple[int, ...]] | None = None,
     max_numel: int | None = None,
     where: str = "",
-) -> tuple[dict[str, torch.Tensor], dict]:
+    keep_codes: bool = False,
+) -> tuple[Mapping[str, torch.Tensor], dict]:
     """Decode a payload into ({key: fp32 CPU tensor}, caller metadata).
+
+    `keep_codes`: return a ``DecodedTensors`` that keeps int4/int8 tensors as their codes
+    (``Quantized``) until a value is asked for; the syncer's merge reads the codes directly.
+    The checks are the same either way.
 
     `expected` ({key: shape}): the payload must hold exactly these keys and shapes.
     `max_numel`: cap on the total element count. Both are checked, and every frame
@@ -339,14 +295,15 @@ def decode_tensors(
     """
     where = where or "payload"
     try:
-        return _decode_tensors(data, expected=expected, max_numel=max_numel, where=where)
+        return _decode_tensors(data, expected=expected, max_numel=max_numel, where=where, keep_codes=keep_codes)
     except records.PARSE_ERRORS as exc:  # a bound this decoder does not know of; still just bad input
         raise InvalidPayloadError(f"{where}: cannot decode ({type(exc).__name__}: {records.one_line(exc)})") from None
 
 
 def _decode_tensors(
-    data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str
-) -> tuple[dict[str, torch.Tensor], dict]:
+    data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str,
+    keep_codes: bool,
+) -> tuple[Mapping[str, torch.Tensor], dict]:
     def bad(msg: str) -> InvalidPayloadError:
         return InvalidPayloadError(f"{where}: {msg}")
 
@@ -366,7 +323,7 @@ def _decode_tensors(
     if codec not in CODECS:
         raise bad(f"unknown codec {codec!r}")
     block = desc.get("block_size")
-    if codec in _QMAX:
+    if codec in QMAX:
         if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= (1 << 24):
             raise bad(f"bad block_size {block!r}")
     tinfo = desc.get("tensors")
@@ -426,7 +383,7 @@ def _decode_tensors(
 
     # -- decompress (capped at the derived size) and dequantize
     dctx = zstandard.ZstdDecompressor()
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Source] = {}
     for key, shape, n, raw_n, comp in plan:
         try:
             raw = dctx.decompress(comp, max_output_size=raw_n, allow_extra_data=False)
@@ -434,21 +391,24 @@ def _decode_tensors(
             raise bad(f"tensor {key!r}: zstd decompression failed ({err})") from None
         if len(raw) != raw_n:
             raise bad(f"tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
-        out[key] = _dequantize_finite(raw, codec, n, block, key=key, where=where).view(shape)
-    return out, caller_meta
+        out[key] = _decoded(raw, codec, tuple(shape), block, keep_codes=keep_codes, where=f"{where}: tensor {key!r}")
+    return (DecodedTensors(out) if keep_codes else out), caller_meta
 
 
-def _dequantize_finite(raw: bytes, codec: str, n: int, block: int, *, key: str, where: str) -> torch.Tensor:
-    """``_dequantize``, raising InvalidPayloadError when a value is not finite."""
-    # |q| <= qmax, so when every qmax * scale is finite so is every value (a cheap check
-    # on the scales); otherwise check the values themselves
-    proven = False
-    if codec in _QMAX and n:
-        nb = _num_blocks(n, block)
-        proven = all_finite(_dequantize(raw[: 2 * nb], "bf16", nb, block) * _QMAX[codec])
-    t = _dequantize(raw, codec, n, block)
-    if not proven and not all_finite(t):
-        raise InvalidPayloadError(f"{where}: tensor {key!r} has non-finite values")
+def _decoded(raw: bytes, codec: str, shape: tuple[int, ...], block: int, *, keep_codes: bool, where: str) -> Source:
+    """The tensor of a decompressed frame (length already checked): fp32, or with
+    ``keep_codes`` a ``Quantized`` for int4/int8. Raises InvalidPayloadError when a value
+    is not finite."""
+    if codec in QMAX and math.prod(shape):
+        q = Quantized.from_frame(raw, codec=codec, shape=shape, block=block)
+        # the codes are small integers: when every scale times the largest of them is finite, so
+        # is every value (a check on the scales); otherwise check the values themselves
+        if not q.bounded() and not all_finite(q.dense()):
+            raise InvalidPayloadError(f"{where} has non-finite values")
+        return q if keep_codes else q.dense()
+    t = _dequantize(raw, codec, math.prod(shape), block).view(shape)
+    if not all_finite(t):
+        raise InvalidPayloadError(f"{where} has non-finite values")
     return t
 
 
@@ -509,8 +469,8 @@ def encode_published_delta(
         delta[k] = v32.clone() if p is None else v32 - p.to(torch.float32)
     block = _check_codec(codec, block_size)
     payload, raws = _encode(delta, codec=codec, block_size=block, zstd_level=zstd_level, metadata=metadata)
-    decoded = {k: _dequantize_finite(b"".join(raws[k]), codec, d.numel(), block, key=k,
-                                     where="own published delta").view(d.shape)
+    decoded = {k: _decoded(b"".join(raws[k]), codec, tuple(d.shape), block, keep_codes=False,
+                           where=f"own published delta: tensor {k!r}")
                for k, d in delta.items()}
     return payload, _add(prev_published, decoded)
 

@@ -25,22 +25,23 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from ddiloco_cli import codec, layout, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
-from ddiloco_cli.merge import token_weight
+from ddiloco_cli.merge import norm, token_weight
 from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.quantized import sources
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
 
 log = logging.getLogger(__name__)
 
-Tensors = dict[str, torch.Tensor]
+Tensors = Mapping[str, torch.Tensor]  # a DecodedTensors for contributions: int4/int8 ones stay as their codes
 
 USED, SUPERSEDED, REFUSED = "used", "superseded", "refused"
 DECODE_THREADS = min(4, os.cpu_count() or 1)  # contributions decoded at once by one syncer
@@ -105,16 +106,10 @@ def staleness_discount(staleness_cycles: float) -> float:
     return 1.0 if staleness_cycles <= 2.0 else 2.0 / staleness_cycles
 
 
-def delta_norm(delta: Tensors) -> float:
-    """The L2 norm of a whole delta (every tensor). fp32 per tensor: one pass over the values
-    and no copy; a tensor whose squares overflow fp32 is redone in fp64."""
-    total = 0.0
-    for t in delta.values():
-        n = float(torch.linalg.vector_norm(t))
-        if not math.isfinite(n):
-            n = float(torch.linalg.vector_norm(t, dtype=torch.float64))
-        total += n * n
-    return math.sqrt(total)
+def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of a whole delta (every tensor): ``merge.norm`` per tensor, so an int4/int8
+    contribution's comes from its codes, without dequantising it."""
+    return math.sqrt(sum(norm(t) ** 2 for t in sources(delta).values()))
 
 
 def add_pending(pending: list[Contribution], new: Contribution) -> list[dict[str, Any]]:
@@ -226,7 +221,7 @@ class Intake:
         try:
             tensors, header = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
                                                    max_numel=self.plan.fragment_numel(p),
-                                                   where=f"{self.store.url}/{key}")
+                                                   where=f"{self.store.url}/{key}", keep_codes=True)
         except InvalidPayloadError as exc:
             return _Fetched(data, error=exc)
         return _Fetched(data, tensors, header, delta_norm(tensors))
@@ -277,5 +272,5 @@ class Intake:
         if records.sha256_hex(data) != entry["sha256"]:
             raise InvalidPayloadError(f"{self.store.url}/{key}: sha256 differs from the ledger")
         tensors, _ = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
-                                          max_numel=self.plan.fragment_numel(p), where=key)
+                                          max_numel=self.plan.fragment_numel(p), where=key, keep_codes=True)
         return tensors

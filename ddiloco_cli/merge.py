@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
+from ddiloco_cli.quantized import Quantized, Source, chunk_elems, shape_of, sources
 
 # Below this norm of the weighted mean of unit vectors, ||sum w phi(v)|| / sum w, RDA returns
 # the weighted mean instead: as the directions cancel, RDA would keep the full mean norm in a
@@ -79,25 +80,38 @@ def _check_weights(weights: Sequence[float], n: int) -> list[float]:
     return out
 
 
-Item = tuple[float, torch.Tensor, float]  # (weight, flat fp32 CPU vector, its norm)
+Item = tuple[float, Source, float]  # (weight, flat fp32 CPU vector or its codes, its norm)
 
 
-def _item(v: torch.Tensor, w: float) -> Item:
-    """(weight, flat fp32 CPU vector, norm). The norm is fp32 (one pass, no copy), redone in
-    fp64 when the squares overflow fp32; it is NaN or Inf only when a value is."""
+def norm(src: Source) -> float:
+    """The L2 norm of a tensor, or of a ``Quantized`` one from its codes (fp64, no dequantising).
+    A tensor's is fp32 (one pass, no copy), redone in fp64 when the squares overflow fp32; it is
+    NaN or Inf only when a value is."""
+    if isinstance(src, Quantized):
+        return math.sqrt(src.sum_of_squares)
+    n = float(torch.linalg.vector_norm(src))
+    if not math.isfinite(n):
+        n = float(torch.linalg.vector_norm(src, dtype=torch.float64))
+    return n
+
+
+def _item(v: Source, w: float) -> Item:
+    if isinstance(v, Quantized):
+        return w, v, norm(v)
     flat = v.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-    norm = float(torch.linalg.vector_norm(flat))
-    if not math.isfinite(norm):
-        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
-    return w, flat, norm
+    return w, flat, norm(flat)
+
+
+def _dense(v: Source) -> torch.Tensor:
+    return v.dense().reshape(-1) if isinstance(v, Quantized) else v
 
 
 def _canonical(items: list[Item]) -> list[Item]:
     """The items sorted into an order that depends only on the multiset of inputs, so
     every later sum runs in one canonical order."""
 
-    def digest(v: torch.Tensor) -> bytes:
-        return hashlib.sha256(v.to(torch.float32).contiguous().numpy().tobytes()).digest()
+    def digest(v: Source) -> bytes:
+        return hashlib.sha256(_dense(v).contiguous().numpy().tobytes()).digest()
 
     # sha256 only breaks exact (weight, norm) ties; equal digests mean equal inputs.
     ties: dict[tuple[float, float], int] = {}
@@ -106,8 +120,12 @@ def _canonical(items: list[Item]) -> list[Item]:
     return sorted(items, key=lambda it: (it[0], it[2], digest(it[1]) if ties[(it[0], it[2])] > 1 else b""))
 
 
-def _finish(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return out.to(torch.float32).reshape(like.shape)
+def _finish(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return out.to(torch.float32).reshape(shape)
+
+
+def _numel(v: Source) -> int:
+    return v.numel if isinstance(v, Quantized) else v.numel()
 
 
 def _items(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> list[Item]:
@@ -115,67 +133,83 @@ def _items(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> list[It
     return [_item(v, w) for v, w in zip(vectors, _check_weights(weights, len(vectors)))]
 
 
-def _trivial(items: list[Item], like: torch.Tensor) -> torch.Tensor | None:
+def _trivial(items: list[Item], shape: tuple[int, ...]) -> torch.Tensor | None:
     """The result when the merge is trivial, else None: no weight at all gives zeros; one
     weighted contribution passes through bit-exact."""
     live = [item for item in items if item[0] > 0]
     if not live:
-        return _finish(torch.zeros(items[0][1].numel()), like)
+        return _finish(torch.zeros(_numel(items[0][1])), shape)
     if len(live) == 1:
-        return _finish(live[0][1].clone(), like)
+        return _finish(_dense(live[0][1]).clone(), shape)
     return None
 
 
-# The sums below write each term into one scratch buffer (torch.mul/div with out=) instead of
-# a fresh tensor per term: the same operations in the same order, so the same rounding, without
-# an allocation per contribution.
+# A merge sums its terms range by range (MERGE_CHUNK_ELEMS values: the sum, one term and the
+# codes stay in cache), every term of a range before the next range, instead of one pass over
+# the whole vector per term. Each value still gets the same operations in the same order (a
+# term is rounded, then added), so the result is what whole-vector passes give, bit for bit,
+# and an int4/int8 contribution is read from its codes (``Quantized.values``) without a
+# full-size fp32 copy.
+MERGE_CHUNK_ELEMS = 1 << 17
 
 
-def _mean(items: list[Item], like: torch.Tensor) -> torch.Tensor:
+def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float]]) -> torch.Tensor:
+    """sum_i (v_i / d_i) * f_i over the items with f_i != 0, in the items' order, from zeros:
+    ``factors`` holds (d_i, f_i), d_i None for no division. fp32, flat."""
+    n = _numel(items[0][1])
+    blocks = [v.block for _, v, _ in items if isinstance(v, Quantized)]
+    step = chunk_elems(math.lcm(1, *blocks), elems=MERGE_CHUNK_ELEMS)
+    acc = torch.empty(n, dtype=torch.float32)
+    term = torch.empty(min(step, n), dtype=torch.float32)
+    terms = [(v, d, f) for (_, v, _), (d, f) in zip(items, factors) if f]
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        part, t = acc[start:stop].zero_(), term[: stop - start]
+        for v, d, f in terms:
+            x = v.values(start, stop, out=t) if isinstance(v, Quantized) else v[start:stop]
+            if d is not None:
+                x = torch.div(x, d, out=t)
+            part.add_(torch.mul(x, f, out=t))
+    return acc
+
+
+def _mean(items: list[Item], shape: tuple[int, ...]) -> torch.Tensor:
     total = math.fsum(w for w, _, _ in items)
-    acc = torch.zeros(items[0][1].numel(), dtype=torch.float32)
-    term = torch.empty_like(acc)
-    for w, v, _ in items:
-        if w:
-            acc.add_(torch.mul(v, w / total, out=term))  # normalised in float64 first: tiny weights cannot underflow in fp32
-    return _finish(acc, like)
+    # normalised in float64 first: tiny weights cannot underflow in fp32
+    return _finish(_weighted_sum(items, [(None, w / total) for w, _, _ in items]), shape)
 
 
-def _rda(items: list[Item], like: torch.Tensor) -> torch.Tensor:
+def _rda(items: list[Item], shape: tuple[int, ...]) -> torch.Tensor:
     total = math.fsum(w for w, _, _ in items)
-    direction = torch.zeros(items[0][1].numel(), dtype=torch.float32)
-    term = torch.empty_like(direction)
     radial = math.fsum(w * n for w, _, n in items) / total
-    for w, v, n in items:
-        if w and n > 0:
-            # unit vector, then a weight in [0, 1]: no over/underflow
-            direction.add_(torch.div(v, n, out=term).mul_(w / total))
+    # unit vector, then a weight in [0, 1]: no over/underflow
+    direction = _weighted_sum(items, [(n, w / total if w and n > 0 else 0.0) for w, _, n in items])
     dnorm = float(torch.linalg.vector_norm(direction))
     if dnorm < RDA_MIN_ALIGNMENT:  # the directions (nearly) cancel: RDA's direction is noise there
-        return _mean(items, like)
+        return _mean(items, shape)
     if radial == 0:
-        return _finish(torch.zeros_like(direction), like)
-    return _finish(direction.mul_(radial / dnorm), like)
+        return _finish(torch.zeros_like(direction), shape)
+    return _finish(direction.mul_(radial / dnorm), shape)
 
 
-def _merge_items(items: list[Item], like: torch.Tensor, *, rda_merge: bool) -> torch.Tensor:
+def _merge_items(items: list[Item], shape: tuple[int, ...], *, rda_merge: bool) -> torch.Tensor:
     items = _canonical(items)
-    trivial = _trivial(items, like)
+    trivial = _trivial(items, shape)
     if trivial is not None:
         return trivial
-    return _rda(items, like) if rda_merge else _mean(items, like)
+    return _rda(items, shape) if rda_merge else _mean(items, shape)
 
 
 def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """sum w v / sum w, fp32 result (zeros if all weights are 0)."""
-    return _merge_items(_items(vectors, weights), vectors[0], rda_merge=False)
+    return _merge_items(_items(vectors, weights), tuple(vectors[0].shape), rda_merge=False)
 
 
 def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """Radial-Directional Averaging: the weighted mean norm times the direction of
     the weighted mean of unit vectors. fp32 result; zeros if all weights are 0 or
     the directions cancel exactly. A single contribution comes back bit-exact."""
-    return _merge_items(_items(vectors, weights), vectors[0], rda_merge=True)
+    return _merge_items(_items(vectors, weights), tuple(vectors[0].shape), rda_merge=True)
 
 
 def merge_outer_gradients(
@@ -200,29 +234,30 @@ def merge_outer_gradients(
     if not grads:
         raise UsageError("merge_outer_gradients needs at least one contribution")
     keys = list(grads[0])
-    for i, g in enumerate(grads):
+    srcs = [sources(g) for g in grads]  # int4/int8 contributions as their codes: read in the merge's one pass
+    shapes = {k: shape_of(srcs[0][k]) for k in keys}
+    for i, g in enumerate(srcs):
         label = f"contribution {i}"
         if set(g) != set(keys):
             missing = sorted(set(keys) - set(g))
             extra = sorted(set(g) - set(keys))
             raise InvalidPayloadError(f"{label}: tensor keys differ (missing {missing}, extra {extra})")
         for k in keys:
-            if tuple(g[k].shape) != tuple(grads[0][k].shape):
-                raise InvalidPayloadError(
-                    f"{label}: tensor {k!r} has shape {list(g[k].shape)}, expected {list(grads[0][k].shape)}"
-                )
+            if shape_of(g[k]) != shapes[k]:
+                raise InvalidPayloadError(f"{label}: tensor {k!r} has shape {list(shape_of(g[k]))}, "
+                                          f"expected {list(shapes[k])}")
     ws = _check_weights(weights, len(grads))
     # the norms every merge needs are finite exactly when the values are: they stand in for a
     # separate finiteness pass, and check_finite only runs to name what is wrong
-    items = {k: [_item(g[k], w) for g, w in zip(grads, ws)] for k in keys}
+    items = {k: [_item(g[k], w) for g, w in zip(srcs, ws)] for k in keys}
     for i, g in enumerate(grads):
         if not all(math.isfinite(items[k][i][2]) for k in keys):
             check_finite(g, where=f"contribution {i}")
     out = {}
     for k in keys:
         # biases, norms, scalars: no direction to keep
-        use_rda = not (method == "mean" or k in mean_keys or grads[0][k].dim() <= 1)
-        out[k] = _merge_items(items[k], grads[0][k], rda_merge=use_rda)
+        use_rda = not (method == "mean" or k in mean_keys or len(shapes[k]) <= 1)
+        out[k] = _merge_items(items[k], shapes[k], rda_merge=use_rda)
     return out
 
 

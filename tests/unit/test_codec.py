@@ -242,15 +242,20 @@ def test_without_error_feedback_the_error_would_accumulate():
 @pytest.mark.parametrize("codec,block", [("int4", 64), ("int4", 3), ("int8", 7)])
 def test_chunked_quantization_equals_one_shot(monkeypatch, codec, block):
     import ddiloco_cli.codec as C
+    import ddiloco_cli.quantized as Q
+
+    def chunks(elems):  # the encoder's and the decoder's chunk size
+        for module in (C, Q):
+            monkeypatch.setattr(module, "chunk_elems", lambda b, **_: elems(b))
 
     x = {"a": torch.randn(10_001)}
-    monkeypatch.setattr(C, "_chunk_elems", lambda b: 10**9)
+    chunks(lambda b: 10**9)
     one_shot = encode_tensors(x, codec=codec, block_size=block)
-    monkeypatch.setattr(C, "_chunk_elems", lambda b: 6 * b)  # many small chunks, even, block multiple
+    chunks(lambda b: 6 * b)  # many small chunks, even, block multiple
     chunked = encode_tensors(x, codec=codec, block_size=block)
     assert chunked == one_shot
     y_chunked, _ = decode_tensors(one_shot)
-    monkeypatch.setattr(C, "_chunk_elems", lambda b: 10**9)
+    chunks(lambda b: 10**9)
     assert torch.equal(decode_tensors(one_shot)[0]["a"], y_chunked["a"])
 
 

@@ -1,0 +1,179 @@
+"""Block-quantised tensors as a payload carries them: int4/int8 codes and per-block scales,
+read without dequantising the whole tensor first (the wire format is codec.py's).
+
+value = q * scale for each block of B elements; q * scale is exact in fp32 (a bf16 scale
+times a small integer), so every reader gets the same values however it slices them.
+
+``Quantized`` keeps a decompressed frame and gives
+
+* ``values(start, stop, out=)``: the fp32 values of a range, the same products as the whole
+  dequantisation. The syncer's merge sums its contributions range by range in cache, instead
+  of writing and re-reading a full-size fp32 copy of each;
+* ``sum_of_squares``: sum of value**2 from the codes and scales alone (a table over the
+  packed bytes, summed per block, times scale**2), exact per block in fp64;
+* ``dense()``: the whole tensor, made once and kept.
+
+``DecodedTensors`` is a payload's tensors as a read-only mapping of fp32 tensors that keeps
+each int4/int8 tensor as its ``Quantized`` until a value is asked for (``sources``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import cached_property
+from typing import Iterator, Mapping
+
+import numpy as np
+import torch
+
+QMAX = {"int8": 127, "int4": 7}  # what an encoder writes: |q| <= QMAX
+QABS = {"int8": 128, "int4": 8}  # what a frame can hold: the largest |q| of any byte (q + 128 = 0, q + 8 = 0)
+PER_BYTE = {"int8": 1, "int4": 2}
+
+# q of every byte value, as fp32: int4 bytes hold two (low nibble first), int8 bytes one.
+# One table lookup per byte (numpy's take) writes the fp32 values directly: fewer passes
+# than unpacking nibbles with integer ops and casting inside the multiply.
+_Q_OF_BYTE = {
+    "int4": np.array([((b & 0x0F) - 8, (b >> 4) - 8) for b in range(256)], dtype=np.float32),
+    "int8": np.array([[b - 128] for b in range(256)], dtype=np.float32),
+}
+
+
+def _sq_of_word(codec: str, dtype: type) -> np.ndarray:
+    """Sum of q**2 over the codes of every 2-byte word (4 int4 codes, 2 int8 codes). The
+    sum does not depend on the byte order, so the table holds for either endianness."""
+    per_byte = (_Q_OF_BYTE[codec].astype(np.int64) ** 2).sum(axis=1)
+    words = np.arange(1 << 16)
+    return (per_byte[words & 0xFF] + per_byte[words >> 8]).astype(dtype)
+
+
+_SQ_OF_WORD = {"int4": _sq_of_word("int4", np.int16), "int8": _sq_of_word("int8", np.int32)}
+
+
+def chunk_elems(block: int, *, elems: int = 1 << 20) -> int:
+    """Elements per chunk: about ``elems``, a multiple of the block size and even, so chunks
+    start on a block and on a byte of int4 codes (chunked output equals one-shot output)."""
+    c = block * max(1, elems // block)
+    return c if c % 2 == 0 else 2 * c
+
+
+def num_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: int, block: int, *,
+                     out: torch.Tensor) -> None:
+    """Write q * scale (fp32) into out (n values): q exactly as fp32 from a table, then one
+    in-place multiply per block (the same fp32 products as multiplying q by its scale)."""
+    table = _Q_OF_BYTE[codec]
+    if codec == "int4" and n % 2:  # the last byte's high nibble is padding
+        q = torch.empty(n + 1, dtype=torch.float32)
+        np.take(table, body.numpy(), axis=0, out=q.numpy().reshape(-1, 2), mode="clip")
+        out.copy_(q[:n])
+    else:  # mode="clip": a uint8 index is always in range, and no buffered copy of the output
+        np.take(table, body.numpy(), axis=0, out=out.numpy().reshape(-1, table.shape[1]), mode="clip")
+    full = (n // block) * block
+    if full:
+        out[:full].view(-1, block).mul_(scale[: full // block, None])
+    if full < n:
+        out[full:].mul_(scale[-1])
+
+
+class Quantized:
+    """One int4/int8 tensor as its frame holds it: ``scale`` (fp32, one per block) and
+    ``body`` (uint8 codes), both views of the decompressed frame (never written)."""
+
+    def __init__(self, *, codec: str, shape: tuple[int, ...], block: int, scale: torch.Tensor, body: torch.Tensor):
+        self.codec, self.shape, self.block, self.scale, self.body = codec, tuple(shape), block, scale, body
+        self.numel = int(np.prod(self.shape, dtype=np.int64))
+
+    @classmethod
+    def from_frame(cls, raw: bytes, *, codec: str, shape: tuple[int, ...], block: int) -> "Quantized":
+        """The tensor of a decompressed frame whose length is already checked (codec.py)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: we never write into it
+            buf = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+        nb = num_blocks(int(np.prod(shape, dtype=np.int64)), block)
+        return cls(codec=codec, shape=shape, block=block, scale=buf[: 2 * nb].view(torch.bfloat16).to(torch.float32),
+                   body=buf[2 * nb:])
+
+    def values(self, start: int, stop: int, *, out: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of elements [start, stop) (flat), written into out[:stop - start]
+        and returned. ``start`` must be a multiple of the block size and even."""
+        m, block, per_byte = stop - start, self.block, PER_BYTE[self.codec]
+        assert start % block == 0 and start % 2 == 0 and 0 <= start <= stop <= self.numel
+        b0 = start // block
+        dequantize_chunk(self.scale[b0 : b0 + num_blocks(m, block)], self.body[start // per_byte : -(-stop // per_byte)],
+                         self.codec, m, block, out=out[:m])
+        return out[:m]
+
+    def dense(self) -> torch.Tensor:
+        """All values (fp32, its shape), dequantised on the first call and kept."""
+        return self._dense
+
+    @cached_property
+    def _dense(self) -> torch.Tensor:
+        out = torch.empty(self.numel, dtype=torch.float32)
+        step = chunk_elems(self.block)
+        for start in range(0, self.numel, step):
+            self.values(start, min(self.numel, start + step), out=out[start:])
+        return out.view(self.shape)
+
+    def bounded(self) -> bool:
+        """Every value is finite: true when every scale times the largest |q| a frame can hold
+        is (a check on the scales alone); false does not mean a value is not finite."""
+        big = self.scale * QABS[self.codec]
+        return bool(torch.isfinite(big.amax())) and bool(torch.isfinite(big.amin())) if big.numel() else True
+
+    @cached_property
+    def sum_of_squares(self) -> float:
+        """sum(value**2) in fp64 from the codes: per block scale**2 * sum(q**2), which is exact
+        (bf16 scale, small integers); the blocks are then summed in one fixed order."""
+        n, block, per_byte = self.numel, self.block, PER_BYTE[self.codec]
+        full = n // block
+        parts = []
+        if full and block % (2 * per_byte) == 0:  # whole 2-byte words per block: the word table
+            words = self.body[: full * block // per_byte].numpy().view(np.uint16)
+            sq = torch.from_numpy(np.take(_SQ_OF_WORD[self.codec], words, mode="clip"))
+            per_block = sq.view(full, -1).sum(1, dtype=torch.int64).to(torch.float64)
+            parts.append(per_block.mul_(self.scale[:full].to(torch.float64).square()))
+            done = full * block
+        else:
+            done = 0
+        if done < n:  # the rest (a partial last block, or blocks that split a word): from the values,
+            # whose squares sum exactly per block in fp64 in any order
+            rest = self.values(done, n, out=torch.empty(n - done)).to(torch.float64).square_()
+            rest = torch.nn.functional.pad(rest, (0, -(n - done) % block))
+            parts.append(rest.view(-1, block).sum(1))
+        return float(torch.cat(parts).sum()) if parts else 0.0
+
+
+Source = torch.Tensor | Quantized  # one tensor of a decoded payload
+
+
+class DecodedTensors(Mapping[str, torch.Tensor]):
+    """A decoded payload's tensors: {key: fp32 tensor} on access (an int4/int8 tensor is
+    dequantised on first access, then kept). ``sources`` gives them as decoded: a
+    ``Quantized`` for int4/int8 tensors, a tensor otherwise."""
+
+    def __init__(self, sources: dict[str, Source]):
+        self.sources = sources
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        src = self.sources[key]
+        return src.dense() if isinstance(src, Quantized) else src
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def sources(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, Source]:
+    """The tensors of a mapping as decoded (``DecodedTensors.sources``), or the mapping itself."""
+    return tensors.sources if isinstance(tensors, DecodedTensors) else tensors
+
+
+def shape_of(src: Source) -> tuple[int, ...]:
+    return src.shape if isinstance(src, Quantized) else tuple(src.shape)
