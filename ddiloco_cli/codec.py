@@ -31,11 +31,12 @@ one version is corrected by the next delta instead of accumulating.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
 import warnings
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import zstandard
@@ -85,35 +86,40 @@ def _full_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     return torch.nn.functional.pad(x, (0, nb * block - n)).view(nb, block), nb
 
 
-def _quantize(x: torch.Tensor, codec: str, block: int, *, residual: torch.Tensor | None = None) -> list:
-    """fp32 flat contiguous tensor -> raw (uncompressed) frame, as a list of
-    buffers to be concatenated. ``residual`` (a flat fp32 tensor like x), when given,
-    receives ``x - decode(frame)``, bit for bit what a decoder's values leave out."""
+# (start, stop, values): the decoder's values of x[start:stop] as the encoder makes them
+Sink = Callable[[int, int, torch.Tensor], None]
+QUANTIZE_CHUNK_ELEMS = 1 << 18  # x, its codes and their values stay in cache between the passes
+
+
+def _quantize(x: torch.Tensor, codec: str, block: int, *, sink: Sink | None = None) -> list:
+    """fp32 flat contiguous tensor -> raw (uncompressed) frame, as a list of buffers to be
+    concatenated. ``sink``, when given, gets every range's decoded values while they are in
+    cache: bit for bit what a decoder of the frame computes (error feedback needs them)."""
     n = x.numel()
     if codec == "none":
-        if residual is not None:
-            residual.zero_()
+        if sink is not None:
+            sink(0, n, x)
         return [x.numpy()]
     if codec == "bf16":
         b = x.to(torch.bfloat16)
-        if residual is not None:
-            torch.sub(x, b.to(torch.float32), out=residual)
+        if sink is not None:
+            sink(0, n, b.to(torch.float32))
         return [b.view(torch.int16).numpy()]
-    step = chunk_elems(block)
+    step = chunk_elems(block, elems=QUANTIZE_CHUNK_ELEMS)
     scales, bodies = [], []
     for start in range(0, n, step):
         sc, body = _quantize_chunk(x[start : start + step], codec, block,
-                                   residual=None if residual is None else residual[start : start + step])
+                                   sink=None if sink is None else functools.partial(sink, start, min(n, start + step)))
         scales.append(sc)
         bodies.append(body)
     return scales + bodies
 
 
-def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, residual: torch.Tensor | None = None):
+def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, sink: Callable[[torch.Tensor], None] | None):
     n = x.numel()
     qmax = QMAX[codec]
     xb, _ = _full_blocks(x, block)
-    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())
+    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())  # (aminmax over a row is 10x slower)
     scale = _bf16_scales_up(absmax, qmax)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     # |x * inv| <= qmax because the scale was rounded up, so no clamp is needed;
@@ -122,14 +128,14 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, residual: torch.
     y = xb * inv[:, None]
     y.add_(offset + 0.5)
     u = y.to(torch.uint8).view(-1)[:n]
-    if residual is not None:  # x - q * scale: the decoder's products (_dequantize_chunk), subtracted
+    if sink is not None:  # q * scale: the decoder's products (quantized.dequantize_chunk)
         q = u.to(torch.float32).sub_(offset)
         full = (n // block) * block
         if full:
             q[:full].view(-1, block).mul_(scale[: full // block, None])
         if full < n:
             q[full:].mul_(scale[full // block])
-        torch.sub(x, q, out=residual)
+        sink(q)
     scale_buf = scale.to(torch.bfloat16).view(torch.int16).numpy()
     if codec == "int8":
         return scale_buf, u.numpy()  # stored as q + 128 (uint8)
@@ -178,7 +184,7 @@ def encode_tensors(
 ) -> bytes:
     """Encode float tensors (any device/dtype; values are taken as fp32) into one
     payload. `metadata` must be JSON-serialisable; it comes back from decode."""
-    return _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata)[0]
+    return _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata)
 
 
 def encode_with_residual(
@@ -193,35 +199,40 @@ def encode_with_residual(
     key (fp32 CPU; zeros under codec none), for a sender's error feedback. The encoder
     dequantises its own frames, so no decode of the payload is needed."""
     residual: dict[str, torch.Tensor] = {}
-    payload, _ = _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
-                         residuals=residual)
+
+    def left_out(key: str, x: torch.Tensor) -> Sink:
+        r = residual[key] = torch.empty(tensors[key].shape, dtype=torch.float32)
+        flat = r.view(-1)
+
+        def sink(start: int, stop: int, decoded: torch.Tensor) -> None:
+            torch.sub(x[start:stop], decoded, out=flat[start:stop])
+
+        return sink
+
+    payload = _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
+                      sink_for=left_out)
     return payload, residual
 
 
 def _encode(
     tensors: Mapping[str, torch.Tensor], *, codec: str, block_size: int | None, zstd_level: int, metadata: dict | None,
-    residuals: dict[str, torch.Tensor] | None = None,
-) -> tuple[bytes, dict[str, list[memoryview]]]:
-    """(payload, {key: raw frame as the buffers to concatenate}): the raw frames are exactly
-    what a decoder of the payload decompresses, so the encoder can dequantise them itself.
-    ``residuals``, when given, is filled with each tensor's ``x - decode(frame)`` (its shape)."""
+    sink_for: Callable[[str, torch.Tensor], Sink] | None = None,
+) -> bytes:
+    """The payload of ``tensors``. ``sink_for(key, x)``, when given, makes the sink that gets
+    the decoded values of tensor ``key`` (``x``: its values as fp32, flat) as they are made."""
     block = _check_codec(codec, block_size)
     cctx = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True, write_checksum=True)
     frames: list[tuple[str, bytes]] = []
-    raws: dict[str, list[memoryview]] = {}
     info: dict[str, Any] = {}
     for key, t in tensors.items():
         x = t.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
-        r = None
-        if residuals is not None:
-            r = residuals[key] = torch.empty(t.shape, dtype=torch.float32)
-        parts = [memoryview(p).cast("B") for p in _quantize(x, codec, block, residual=None if r is None else r.view(-1))]
+        parts = [memoryview(p).cast("B") for p in _quantize(x, codec, block,
+                                                             sink=None if sink_for is None else sink_for(key, x))]
         raw_n = sum(p.nbytes for p in parts)
         assert raw_n == _raw_nbytes(codec, x.numel(), block)
         cobj = cctx.compressobj(size=raw_n)
         comp = b"".join([*(cobj.compress(p) for p in parts), cobj.flush()])
         frames.append((key, comp))
-        raws[key] = parts
         info[key] = {
             "shape": list(t.shape),
             "dtype": str(t.dtype).removeprefix("torch."),
@@ -235,7 +246,7 @@ def _encode(
         "tensors": info,
         "metadata": metadata or {},
     }
-    return _write_safetensors(frames, {METADATA_KEY: json.dumps(header, separators=(",", ":"))}), raws
+    return _write_safetensors(frames, {METADATA_KEY: json.dumps(header, separators=(",", ":"))})
 
 
 def _write_safetensors(frames: list[tuple[str, bytes]], metadata: dict[str, str]) -> bytes:
@@ -455,24 +466,37 @@ def encode_published_delta(
     """Encode new_value - prev_published; return (payload, new published value).
 
     The new published value is prev_published + decode(payload), exactly what
-    `apply_published_delta` computes on a learner (the quantised frames are dequantised
-    here without the zstd round trip: the same bytes give the same values). The syncer
-    must keep it (not new_value) as the base of the next delta: that carries the
-    quantization error forward. An empty prev_published means zeros; with codec "none"
-    the published value then equals new_value exactly (use that for a full snapshot).
-    Tensors are fp32 CPU. Raises InvalidPayloadError when a decoded value is not finite.
+    `apply_published_delta` computes on a learner (made from the quantised values as the
+    encoder makes them, range by range in cache, without the zstd round trip: the same bytes
+    give the same values). The syncer must keep it (not new_value) as the base of the next
+    delta: that carries the quantization error forward. An empty prev_published means zeros;
+    with codec "none" the published value then equals new_value exactly (use that for a full
+    snapshot). Tensors are fp32 CPU. Raises InvalidPayloadError when a decoded value is not finite.
     """
-    delta = {}
+    delta, published = {}, {}
     for k, v in new_value.items():
         v32 = v.detach().to("cpu", torch.float32)
         p = prev_published.get(k)
         delta[k] = v32.clone() if p is None else v32 - p.to(torch.float32)
-    block = _check_codec(codec, block_size)
-    payload, raws = _encode(delta, codec=codec, block_size=block, zstd_level=zstd_level, metadata=metadata)
-    decoded = {k: _decoded(b"".join(raws[k]), codec, tuple(d.shape), block, keep_codes=False,
-                           where=f"own published delta: tensor {k!r}")
-               for k, d in delta.items()}
-    return payload, _add(prev_published, decoded)
+
+    def into_published(key: str, x: torch.Tensor) -> Sink:
+        out = published[key] = torch.empty(delta[key].shape, dtype=torch.float32)
+        flat, p = out.view(-1), prev_published.get(key)
+        base = None if p is None else p.detach().to(torch.float32).reshape(-1)
+
+        def sink(start: int, stop: int, decoded: torch.Tensor) -> None:
+            if not all_finite(decoded):
+                raise InvalidPayloadError(f"own published delta: tensor {key!r} has non-finite values")
+            if base is None:
+                flat[start:stop].copy_(decoded)
+            else:  # what _add computes on a reader's decode: base + decoded
+                torch.add(base[start:stop], decoded, out=flat[start:stop])
+
+        return sink
+
+    payload = _encode(delta, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
+                      sink_for=into_published)
+    return payload, published
 
 
 def apply_published_delta(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -146,11 +146,37 @@ def _trivial(items: list[Item], shape: tuple[int, ...]) -> torch.Tensor | None:
 
 # A merge sums its terms range by range (MERGE_CHUNK_ELEMS values: the sum, one term and the
 # codes stay in cache), every term of a range before the next range, instead of one pass over
-# the whole vector per term. Each value still gets the same operations in the same order (a
-# term is rounded, then added), so the result is what whole-vector passes give, bit for bit,
-# and an int4/int8 contribution is read from its codes (``Quantized.values``) without a
-# full-size fp32 copy.
+# the whole vector per term; an int4/int8 contribution is read from its codes, without a
+# full-size fp32 copy. Each value gets the same operations in the same order whatever the
+# ranges (a term is rounded, then added).
 MERGE_CHUNK_ELEMS = 1 << 17
+# A factor in this range is a normal fp32 number with room to spare: a term v * f then neither
+# overflows nor loses bits (|v / d * f| <= 1 for a unit vector times a weight in [0, 1]).
+_ONE_MULTIPLY = (2.0 ** -100, 2.0 ** 100)
+
+Term = Callable[[int, int, torch.Tensor], torch.Tensor]  # (start, stop, scratch) -> the term's values there
+
+
+def _term(v: Source, d: float | None, f: float) -> Term:
+    """(v / d) * f, d None for 1, as computed for the range [start, stop): one multiply by the
+    factor c = f / d (for codes: by each block's scale times c, so q * (scale * c)), or, when c
+    is not safely inside fp32's range, a division by d, then a multiply by f."""
+    c = f if d is None else f / d
+    if _ONE_MULTIPLY[0] <= c <= _ONE_MULTIPLY[1]:
+        if isinstance(v, Quantized):
+            scale = v.scale.to(torch.float64).mul_(c).to(torch.float32)
+            if all_finite(scale):  # a huge scale over zero codes could overflow: then the general way
+                return lambda start, stop, t: v.values(start, stop, out=t, scale=scale)
+        else:
+            return lambda start, stop, t: torch.mul(v[start:stop], c, out=t)
+
+    def general(start: int, stop: int, t: torch.Tensor) -> torch.Tensor:
+        x = v.values(start, stop, out=t) if isinstance(v, Quantized) else v[start:stop]
+        if d is not None:
+            x = torch.div(x, d, out=t)
+        return torch.mul(x, f, out=t)
+
+    return general
 
 
 def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float]]) -> torch.Tensor:
@@ -160,16 +186,13 @@ def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float
     blocks = [v.block for _, v, _ in items if isinstance(v, Quantized)]
     step = chunk_elems(math.lcm(1, *blocks), elems=MERGE_CHUNK_ELEMS)
     acc = torch.empty(n, dtype=torch.float32)
-    term = torch.empty(min(step, n), dtype=torch.float32)
-    terms = [(v, d, f) for (_, v, _), (d, f) in zip(items, factors) if f]
+    scratch = torch.empty(min(step, n), dtype=torch.float32)
+    terms = [_term(v, d, f) for (_, v, _), (d, f) in zip(items, factors) if f]
     for start in range(0, n, step):
         stop = min(n, start + step)
-        part, t = acc[start:stop].zero_(), term[: stop - start]
-        for v, d, f in terms:
-            x = v.values(start, stop, out=t) if isinstance(v, Quantized) else v[start:stop]
-            if d is not None:
-                x = torch.div(x, d, out=t)
-            part.add_(torch.mul(x, f, out=t))
+        part, t = acc[start:stop].zero_(), scratch[: stop - start]
+        for term in terms:
+            part.add_(term(start, stop, t))
     return acc
 
 
