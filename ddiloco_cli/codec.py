@@ -86,8 +86,9 @@ def _full_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     return torch.nn.functional.pad(x, (0, nb * block - n)).view(nb, block), nb
 
 
-# (start, stop, values): the decoder's values of x[start:stop] as the encoder makes them
-Sink = Callable[[int, int, torch.Tensor], None]
+# (start, stop, values, bounded): the decoder's values of x[start:stop] as the encoder makes
+# them; bounded: they are finite (known from the scales), else unknown
+Sink = Callable[[int, int, torch.Tensor, bool], None]
 QUANTIZE_CHUNK_ELEMS = 1 << 18  # x, its codes and their values stay in cache between the passes
 
 
@@ -98,12 +99,12 @@ def _quantize(x: torch.Tensor, codec: str, block: int, *, sink: Sink | None = No
     n = x.numel()
     if codec == "none":
         if sink is not None:
-            sink(0, n, x)
+            sink(0, n, x, False)
         return [x.numpy()]
     if codec == "bf16":
         b = x.to(torch.bfloat16)
         if sink is not None:
-            sink(0, n, b.to(torch.float32))
+            sink(0, n, b.to(torch.float32), False)
         return [b.view(torch.int16).numpy()]
     step = chunk_elems(block, elems=QUANTIZE_CHUNK_ELEMS)
     scales, bodies = [], []
@@ -115,7 +116,7 @@ def _quantize(x: torch.Tensor, codec: str, block: int, *, sink: Sink | None = No
     return scales + bodies
 
 
-def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, sink: Callable[[torch.Tensor], None] | None):
+def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, sink: Callable[[torch.Tensor, bool], None] | None):
     n = x.numel()
     qmax = QMAX[codec]
     xb, _ = _full_blocks(x, block)
@@ -135,7 +136,7 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, sink: Callable[[
             q[:full].view(-1, block).mul_(scale[: full // block, None])
         if full < n:
             q[full:].mul_(scale[full // block])
-        sink(q)
+        sink(q, all_finite(scale * qmax))  # |q| <= qmax
     scale_buf = scale.to(torch.bfloat16).view(torch.int16).numpy()
     if codec == "int8":
         return scale_buf, u.numpy()  # stored as q + 128 (uint8)
@@ -204,7 +205,7 @@ def encode_with_residual(
         r = residual[key] = torch.empty(tensors[key].shape, dtype=torch.float32)
         flat = r.view(-1)
 
-        def sink(start: int, stop: int, decoded: torch.Tensor) -> None:
+        def sink(start: int, stop: int, decoded: torch.Tensor, bounded: bool) -> None:
             torch.sub(x[start:stop], decoded, out=flat[start:stop])
 
         return sink
@@ -484,8 +485,8 @@ def encode_published_delta(
         flat, p = out.view(-1), prev_published.get(key)
         base = None if p is None else p.detach().to(torch.float32).reshape(-1)
 
-        def sink(start: int, stop: int, decoded: torch.Tensor) -> None:
-            if not all_finite(decoded):
+        def sink(start: int, stop: int, decoded: torch.Tensor, bounded: bool) -> None:
+            if not bounded and not all_finite(decoded):
                 raise InvalidPayloadError(f"own published delta: tensor {key!r} has non-finite values")
             if base is None:
                 flat[start:stop].copy_(decoded)

@@ -39,15 +39,28 @@ _Q_OF_BYTE = {
 }
 
 
-def _sq_of_word(codec: str, dtype: type) -> np.ndarray:
-    """Sum of q**2 over the codes of every 2-byte word (4 int4 codes, 2 int8 codes). The
-    sum does not depend on the byte order, so the table holds for either endianness."""
+def _q_of_word(codec: str, item: type) -> np.ndarray:
+    """q of every 2-byte word (its first byte's codes, then its second's; the index is the word
+    as this machine reads it), one row as a single ``item`` (16 or 8 bytes): one lookup per
+    two bytes, half as many as by byte (int8: 2x faster, int4: 1.2x)."""
+    words = np.arange(1 << 16)
+    first, second = (words & 0xFF, words >> 8) if np.little_endian else (words >> 8, words & 0xFF)
+    table = np.concatenate([_Q_OF_BYTE[codec][first], _Q_OF_BYTE[codec][second]], axis=1)
+    return np.ascontiguousarray(table).view(item).reshape(-1)
+
+
+_Q_OF_WORD = {"int4": _q_of_word("int4", np.complex128), "int8": _q_of_word("int8", np.uint64)}
+
+
+def _sq_of_word(codec: str) -> np.ndarray:
+    """Sum of q**2 over the codes of every 2-byte word (4 int4 codes, 2 int8 codes), as fp32
+    (exact integers). The sum does not depend on the byte order, so it holds for either."""
     per_byte = (_Q_OF_BYTE[codec].astype(np.int64) ** 2).sum(axis=1)
     words = np.arange(1 << 16)
-    return (per_byte[words & 0xFF] + per_byte[words >> 8]).astype(dtype)
+    return (per_byte[words & 0xFF] + per_byte[words >> 8]).astype(np.float32)
 
 
-_SQ_OF_WORD = {"int4": _sq_of_word("int4", np.int16), "int8": _sq_of_word("int8", np.int32)}
+_SQ_OF_WORD = {"int4": _sq_of_word("int4"), "int8": _sq_of_word("int8")}
 
 
 def chunk_elems(block: int, *, elems: int = 1 << 20) -> int:
@@ -66,7 +79,10 @@ def dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: int
     """Write q * scale (fp32) into out (n values): q exactly as fp32 from a table, then one
     in-place multiply per block (the same fp32 products as multiplying q by its scale)."""
     table = _Q_OF_BYTE[codec]
-    if codec == "int4" and n % 2:  # the last byte's high nibble is padding
+    if n % (2 * PER_BYTE[codec]) == 0:  # whole words, no padding nibble
+        words = _Q_OF_WORD[codec]
+        np.take(words, body.numpy().view(np.uint16), out=out.numpy().view(words.dtype), mode="clip")
+    elif codec == "int4" and n % 2:  # the last byte's high nibble is padding
         q = torch.empty(n + 1, dtype=torch.float32)
         np.take(table, body.numpy(), axis=0, out=q.numpy().reshape(-1, 2), mode="clip")
         out.copy_(q[:n])
@@ -136,9 +152,11 @@ class Quantized:
         parts = []
         if full and block % (2 * per_byte) == 0:  # whole 2-byte words per block: the word table
             words = self.body[: full * block // per_byte].numpy().view(np.uint16)
-            sq = torch.from_numpy(np.take(_SQ_OF_WORD[self.codec], words, mode="clip"))
-            exact = torch.int32 if block * QABS[self.codec] ** 2 < 2**31 else torch.int64  # int32: faster
-            per_block = sq.view(full, -1).sum(1, dtype=exact).to(torch.float64)
+            sq = torch.from_numpy(np.take(_SQ_OF_WORD[self.codec], words, mode="clip")).view(full, -1)
+            if block * QABS[self.codec] ** 2 < 2**24:  # fp32 sums of these integers are exact: BLAS, fast
+                per_block = torch.mv(sq, torch.ones(sq.shape[1])).to(torch.float64)
+            else:
+                per_block = sq.to(torch.float64).sum(1)
             parts.append(per_block.mul_(self.scale[:full].to(torch.float64).square()))
             done = full * block
         else:

@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -100,12 +101,75 @@ class TimedStore:
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
         if name in ("get", "put", "put_if_absent", "list", "delete", "now") and callable(attr):
-            return self.regions.wrap("io", attr)
+            return CPU.wrap("io", self.regions.wrap("io", attr))
         return attr
 
 
+class CpuRegions:
+    """Exclusive CPU time per named region: each thread's own CPU time (time.thread_time) inside
+    a wrapped function, less that of wrapped functions it calls, summed over threads (the
+    syncer decodes in a pool)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.enabled = False
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            stack = self._local.__dict__.setdefault("stack", [])
+            stack.append(0.0)
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.thread_time() - t0
+                child = stack.pop()
+                with self._lock:
+                    self.totals[name] = self.totals.get(name, 0.0) + dt - child
+                if stack:
+                    stack[-1] += dt
+
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
+    def reset(self) -> None:
+        self.totals = {}
+
+
 REGIONS = Regions()
+CPU = CpuRegions()
 STAGES = ("intake", "outer_grad", "update", "commit", "checkpoint")
+# CPU split: (label, module, attribute) of the functions that do the syncer's work, each timed
+# exclusively of the others (module attributes: the callers look them up at call time)
+CPU_PARTS = (
+    ("decode", "ddiloco_cli.codec", "decode_tensors"),  # parse, zstd, the scales' finiteness check
+    ("norm", "ddiloco_cli.intake", "delta_norm"),  # from the codes
+    ("sha256", "ddiloco_cli.records", "sha256_hex"),  # contributions and published payloads
+    ("schema", "ddiloco_cli.records", "validate"),
+    ("merge", "ddiloco_cli.update", "merge_gradients"),
+    ("outer", "ddiloco_cli.outer", "OuterOptimizer.step"),
+    ("publish", "ddiloco_cli.codec", "encode_published_delta"),  # quantise, zstd, new published value
+    ("full", "ddiloco_cli.codec", "encode_tensors"),  # keyframes and checkpoints (codec none)
+)
+
+
+def _instrument_cpu() -> None:
+    """Wrap CPU_PARTS with CPU regions (once per process)."""
+    import importlib
+
+    if getattr(_instrument_cpu, "done", False):
+        return
+    for label, module, attr in CPU_PARTS:
+        owner: Any = importlib.import_module(module)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, name, CPU.wrap(label, getattr(owner, name)))
+    _instrument_cpu.done = True  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------- one config
@@ -179,6 +243,7 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         store = open_store(url)
         run = ledger.read_run(store)
         plan = ledger.read_plan(store, run_id=run["run_id"])
+    _instrument_cpu()
     timed_store = TimedStore(open_store(url), REGIONS)
     syncer = Syncer(timed_store, options=SyncerOptions(fragments=[fragment], syncer_id=f"bench-{fragment}", gc=False))
     if decode_threads is not None:
@@ -197,8 +262,9 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         timed = r >= warmup
         if timed and r == warmup:
             REGIONS.reset()
+            CPU.reset()
             stages_before = dict(syncer.stage_s)
-        REGIONS.enabled = timed
+        REGIONS.enabled = CPU.enabled = timed
         if prof is not None and timed:
             prof.enable()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -207,7 +273,7 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if prof is not None and timed:
             prof.disable()
-        REGIONS.enabled = False
+        REGIONS.enabled = CPU.enabled = False
         state = syncer.states[fragment]
         assert merged and state.version == version + 1, f"round {r}: no merge (pending {len(state.pending)})"
         assert state.last_quorum_size == m
@@ -219,6 +285,9 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     split = {k: (syncer.stage_s.get(k, 0.0) - stages_before.get(k, 0.0)) / rounds for k in STAGES}
     split["other"] = total / rounds - sum(split.values())
     split["io"] = REGIONS.totals.get("io", 0.0) / rounds  # inside the stages above
+    cpu_split = {label: CPU.totals.get(label, 0.0) / rounds for label, _, _ in CPU_PARTS}
+    cpu_split["io"] = CPU.totals.get("io", 0.0) / rounds
+    cpu_split["other"] = sum(cpu_times) / rounds - sum(cpu_split.values())
     if own_run and store_kind != "memory":
         shutil.rmtree(url, ignore_errors=True)
     out = {
@@ -230,6 +299,7 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         "param_contribs_per_cpu_s": m * n * rounds / sum(cpu_times),
         "contribution_bytes": bytes_in / (rounds * m),
         "split_s_per_merge": split,
+        "cpu_split_s_per_merge": cpu_split,
     }
     if prof is not None:
         s = io.StringIO()
@@ -357,6 +427,18 @@ def main() -> None:
               f"{r['cpu_s_per_merge_mean'] * 1e3:>7.1f} {r['param_contribs_per_cpu_s']:>10.3g} "
               f"{r['param_contribs_per_s']:>10.3g} {r['m_max_1b_h24_1s']:>6.1f} | "
               + " ".join(f"{sp.get(c, 0.0) * 1e3:>10.1f}" for c in cols))
+    parts = [*(label for label, _, _ in CPU_PARTS), "io", "other"]
+    print("\nCPU ms per merge by part (all threads; each part without the others it calls): decode = parse + zstd + "
+          "finiteness of the scales; norm = contribution norms from the codes; publish = the published delta "
+          "(quantise, zstd, new value); full = keyframe and checkpoint payloads; other = the rest (bookkeeping, "
+          "finiteness checks of the update, manifests)")
+    head = f"{'codec':5s} {'M':>2s} {'CPU ms':>7s} | " + " ".join(f"{c:>8s}" for c in parts)
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        cs = r["cpu_split_s_per_merge"]
+        print(f"{r['codec']:5s} {r['m']:>2d} {r['cpu_s_per_merge_mean'] * 1e3:>7.1f} | "
+              + " ".join(f"{cs.get(c, 0.0) * 1e3:>8.1f}" for c in parts))
     target = 2e8
     int4 = [r for r in results if r["codec"] == "int4"]
     if int4:

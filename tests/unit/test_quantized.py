@@ -1,0 +1,120 @@
+"""int4/int8 tensors read from their codes (ddiloco_cli.quantized): the same values as the
+dequantised tensor, norms from the codes, and the syncer's merge of contributions kept as codes."""
+
+import json
+import math
+import struct
+
+import pytest
+import torch
+import zstandard
+
+from ddiloco_cli import quantized
+from ddiloco_cli.codec import decode_tensors, encode_tensors
+from ddiloco_cli.errors import InvalidPayloadError
+from ddiloco_cli.intake import delta_norm
+from ddiloco_cli.merge import merge_outer_gradients
+from ddiloco_cli.quantized import DecodedTensors, Quantized
+
+CASES = [("int4", 64, 10_000), ("int4", 64, 4_097), ("int4", 3, 1001), ("int4", 5, 7), ("int4", 1, 1),
+         ("int8", 256, 10_000), ("int8", 7, 1001), ("int8", 4096, 9000)]  # the last: per-block sums in fp64
+
+
+def _payload(codec, block, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.01
+    x[::97] *= 50  # outliers: blocks of very different scales
+    x[: min(n, 2 * block)] = 0  # zero blocks
+    return encode_tensors({"a": x}, codec=codec, block_size=block)
+
+
+@pytest.mark.parametrize("codec,block,n", CASES)
+def test_values_of_any_range_are_the_decoders(codec, block, n):
+    data = _payload(codec, block, n)
+    dense = decode_tensors(data)[0]["a"]
+    kept = decode_tensors(data, keep_codes=True)[0]
+    q = kept.sources["a"]
+    assert isinstance(kept, DecodedTensors) and isinstance(q, Quantized)
+    assert torch.equal(kept["a"], dense)  # dequantised on access
+    step = quantized.chunk_elems(block, elems=300)
+    out = torch.empty(step)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        assert torch.equal(q.values(start, stop, out=out), dense[start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("codec,block,n", CASES)
+def test_sum_of_squares_from_the_codes(codec, block, n):
+    q = decode_tensors(_payload(codec, block, n), keep_codes=True)[0].sources["a"]
+    exact = float(q.dense().double().square().sum())
+    assert q.sum_of_squares == pytest.approx(exact, rel=1e-12)
+
+
+def _frame(codec, block, scales, body):
+    """A payload of one tensor "t" from its frame: bf16 scales, then the codes."""
+    n = len(body) * (2 if codec == "int4" else 1)
+    raw = torch.tensor(scales).to(torch.bfloat16).view(torch.int16).numpy().tobytes() + bytes(body)
+    comp = zstandard.ZstdCompressor(write_content_size=True).compress(raw)
+    desc = {"format": 1, "codec": codec, "block_size": block, "metadata": {},
+            "tensors": {"t": {"shape": [n], "dtype": "float32", "raw_nbytes": len(raw), "comp_nbytes": len(comp)}}}
+    header = json.dumps({"__metadata__": {"ddiloco": json.dumps(desc)},
+                         "t": {"dtype": "U8", "shape": [len(comp)], "data_offsets": [0, len(comp)]}}).encode()
+    return struct.pack("<Q", len(header)) + header + comp
+
+
+@pytest.mark.parametrize("keep_codes", [False, True])
+def test_a_code_no_encoder_writes_cannot_smuggle_an_infinity(keep_codes):
+    """q = -8 (nibble 0) or -128 (byte 0) times a scale whose 7x / 127x is finite overflows:
+    the finiteness bound on the scales uses the largest code a frame can hold."""
+    for codec, scale, code in (("int4", 2.0**125 * 1.125, 0x80), ("int8", 2.0**121 * (1 + 1 / 128), 0)):
+        assert math.isfinite(float(torch.tensor(scale).to(torch.bfloat16)) * quantized.QMAX[codec])
+        with pytest.raises(InvalidPayloadError, match="'t' has non-finite"):
+            decode_tensors(_frame(codec, 4, [scale], [code] * (2 if codec == "int4" else 4)), keep_codes=keep_codes)
+
+
+def _contributions(m, codec="int4", block=64):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(m):
+        t = {"h.0.w": torch.randn(40, 50, generator=g) * (i + 1), "h.0.b": torch.randn(50, generator=g),
+             "wte.weight": torch.randn(30, 7, generator=g)}
+        out.append(decode_tensors(encode_tensors(t, codec=codec, block_size=block), keep_codes=True)[0])
+    return out
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+def test_merging_codes_is_merging_their_values(method):
+    """Only the norms differ (fp64 from the codes, fp32 from the values): the results agree to
+    fp32 rounding; and a merge of codes is as order-independent, bit for bit, as any merge."""
+    kept = _contributions(4)
+    dense = [{k: v.clone() for k, v in c.items()} for c in kept]
+    weights = [1.0, 3.0, 0.5, 2.0]
+    a = merge_outer_gradients(kept, weights, method=method, mean_keys={"wte.weight"})
+    b = merge_outer_gradients(dense, weights, method=method, mean_keys={"wte.weight"})
+    for k in a:  # sums of rounded terms: a few ulps of the largest value
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6 * float(b[k].abs().max()))
+    perm = [2, 0, 3, 1]
+    again = merge_outer_gradients([kept[i] for i in perm], [weights[i] for i in perm], method=method,
+                                  mean_keys={"wte.weight"})
+    assert all(torch.equal(a[k], again[k]) for k in a)
+    mixed = merge_outer_gradients([kept[0], dense[1], kept[2], dense[3]], weights, method=method,
+                                  mean_keys={"wte.weight"})
+    for k in a:
+        torch.testing.assert_close(mixed[k], a[k], rtol=0, atol=1e-6 * float(a[k].abs().max()))
+
+
+def test_merge_of_codes_in_many_ranges_equals_one_range(monkeypatch):
+    import ddiloco_cli.merge as M
+
+    kept = _contributions(3, codec="int8", block=6)
+    monkeypatch.setattr(M, "MERGE_CHUNK_ELEMS", 10**9)
+    one = merge_outer_gradients(kept, [1.0, 2.0, 3.0])
+    monkeypatch.setattr(M, "MERGE_CHUNK_ELEMS", 12)
+    many = merge_outer_gradients(kept, [1.0, 2.0, 3.0])
+    assert all(torch.equal(one[k], many[k]) for k in one)
+
+
+def test_a_contributions_norm_from_its_codes():
+    kept = _contributions(1)[0]
+    exact = math.sqrt(sum(float(t.double().square().sum()) for t in kept.values()))
+    assert delta_norm(kept) == pytest.approx(exact, rel=1e-12)
