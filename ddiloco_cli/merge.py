@@ -11,9 +11,16 @@ huge weights neither underflow nor overflow. Contributions are put into a
 canonical order first (by weight, then norm, then sha256 of the bytes) and summed
 in that order, each term rounded before it is added (no fused multiply-add), so
 the result is bit-identical whatever order the caller lists them in, and v - v
-cancels exactly.
+cancels exactly. A term is v * (w / (W ||v||)), one multiply (for int4/int8 codes
+q * (scale * that factor)), or (v / ||v||) * (w / W) where that factor is not safely
+inside fp32's range.
 A single weighted contribution passes through bit-exact. All weights zero gives
 zeros.
+
+Contributions decoded with their codes kept (``quantized.DecodedTensors``, the syncer's
+intake) are merged from the codes, range by range, with no full-size fp32 copy; their norms
+come from the codes too, in fp64 (a tensor's norm is fp32). Syncer and replay decode the same
+way, so they merge the same way.
 """
 
 from __future__ import annotations
