@@ -35,6 +35,7 @@ import functools
 import json
 import math
 import struct
+import sys
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -92,25 +93,32 @@ Sink = Callable[[int, int, torch.Tensor, bool], None]
 QUANTIZE_CHUNK_ELEMS = 1 << 18  # x, its codes and their values stay in cache between the passes
 
 
-def _quantize(x: torch.Tensor, codec: str, block: int, *, sink: Sink | None = None) -> list:
-    """fp32 flat contiguous tensor -> raw (uncompressed) frame, as a list of buffers to be
-    concatenated. ``sink``, when given, gets every range's decoded values while they are in
-    cache: bit for bit what a decoder of the frame computes (error feedback needs them)."""
+def _quantize(x: torch.Tensor, codec: str, block: int, *, minus: torch.Tensor | None = None,
+              sink: Sink | None = None) -> list:
+    """fp32 flat contiguous tensor x (less ``minus``, one like it, when given) -> raw
+    (uncompressed) frame, as a list of buffers to be concatenated. ``sink``, when given, gets
+    every range's decoded values while they are in cache: bit for bit what a decoder of the
+    frame computes (error feedback needs them). ``minus`` is subtracted range by range too:
+    no full-size difference is written and read back."""
     n = x.numel()
-    if codec == "none":
-        if sink is not None:
-            sink(0, n, x, False)
-        return [x.numpy()]
-    if codec == "bf16":
+    if codec in ("none", "bf16"):
+        if minus is not None:
+            x = x - minus
+        if codec == "none":
+            if sink is not None:
+                sink(0, n, x, False)
+            return [x.numpy()]
         b = x.to(torch.bfloat16)
         if sink is not None:
             sink(0, n, b.to(torch.float32), False)
         return [b.view(torch.int16).numpy()]
     step = chunk_elems(block, elems=QUANTIZE_CHUNK_ELEMS)
+    diff = None if minus is None else torch.empty(min(step, n), dtype=torch.float32)
     scales, bodies = [], []
     for start in range(0, n, step):
-        sc, body = _quantize_chunk(x[start : start + step], codec, block,
-                                   sink=None if sink is None else functools.partial(sink, start, min(n, start + step)))
+        stop = min(n, start + step)
+        xs = x[start:stop] if diff is None else torch.sub(x[start:stop], minus[start:stop], out=diff[: stop - start])
+        sc, body = _quantize_chunk(xs, codec, block, sink=None if sink is None else functools.partial(sink, start, stop))
         scales.append(sc)
         bodies.append(body)
     return scales + bodies
@@ -142,8 +150,12 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, sink: Callable[[
         return scale_buf, u.numpy()  # stored as q + 128 (uint8)
     if n % 2:
         u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8)])
-    pairs = u.view(-1, 2)
-    packed = torch.addcmul(pairs[:, 0], pairs[:, 1], torch.tensor(16, dtype=torch.uint8))
+    if sys.byteorder == "little":  # a pair as one int16 (first value in the low byte): 3x faster
+        pair = u.view(torch.int16)
+        packed = (pair | (pair >> 4)).to(torch.uint8)  # low byte: first | second << 4
+    else:
+        pairs = u.view(-1, 2)
+        packed = torch.addcmul(pairs[:, 0], pairs[:, 1], torch.tensor(16, dtype=torch.uint8))
     return scale_buf, packed.numpy()
 
 
@@ -201,7 +213,8 @@ def encode_with_residual(
     dequantises its own frames, so no decode of the payload is needed."""
     residual: dict[str, torch.Tensor] = {}
 
-    def left_out(key: str, x: torch.Tensor) -> Sink:
+    def left_out(key: str) -> Sink:
+        x = _flat32(tensors[key])
         r = residual[key] = torch.empty(tensors[key].shape, dtype=torch.float32)
         flat = r.view(-1)
 
@@ -215,28 +228,34 @@ def encode_with_residual(
     return payload, residual
 
 
+def _flat32(t: torch.Tensor) -> torch.Tensor:
+    """t's values as a flat fp32 CPU tensor (t itself, viewed, when it already is one)."""
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+
+
 def _encode(
     tensors: Mapping[str, torch.Tensor], *, codec: str, block_size: int | None, zstd_level: int, metadata: dict | None,
-    sink_for: Callable[[str, torch.Tensor], Sink] | None = None,
+    minus: Mapping[str, torch.Tensor] | None = None, sink_for: Callable[[str], Sink] | None = None,
 ) -> bytes:
-    """The payload of ``tensors``. ``sink_for(key, x)``, when given, makes the sink that gets
-    the decoded values of tensor ``key`` (``x``: its values as fp32, flat) as they are made."""
+    """The payload of ``tensors``, less ``minus`` where it has the key (then the header's dtype
+    is float32). ``sink_for(key)``, when given, makes the sink that gets the decoded values of
+    tensor ``key`` as they are made."""
     block = _check_codec(codec, block_size)
     cctx = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True, write_checksum=True)
     frames: list[tuple[str, bytes]] = []
     info: dict[str, Any] = {}
     for key, t in tensors.items():
-        x = t.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
-        parts = [memoryview(p).cast("B") for p in _quantize(x, codec, block,
-                                                             sink=None if sink_for is None else sink_for(key, x))]
+        m = None if minus is None or key not in minus else _flat32(minus[key])
+        parts = [memoryview(p).cast("B") for p in _quantize(_flat32(t), codec, block, minus=m,
+                                                             sink=None if sink_for is None else sink_for(key))]
         raw_n = sum(p.nbytes for p in parts)
-        assert raw_n == _raw_nbytes(codec, x.numel(), block)
+        assert raw_n == _raw_nbytes(codec, t.numel(), block)
         cobj = cctx.compressobj(size=raw_n)
         comp = b"".join([*(cobj.compress(p) for p in parts), cobj.flush()])
         frames.append((key, comp))
         info[key] = {
             "shape": list(t.shape),
-            "dtype": str(t.dtype).removeprefix("torch."),
+            "dtype": "float32" if m is not None else str(t.dtype).removeprefix("torch."),
             "raw_nbytes": raw_n,
             "comp_nbytes": len(comp),
         }
@@ -404,7 +423,7 @@ def _decode_tensors(
         if len(raw) != raw_n:
             raise bad(f"tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
         out[key] = _decoded(raw, codec, tuple(shape), block, keep_codes=keep_codes, where=f"{where}: tensor {key!r}")
-    return (DecodedTensors(out) if keep_codes else out), caller_meta
+    return (DecodedTensors(out, codec=codec, block_size=block) if keep_codes else out), caller_meta
 
 
 def _decoded(raw: bytes, codec: str, shape: tuple[int, ...], block: int, *, keep_codes: bool, where: str) -> Source:
@@ -474,16 +493,14 @@ def encode_published_delta(
     with codec "none" the published value then equals new_value exactly (use that for a full
     snapshot). Tensors are fp32 CPU. Raises InvalidPayloadError when a decoded value is not finite.
     """
-    delta, published = {}, {}
-    for k, v in new_value.items():
-        v32 = v.detach().to("cpu", torch.float32)
-        p = prev_published.get(k)
-        delta[k] = v32.clone() if p is None else v32 - p.to(torch.float32)
+    published: dict[str, torch.Tensor] = {}
+    # fp32 (a header's dtype is float32 either way); the difference is made range by range
+    value = {k: v.detach().to("cpu", torch.float32) for k, v in new_value.items()}
 
-    def into_published(key: str, x: torch.Tensor) -> Sink:
-        out = published[key] = torch.empty(delta[key].shape, dtype=torch.float32)
+    def into_published(key: str) -> Sink:
+        out = published[key] = torch.empty(value[key].shape, dtype=torch.float32)
         flat, p = out.view(-1), prev_published.get(key)
-        base = None if p is None else p.detach().to(torch.float32).reshape(-1)
+        base = None if p is None else _flat32(p)
 
         def sink(start: int, stop: int, decoded: torch.Tensor, bounded: bool) -> None:
             if not bounded and not all_finite(decoded):
@@ -495,8 +512,8 @@ def encode_published_delta(
 
         return sink
 
-    payload = _encode(delta, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
-                      sink_for=into_published)
+    payload = _encode(value, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
+                      minus=prev_published, sink_for=into_published)
     return payload, published
 
 

@@ -34,7 +34,7 @@ from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.merge import norm, token_weight
 from ddiloco_cli.published import expected_shapes
-from ddiloco_cli.quantized import sources
+from ddiloco_cli.quantized import DecodedTensors, sources
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
@@ -136,7 +136,7 @@ class _Fetched:
     """One contribution as downloaded and decoded off the main thread (``Intake._fetch``)."""
 
     data: bytes | None = None  # None: gone, or unreadable (then ``error``)
-    tensors: Tensors | None = None
+    tensors: DecodedTensors | None = None
     header: dict[str, Any] | None = None
     norm: float = 0.0
     error: InvalidPayloadError | None = None  # it does not decode, or cannot be read
@@ -246,7 +246,7 @@ class Intake:
             if (header["fragment"], header["learner_id"], header["seq"]) != (p, learner_id, seq):
                 raise InvalidPayloadError(f"{where}: header names fragment {header['fragment']} learner "
                                           f"{header['learner_id']} seq {header['seq']}, not its key")
-            self._check_codec(data, where=where)
+            self._check_codec(got.tensors, where=where)
             if not self.is_known_learner(learner_id):
                 raise InvalidPayloadError(f"{where}: unknown learner {learner_id!r} (no heartbeat in the run)")
         except (InvalidPayloadError, ProtocolError) as exc:
@@ -255,14 +255,14 @@ class Intake:
         return Contribution(learner_id, seq, key, records.sha256_hex(data), len(data), int(header["base_version"]),
                             int(header["c_tokens"]), int(header["c_steps"]), got.tensors, norm=got.norm)
 
-    def _check_codec(self, data: bytes, *, where: str) -> None:
-        """A contribution must use the run's codec (a learner may not upload fp32 in an int4 run)."""
-        desc = codec.payload_codec(data, where=where)
+    def _check_codec(self, tensors: DecodedTensors, *, where: str) -> None:
+        """A contribution must use the run's codec (a learner may not upload fp32 in an int4 run):
+        as its header declared it to the decoder (the header is parsed once)."""
         want = self.config.codec
-        if desc.get("codec") != want:
-            raise InvalidPayloadError(f"{where}: codec {desc.get('codec')!r}, but the run's codec is {want!r}")
-        if want in ("int8", "int4") and desc.get("block_size") != self.config.codec_block:
-            raise InvalidPayloadError(f"{where}: block size {desc.get('block_size')}, but the run's is "
+        if tensors.codec != want:
+            raise InvalidPayloadError(f"{where}: codec {tensors.codec!r}, but the run's codec is {want!r}")
+        if want in ("int8", "int4") and tensors.block_size != self.config.codec_block:
+            raise InvalidPayloadError(f"{where}: block size {tensors.block_size}, but the run's is "
                                       f"{self.config.codec_block}")
 
     def fetch_used(self, p: int, entry: dict[str, Any]) -> Tensors:

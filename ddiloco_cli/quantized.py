@@ -175,10 +175,11 @@ Source = torch.Tensor | Quantized  # one tensor of a decoded payload
 class DecodedTensors(Mapping[str, torch.Tensor]):
     """A decoded payload's tensors: {key: fp32 tensor} on access (an int4/int8 tensor is
     dequantised on first access, then kept). ``sources`` gives them as decoded: a
-    ``Quantized`` for int4/int8 tensors, a tensor otherwise."""
+    ``Quantized`` for int4/int8 tensors, a tensor otherwise; ``codec`` and ``block_size``
+    are the payload's, as its header declares them."""
 
-    def __init__(self, sources: dict[str, Source]):
-        self.sources = sources
+    def __init__(self, sources: dict[str, Source], *, codec: str, block_size: int | None):
+        self.sources, self.codec, self.block_size = sources, codec, block_size
 
     def __getitem__(self, key: str) -> torch.Tensor:
         src = self.sources[key]
