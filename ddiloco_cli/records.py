@@ -115,9 +115,11 @@ def parse_json(
         raise error(f"{where}: {len(raw)} bytes of JSON exceed the bound of {max_bytes}")
     try:
         text = raw.decode("utf-8")  # UTF-8 only: in it no byte of a multi-byte character looks like a bracket
-        depth = json_depth(raw)
-        if depth > MAX_JSON_DEPTH:
-            raise _TooLarge(f"nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+        # no deeper than its number of opening brackets: count the depth only when that could exceed the bound
+        if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+            depth = json_depth(raw)
+            if depth > MAX_JSON_DEPTH:
+                raise _TooLarge(f"nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
         return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except PARSE_ERRORS as exc:
         raise error(f"{where}: not valid JSON ({one_line(exc)})") from None
