@@ -42,6 +42,7 @@ _TRANSIENT_ERRNOS = frozenset(
 )
 _ACCESS_ERRNOS = frozenset((errno.EACCES, errno.EPERM))
 _READ_CHUNK_BYTES = 1 << 20
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 
 class LocalStore:
@@ -68,16 +69,22 @@ class LocalStore:
     def _write_temp(self, path: str, data: bytes) -> str:
         """A complete, fsynced temp file beside ``path``; on any failure none is left."""
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(tmp, _CREATE_FLAGS, 0o666)
+        except FileNotFoundError:  # the directory's first object (most writes skip the mkdir)
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(tmp, _CREATE_FLAGS, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
         except BaseException:
             _discard(tmp)
             raise
+        finally:
+            os.close(fd)
         return tmp
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
