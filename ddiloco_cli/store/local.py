@@ -1,10 +1,19 @@
 """A bucket in a local (or shared POSIX) directory.
 
 Create-only writes: write the bytes to a temp file in the destination
-directory, fsync, then ``os.link`` it to the final name. ``link`` fails with
-``FileExistsError`` if the name exists, atomically, so exactly one writer wins
-and the final name only ever points at a complete file. Overwrites use
-``os.replace`` of a complete temp file, so readers never see a torn object.
+directory, fsync, then ``os.link`` it to the final name, and fsync the
+directory. ``link`` fails with ``FileExistsError`` if the name exists,
+atomically, so exactly one writer wins and the final name only ever points at
+a complete file. Overwrites use ``os.replace`` of a complete temp file, so
+readers never see a torn object.
+
+A learner's contribution skips the directory fsync (a learner writes one per
+step): a host crash can then lose its name, never leave it torn, and a lost
+contribution is one the protocol tolerates (a learner crash loses its unsent
+ones too; a replay that needs one that is gone continues as PROTOCOL [M4]
+says). A journaling filesystem commits the link with the next fsync in the
+bucket anyway (the syncer's manifest that uses it, at the latest).
+
 Temp files start with ``.tmp-`` and are never listed; a write that fails
 removes its own, and ``remove_stale_temp`` removes those of writers that died.
 
@@ -29,6 +38,7 @@ import uuid
 from typing import Callable, TypeVar
 
 from ddiloco_cli.errors import StoreAccessError
+from ddiloco_cli.layout import CONTRIBUTION_ROOT
 from ddiloco_cli.store import TEMP_PREFIX, check_key
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, TransientStoreError, UnreadableObjectError
 
@@ -97,7 +107,8 @@ class LocalStore:
             while True:
                 try:
                     os.link(tmp, path)
-                    _fsync_dir(os.path.dirname(path))
+                    if not key.startswith(CONTRIBUTION_ROOT):  # see the module docstring
+                        _fsync_dir(os.path.dirname(path))
                     return True
                 except FileExistsError:
                     pass
