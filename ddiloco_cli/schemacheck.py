@@ -61,6 +61,41 @@ def json_equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+# Records are checked on every bucket read: the closures below are plain loops and
+# short-circuit chains (a generator per check costs more than the check).
+def _all_of(checks: list[Check]) -> Check:
+    if len(checks) == 1:
+        return checks[0]
+    if len(checks) == 2:
+        a, b = checks
+        return lambda x: a(x) and b(x)
+    if len(checks) == 3:
+        a, b, c = checks
+        return lambda x: a(x) and b(x) and c(x)
+
+    def check_all(x: Any) -> bool:
+        for c in checks:
+            if not c(x):
+                return False
+        return True
+    return check_all
+
+
+def _any_of(checks: list[Check]) -> Check:
+    if len(checks) == 1:
+        return checks[0]
+    return lambda x: any(c(x) for c in checks)
+
+
+def _equal_to_one_of(options: list[Any]) -> Check:
+    """``const`` / ``enum``: json_equal to one of ``options``. Strings only equal strings,
+    so a set lookup decides for them."""
+    if all(isinstance(o, str) for o in options):
+        strings = frozenset(options)
+        return lambda x: isinstance(x, str) and x in strings
+    return lambda x: any(json_equal(x, o) for o in options)
+
+
 def compile_schema(schema: Mapping[str, Any], *, formats: Mapping[str, Check]) -> Check:
     """A function record -> bool equivalent to validating against ``schema`` (draft 2020-12,
     the keyword subset above; ``formats`` maps a format name to its check). Raises
@@ -85,39 +120,53 @@ def compile_schema(schema: Mapping[str, Any], *, formats: Mapping[str, Check]) -
             return lambda x: False
         if not isinstance(s, dict):
             raise Unsupported(f"schema {s!r}")
-        checks: list[Check] = []
-        for key, value in s.items():
-            if key in _ANNOTATIONS:
-                continue
-            checks.append(keyword(key, value, s))
-        if len(checks) == 1:
-            return checks[0]
-        return lambda x: all(c(x) for c in checks)
+        return _all_of([keyword(key, value, s) for key, value in s.items() if key not in _ANNOTATIONS])
 
     def keyword(key: str, value: Any, s: Mapping[str, Any]) -> Check:
         if key == "type":
             names = [value] if isinstance(value, str) else list(value)
             if not names or any(n not in _TYPES for n in names):
                 raise Unsupported(f"type {value!r}")
-            tests = [_TYPES[n] for n in names]
-            return lambda x: any(t(x) for t in tests)
+            return _any_of([_TYPES[n] for n in names])
         if key == "properties":
             props = {name: node(sub) for name, sub in value.items()}
-            return lambda x: not isinstance(x, dict) or all(p(x[k]) for k, p in props.items() if k in x)
+
+            def check_properties(x: Any) -> bool:
+                if isinstance(x, dict):
+                    for k, v in x.items():
+                        p = props.get(k)
+                        if p is not None and not p(v):
+                            return False
+                return True
+            return check_properties
         if key == "required":
-            names = list(value)
-            return lambda x: not isinstance(x, dict) or all(k in x for k in names)
+            names = frozenset(value)
+            return lambda x: not isinstance(x, dict) or x.keys() >= names
         if key == "additionalProperties":
             if "patternProperties" in s:
                 raise Unsupported("additionalProperties with patternProperties")
-            known = set(s.get("properties", {}))
+            known = frozenset(s.get("properties", {}))
             extra = node(value)
-            return lambda x: not isinstance(x, dict) or all(extra(v) for k, v in x.items() if k not in known)
+
+            def check_additional(x: Any) -> bool:
+                if isinstance(x, dict):
+                    for k, v in x.items():
+                        if k not in known and not extra(v):
+                            return False
+                return True
+            return check_additional
         if key == "items":
             if "prefixItems" in s:
                 raise Unsupported("prefixItems")
             item = node(value)
-            return lambda x: not isinstance(x, list) or all(item(v) for v in x)
+
+            def check_items(x: Any) -> bool:
+                if isinstance(x, list):
+                    for v in x:
+                        if not item(v):
+                            return False
+                return True
+            return check_items
         if key == "minItems":
             return lambda x: not isinstance(x, list) or len(x) >= value
         if key == "maxItems":
@@ -136,10 +185,9 @@ def compile_schema(schema: Mapping[str, Any], *, formats: Mapping[str, Check]) -
             regex = re.compile(value)
             return lambda x: not isinstance(x, str) or regex.search(x) is not None
         if key == "const":
-            return lambda x: json_equal(x, value)
+            return _equal_to_one_of([value])
         if key == "enum":
-            options = list(value)
-            return lambda x: any(json_equal(x, o) for o in options)
+            return _equal_to_one_of(list(value))
         if key == "format":
             if value not in formats:
                 raise Unsupported(f"format {value!r}")
