@@ -187,18 +187,22 @@ def _term(v: Source, d: float | None, f: float) -> Term:
 
 
 def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float]]) -> torch.Tensor:
-    """sum_i (v_i / d_i) * f_i over the items with f_i != 0, in the items' order, from zeros:
-    ``factors`` holds (d_i, f_i), d_i None for no division. fp32, flat."""
+    """sum_i (v_i / d_i) * f_i over the items with f_i != 0, in the items' order (zeros if
+    none): ``factors`` holds (d_i, f_i), d_i None for no division. fp32, flat. The sum starts
+    from the first term itself, not from 0 + it (they differ only in the sign of a zero)."""
     n = _numel(items[0][1])
     blocks = [v.block for _, v, _ in items if isinstance(v, Quantized)]
     step = chunk_elems(math.lcm(1, *blocks), elems=MERGE_CHUNK_ELEMS)
+    terms = [_term(v, d, f) for (_, v, _), (d, f) in zip(items, factors) if f]
+    if not terms:
+        return torch.zeros(n, dtype=torch.float32)
     acc = torch.empty(n, dtype=torch.float32)
     scratch = torch.empty(min(step, n), dtype=torch.float32)
-    terms = [_term(v, d, f) for (_, v, _), (d, f) in zip(items, factors) if f]
     for start in range(0, n, step):
         stop = min(n, start + step)
-        part, t = acc[start:stop].zero_(), scratch[: stop - start]
-        for term in terms:
+        part, t = acc[start:stop], scratch[: stop - start]
+        terms[0](start, stop, part)
+        for term in terms[1:]:
             part.add_(term(start, stop, t))
     return acc
 
