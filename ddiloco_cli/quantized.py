@@ -105,10 +105,11 @@ class Quantized:
 
     @classmethod
     def from_frame(cls, raw: bytes, *, codec: str, shape: tuple[int, ...], block: int) -> "Quantized":
-        """The tensor of a decompressed frame whose length is already checked (codec.py)."""
+        """The tensor (of at least one element) of a decompressed frame whose length is already
+        checked (codec.py)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffer: we never write into it
-            buf = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+            buf = torch.frombuffer(raw, dtype=torch.uint8)
         nb = num_blocks(int(np.prod(shape, dtype=np.int64)), block)
         return cls(codec=codec, shape=shape, block=block, scale=buf[: 2 * nb].view(torch.bfloat16).to(torch.float32),
                    body=buf[2 * nb:])

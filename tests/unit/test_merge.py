@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.merge import (
+    all_finite,
     alpha_merge,
     check_finite,
     is_embedding_key,
@@ -175,3 +176,12 @@ def test_tiny_weights_and_huge_values_stay_finite():
     out = rda([big, big], [1.0, 2.0])
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, big)
+
+
+def test_all_finite_even_where_the_sum_overflows():
+    big = torch.tensor([3e38, 3e38, -1.0])  # finite values whose sum is inf
+    assert all_finite(big) and all_finite(torch.zeros(0)) and all_finite(torch.arange(3))
+    assert all_finite(torch.tensor([1e38, 2e38]).to(torch.bfloat16))
+    for bad in ([1.0, float("nan")], [float("inf"), 1.0], [-1.0, float("-inf")], [float("inf"), float("-inf")],
+                [3e38, 3e38, float("nan")]):
+        assert not all_finite(torch.tensor(bad)), bad
