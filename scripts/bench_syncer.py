@@ -12,7 +12,10 @@ codec = codec, default keyframe_every (8) and checkpoint_every (10) so those cos
 amortised into the rate as in a real run. The split is wall time per merge of the
 syncer's own stages (``Syncer.stage_s``: intake = download + decode + validate, outer
 gradient, update = merge + outer step + encode, commit = upload + manifest, checkpoint),
-plus "io", the store time inside them (from a timing store wrapper), and "other".
+plus "io", the store time inside them (from a timing store wrapper), and "other". A second
+table splits the CPU time per merge by part of the work (decode, norms, sha256, schema, merge,
+outer step, published delta, keyframes and checkpoints, store I/O, other), from the CPU time
+of each thread inside the functions that do it (``CPU_PARTS``).
 
 The syncer decodes contributions in a small thread pool (``--decode-threads``; 1 = in
 line). Rates are given per CPU-second of the process (every thread's CPU time: the cost

@@ -39,6 +39,9 @@ def test_bench_syncer_smoke(tmp_path):
         assert r["m_max_1b_h24_1s"] > 0
         assert {"intake", "update", "commit", "io", "other"} <= set(r["split_s_per_merge"])
         assert r["split_s_per_merge"]["update"] > 0
+        assert {"decode", "norm", "sha256", "merge", "publish", "io", "other"} <= set(r["cpu_split_s_per_merge"])
+        assert r["cpu_split_s_per_merge"]["decode"] > 0
+        assert (r["cpu_split_s_per_merge"]["publish"] > 0) == (r["codec"] == "int4")  # no delta with codec none
 
 
 def test_bench_overhead_smoke(tmp_path):
