@@ -36,9 +36,11 @@ import json
 import math
 import struct
 import sys
+import threading
 import warnings
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 import zstandard
 
@@ -124,6 +126,47 @@ def _quantize(x: torch.Tensor, codec: str, block: int, *, minus: torch.Tensor | 
     return scales + bodies
 
 
+def _quantize_together(xs: list[torch.Tensor], codec: str, block: int, *,
+                       sinks: list[Sink | None]) -> list[list]:
+    """``_quantize`` of several flat fp32 tensors (int8/int4) in one pass over one buffer:
+    a fragment of many small tensors then costs one set of torch calls, not one per
+    tensor. Each tensor starts a block of the buffer, zero-padded to whole blocks as the
+    format pads its last block, and (int4) on an even element (an odd block size adds one
+    all-zero block), so its frame is a slice of the buffer's scales and codes and the bytes
+    equal those of ``_quantize`` of the tensor alone. ``sinks[i]`` gets tensor i's ranges."""
+    starts, total = [], 0
+    for x in xs:
+        span = num_blocks(x.numel(), block) * block
+        if codec == "int4" and span % 2:
+            span += block
+        starts.append(total)
+        total += span
+    flat = torch.zeros(total, dtype=torch.float32)
+    for x, start in zip(xs, starts):
+        flat[start : start + x.numel()] = x
+
+    def dispatch(lo: int, hi: int, values: torch.Tensor, bounded: bool) -> None:
+        for sink, x, start in zip(sinks, xs, starts):  # the tensors that [lo, hi) overlaps
+            a, b = max(lo, start), min(hi, start + x.numel())
+            if sink is not None and a < b:
+                sink(a - start, b - start, values[a - lo : b - lo], bounded)
+
+    step = chunk_elems(block, elems=QUANTIZE_CHUNK_ELEMS)
+    scales, bodies = [], []
+    for lo in range(0, total, step):
+        hi = min(total, lo + step)
+        sc, body = _quantize_chunk(flat[lo:hi], codec, block,
+                                   sink=None if all(k is None for k in sinks) else functools.partial(dispatch, lo, hi))
+        scales.append(sc)
+        bodies.append(body)
+    scale_buf = np.concatenate(scales) if scales else np.empty(0, dtype=np.int16)
+    body_buf = np.concatenate(bodies) if bodies else np.empty(0, dtype=np.uint8)
+    per_byte = 1 if codec == "int8" else 2
+    return [[scale_buf[start // block : start // block + num_blocks(x.numel(), block)],
+             body_buf[start // per_byte : start // per_byte + -(-x.numel() // per_byte)]]
+            for x, start in zip(xs, starts)]
+
+
 def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, sink: Callable[[torch.Tensor, bool], None] | None):
     n = x.numel()
     qmax = QMAX[codec]
@@ -136,15 +179,12 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *, sink: Callable[[
     offset = 8 if codec == "int4" else 128
     y = xb * inv[:, None]
     y.add_(offset + 0.5)
-    u = y.to(torch.uint8).view(-1)[:n]
-    if sink is not None:  # q * scale: the decoder's products (quantized.dequantize_chunk)
-        q = u.to(torch.float32).sub_(offset)
-        full = (n // block) * block
-        if full:
-            q[:full].view(-1, block).mul_(scale[: full // block, None])
-        if full < n:
-            q[full:].mul_(scale[full // block])
-        sink(q, all_finite(scale * qmax))  # |q| <= qmax
+    with np.errstate(invalid="ignore"):  # a non-finite x: garbage codes, as from torch's cast (decoders refuse them)
+        u = torch.from_numpy(y.numpy().astype(np.uint8)).view(-1)[:n]  # y >= 0.5: the cast floors; numpy's is 3x faster
+    if sink is not None:  # q * scale: the decoder's products (quantized.dequantize_chunk), made in y's buffer
+        q = y.floor_().sub_(offset)
+        q.mul_(scale[:, None])  # padding of a partial last block included: sliced off below
+        sink(q.view(-1)[:n], all_finite(scale * qmax))  # |q| <= qmax
     scale_buf = scale.to(torch.bfloat16).view(torch.int16).numpy()
     if codec == "int8":
         return scale_buf, u.numpy()  # stored as q + 128 (uint8)
@@ -241,13 +281,21 @@ def _encode(
     is float32). ``sink_for(key)``, when given, makes the sink that gets the decoded values of
     tensor ``key`` as they are made."""
     block = _check_codec(codec, block_size)
-    cctx = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True, write_checksum=True)
+    cctx = _compressor(zstd_level)
     frames: list[tuple[str, bytes]] = []
     info: dict[str, Any] = {}
-    for key, t in tensors.items():
-        m = None if minus is None or key not in minus else _flat32(minus[key])
-        parts = [memoryview(p).cast("B") for p in _quantize(_flat32(t), codec, block, minus=m,
-                                                             sink=None if sink_for is None else sink_for(key))]
+    keys = list(tensors)
+    sinks = [None if sink_for is None else sink_for(key) for key in keys]
+    if codec in QMAX and not minus and len(keys) > 1:  # a learner's fragment: its tensors in one pass
+        quantized = _quantize_together([_flat32(tensors[k]) for k in keys], codec, block, sinks=sinks)
+    else:
+        quantized = [_quantize(_flat32(tensors[k]), codec, block, sink=sink,
+                               minus=None if minus is None or k not in minus else _flat32(minus[k]))
+                     for k, sink in zip(keys, sinks)]
+    for key, raw in zip(keys, quantized):
+        t = tensors[key]
+        m = None if minus is None else minus.get(key)
+        parts = [memoryview(p).cast("B") for p in raw]
         raw_n = sum(p.nbytes for p in parts)
         assert raw_n == _raw_nbytes(codec, t.numel(), block)
         cobj = cctx.compressobj(size=raw_n)
@@ -267,6 +315,19 @@ def _encode(
         "metadata": metadata or {},
     }
     return _write_safetensors(frames, {METADATA_KEY: json.dumps(header, separators=(",", ":"))})
+
+
+_COMPRESSORS = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level``: one may not be shared between threads, and
+    making one per payload costs more than compressing a small tensor."""
+    by_level = _COMPRESSORS.__dict__.setdefault("by_level", {})
+    cctx = by_level.get(level)
+    if cctx is None:
+        cctx = by_level[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
+    return cctx
 
 
 def _write_safetensors(frames: list[tuple[str, bytes]], metadata: dict[str, str]) -> bytes:

@@ -1,0 +1,52 @@
+"""The encoder quantises an int8/int4 payload's tensors together, in one flat buffer: each
+tensor's compressed frame, decoded value and residual must be exactly what encoding it
+alone gives (block boundaries restart at every tensor; int4 pads an odd tail with nibble 8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddiloco_cli.codec as C
+
+SHAPES = [(5, 7), (0,), (1,), (64,), (130,), (3, 1, 3)]
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"t{i}": torch.randn(shape, generator=g) * 10.0 ** (i % 3 - 1) for i, shape in enumerate(SHAPES)}
+    out["zeros"] = torch.zeros(9)
+    return out
+
+
+def _frames(payload: bytes) -> dict[str, bytes]:
+    """The compressed frame of every tensor of a payload, by key."""
+    header, start = C._parse_safetensors(payload, "test")
+    return {k: payload[start + e["data_offsets"][0] : start + e["data_offsets"][1]]
+            for k, e in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.parametrize("codec,block", [("int4", 64), ("int4", 3), ("int4", 7), ("int4", 1), ("int8", 7),
+                                         ("int8", 256), ("bf16", None), ("none", None)])
+def test_each_frame_and_residual_equal_encoding_the_tensor_alone(codec, block):
+    tensors = _tensors(0)
+    payload, residual = C.encode_with_residual(tensors, codec=codec, block_size=block)
+    decoded, _ = C.decode_tensors(payload, expected={k: tuple(t.shape) for k, t in tensors.items()})
+    frames = _frames(payload)
+    for key, t in tensors.items():
+        alone_payload, alone_residual = C.encode_with_residual({key: t}, codec=codec, block_size=block)
+        assert frames[key] == _frames(alone_payload)[key], key
+        assert torch.equal(decoded[key], C.decode_tensors(alone_payload)[0][key]), key
+        assert residual[key].shape == t.shape and torch.equal(residual[key], alone_residual[key]), key
+        assert torch.equal(t - decoded[key], residual[key]), key  # what the decoder leaves out, bit for bit
+
+
+def test_chunks_split_inside_a_tensor_and_across_tensors(monkeypatch):
+    """Chunk boundaries inside one tensor and between two give the one-shot bytes and residuals."""
+    tensors = {"a": torch.randn(1000), "b": torch.randn(77), "c": torch.randn(300)}
+    monkeypatch.setattr(C, "QUANTIZE_CHUNK_ELEMS", 10**9)
+    one_shot, one_shot_res = C.encode_with_residual(tensors, codec="int4", block_size=5)
+    monkeypatch.setattr(C, "QUANTIZE_CHUNK_ELEMS", 20)
+    chunked, chunked_res = C.encode_with_residual(tensors, codec="int4", block_size=5)
+    assert chunked == one_shot
+    assert all(torch.equal(chunked_res[k], one_shot_res[k]) for k in tensors)
