@@ -7,6 +7,8 @@ Every arm trains on M * N * batch tokens:
   (a) dp        one process, batch M*B, N plain AdamW steps (same inner lr, betas,
                 weight decay, clip, warmup and schedule as a learner); no ddiloco code
   (b) lockstep  streaming DiLoCo, --mode lockstep, K = M
+  (b') diloco   classic DiLoCo, the reference for what DiLoCo itself reaches here: (b) with one
+                fragment (P = 1), no overlap (tau = 0) and exact outer gradients (codec none)
   (c) decoupled Decoupled DiLoCo, K = 1 + grace window, RDA merge
   (d) mean      (c) with --merge mean
   (e) chaos     (c) while learners are SIGKILLed and restarted (seeded exponential
@@ -45,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 from ddiloco_cli.tasks import load_task  # noqa: E402
 
-ARMS = ("dp", "lockstep", "decoupled", "mean", "chaos", "mixed", "m8")
+ARMS = ("dp", "diloco", "lockstep", "decoupled", "mean", "chaos", "mixed", "m8")
 TARGETS = {"decoupled": 1.03, "chaos": 1.03, "mixed": 1.03, "m8": 1.03}  # loss ratio to dp at most
 MIN_MERGED_TOKEN_FRACTION = 0.99
 
@@ -100,6 +102,8 @@ def init_flags(args, *, arm: str) -> dict:
                  error_feedback=args.error_feedback)
     if arm == "lockstep":  # Streaming DiLoCo (init fixes the merge, receive, lr scaling and publish codec)
         flags.update(mode="lockstep", quorum=M)
+    elif arm == "diloco":  # classic DiLoCo: the whole model every H steps, waited for, sent exactly
+        flags.update(mode="lockstep", quorum=M, fragments=1, overlap_steps=0, codec="none")
     elif arm == "mixed":
         if args.task != "ddiloco_cli.tasks.gpt:tiny":
             raise SystemExit("--arms mixed paces the built-in tiny GPT; drop --task or the arm")
