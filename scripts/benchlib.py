@@ -217,6 +217,21 @@ def start_moto(launcher: Launcher, *, bucket: str, timeout_s: float = 30) -> str
             time.sleep(0.3)
 
 
+def init_args(url: str, **flags: Any) -> list[str]:
+    """The command line `ddiloco init URL --flag value ...` for ``flags`` (underscores become
+    dashes; True is a bare flag, False its --no- form, None leaves it out)."""
+    args = ["init", url]
+    for k, v in flags.items():
+        name = k.replace("_", "-")
+        if v is True:
+            args.append("--" + name)
+        elif v is False:
+            args.append("--no-" + name)
+        elif v is not None:
+            args += ["--" + name, str(v)]
+    return args
+
+
 class Cluster:
     """Processes of one run on a local-directory bucket at ``workdir/bucket``;
     logs in ``workdir/logs``. ``close()`` SIGKILLs whatever is still running."""
@@ -248,16 +263,7 @@ class Cluster:
         """`ddiloco init BUCKET --flag value ...` (underscores become dashes; True is a bare
         flag, False its --no- form, None leaves it out). Returns run.json. Raises RuntimeError
         with the output if init fails."""
-        args = ["init", self.url]
-        for k, v in flags.items():
-            name = k.replace("_", "-")
-            if v is True:
-                args.append("--" + name)
-            elif v is False:
-                args.append("--no-" + name)
-            elif v is not None:
-                args += ["--" + name, str(v)]
-        out = self.launcher.run(*args, timeout_s=300)
+        out = self.launcher.run(*init_args(self.url, **flags), timeout_s=300)
         if out.returncode != 0:
             raise RuntimeError(f"ddiloco init failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
         self.run = ledger.read_run(self.store)

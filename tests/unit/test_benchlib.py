@@ -165,3 +165,28 @@ def test_data_parallel_baseline_uses_the_inner_schedule(monkeypatch):
     model = benchlib.train_data_parallel(task, steps=4, batch_size=4, inner=inner)
     assert lrs == [benchlib.lr_at(s, inner) for s in range(4)] and lrs[0] < lrs[1]  # warmup, then cosine
     assert benchlib.val_loss(task, model, max_batches=1) < before  # it trains
+
+
+@pytest.mark.parametrize("arm", ["diloco", "lockstep", "decoupled", "mixed", "m8"])
+def test_every_convergence_arm_makes_a_run_init_accepts(tmp_path, arm):
+    """bench_convergence's init flags per arm go through the real CLI: the classic-DiLoCo
+    reference must really be one fragment, no overlap, exact gradients and every learner."""
+    from typer.testing import CliRunner
+
+    import bench_convergence
+    from ddiloco_cli.cli import app
+    from ddiloco_cli.runconfig import read_run_config
+    from ddiloco_cli.store import open_store
+
+    args = bench_convergence.parse_args(["--learners", "4"])
+    url = str(tmp_path / "bucket")
+    result = CliRunner().invoke(app, benchlib.init_args(url, **bench_convergence.init_flags(args, arm=arm)))
+    assert result.exit_code == 0, result.output
+    config = read_run_config(open_store(url))
+    if arm == "diloco":
+        assert (config.mode, config.quorum, config.num_fragments, config.overlap_steps, config.codec) == \
+            ("lockstep", 4, 1, 0, "none")
+    elif arm == "lockstep":
+        assert (config.mode, config.quorum, config.codec) == ("lockstep", 4, "int4")
+    else:
+        assert (config.mode, config.quorum, config.merge) == ("decoupled", 1, "rda")
