@@ -3,18 +3,21 @@ dequantised tensor, norms from the codes, and the syncer's merge of contribution
 
 import json
 import math
+import shutil
 import struct
 
 import pytest
 import torch
 import zstandard
 
-from ddiloco_cli import quantized
+from ddiloco_cli import ledger, quantized
 from ddiloco_cli.codec import decode_tensors, encode_tensors
 from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.intake import delta_norm
 from ddiloco_cli.merge import merge_outer_gradients
 from ddiloco_cli.quantized import DecodedTensors, Quantized
+from ddiloco_cli.store import open_store
+from support.runs import assert_same_state, beat, contribution, live_syncer, make_run, step
 
 CASES = [("int4", 64, 10_000), ("int4", 64, 4_097), ("int4", 3, 1001), ("int4", 5, 7), ("int4", 1, 1),
          ("int8", 256, 10_000), ("int8", 7, 1001), ("int8", 4096, 9000)]  # the last: per-block sums in fp64
@@ -118,3 +121,37 @@ def test_a_contributions_norm_from_its_codes():
     kept = _contributions(1)[0]
     exact = math.sqrt(sum(float(t.double().square().sum()) for t in kept.values()))
     assert delta_norm(kept) == pytest.approx(exact, rel=1e-12)
+
+
+def test_a_replay_merges_int4_contributions_as_the_syncer_did(tmp_path):
+    """Syncer and replay both read contributions as codes (intake): a syncer restarted from
+    checkpoint + ledger holds the same raw value, momentum and published value, and its next
+    commit has the same payload bytes. Learner b trails a version (its outer gradient is
+    dense: current - base + delta), a merges on the current base (from its codes)."""
+    root = tmp_path / "run"
+    store = open_store(str(root))
+    make_run(store, codec="int4", publish_codec="int4", checkpoint_every=3, keyframe_every=4)
+    beat(store, "a")
+    beat(store, "b")
+    live = live_syncer(store)
+    for _ in range(5):
+        for p in (0, 1):
+            v = live.states[p].version
+            contribution(store, p, "a", 100 * (v + 1) + p, base_version=v, codec_name="int4")
+            contribution(store, p, "b", 100 * (v + 1) + p + 1, base_version=max(0, v - 1), c_tokens=48, c_steps=3,
+                         codec_name="int4")
+            assert step(live, p)
+    assert isinstance(live.states[0].tips["a"][1], DecodedTensors)  # kept as codes
+    shutil.copytree(root, tmp_path / "copy")
+    other = open_store(str(tmp_path / "copy"))
+    again = live_syncer(other, syncer_id="again")
+    assert_same_state(live, again)
+    for store_, s in ((store, live), (other, again)):
+        for lid in ("a", "b"):
+            beat(store_, lid)
+        s._refresh_learners()
+        contribution(store_, 0, "a", 900, base_version=5, codec_name="int4")
+        contribution(store_, 0, "b", 901, base_version=5, codec_name="int4")
+        assert step(s, 0)
+    payloads = [{e["kind"]: st.get(e["key"]) for e in ledger.read_manifest(st, 0, 6)["payloads"]} for st in (store, other)]
+    assert payloads[0] == payloads[1]
