@@ -20,7 +20,6 @@ each int4/int8 tensor as its ``Quantized`` until a value is asked for (``sources
 from __future__ import annotations
 
 import warnings
-from functools import cached_property
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -102,6 +101,10 @@ class Quantized:
     def __init__(self, *, codec: str, shape: tuple[int, ...], block: int, scale: torch.Tensor, body: torch.Tensor):
         self.codec, self.shape, self.block, self.scale, self.body = codec, tuple(shape), block, scale, body
         self.numel = int(np.prod(self.shape, dtype=np.int64))
+        # made on first use and kept; not functools.cached_property, whose lock (Python < 3.12)
+        # is one per class: the syncer's decode threads would take turns
+        self._dense: torch.Tensor | None = None
+        self._sum_of_squares: float | None = None
 
     @classmethod
     def from_frame(cls, raw: bytes, *, codec: str, shape: tuple[int, ...], block: int) -> "Quantized":
@@ -128,15 +131,13 @@ class Quantized:
 
     def dense(self) -> torch.Tensor:
         """All values (fp32, its shape), dequantised on the first call and kept."""
+        if self._dense is None:
+            out = torch.empty(self.numel, dtype=torch.float32)
+            step = chunk_elems(self.block)
+            for start in range(0, self.numel, step):
+                self.values(start, min(self.numel, start + step), out=out[start:])
+            self._dense = out.view(self.shape)
         return self._dense
-
-    @cached_property
-    def _dense(self) -> torch.Tensor:
-        out = torch.empty(self.numel, dtype=torch.float32)
-        step = chunk_elems(self.block)
-        for start in range(0, self.numel, step):
-            self.values(start, min(self.numel, start + step), out=out[start:])
-        return out.view(self.shape)
 
     def bounded(self) -> bool:
         """Every value is finite: true when every scale times the largest |q| a frame can hold
@@ -144,10 +145,15 @@ class Quantized:
         big = self.scale * QABS[self.codec]
         return bool(torch.isfinite(big.amax())) and bool(torch.isfinite(big.amin())) if big.numel() else True
 
-    @cached_property
+    @property
     def sum_of_squares(self) -> float:
         """sum(value**2) in fp64 from the codes: per block scale**2 * sum(q**2), which is exact
-        (bf16 scale, small integers); the blocks are then summed in one fixed order."""
+        (bf16 scale, small integers); the blocks are then summed in one fixed order. Kept."""
+        if self._sum_of_squares is None:
+            self._sum_of_squares = self._squares_from_codes()
+        return self._sum_of_squares
+
+    def _squares_from_codes(self) -> float:
         n, block, per_byte = self.numel, self.block, PER_BYTE[self.codec]
         full = n // block
         parts = []
