@@ -480,6 +480,12 @@ def sync(
 
     frags = parse_fragment_spec(fragments)  # before any logging or bucket access: a typo fails fast
     _setup_logging(verbose)
+    import torch
+
+    # one intra-op thread: the merge and encode are passes over cache-sized ranges, too short to
+    # share (at 2 threads on a busy host a merge took 7-50x the CPU); a syncer scales by
+    # decode threads and by --fragments shards, one process per core
+    torch.set_num_threads(1)
     stopping = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
     opts = SyncerOptions(fragments=frags, syncer_id=syncer_id or "", poll_s=poll,
