@@ -19,7 +19,6 @@ each int4/int8 tensor as its ``Quantized`` until a value is asked for (``sources
 
 from __future__ import annotations
 
-import warnings
 from typing import Iterator, Mapping
 
 import numpy as np
@@ -73,20 +72,21 @@ def num_blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
-def dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: int, block: int, *,
+def dequantize_chunk(scale: torch.Tensor, codes: np.ndarray, codec: str, n: int, block: int, *,
                      out: torch.Tensor) -> None:
-    """Write q * scale (fp32) into out (n values): q exactly as fp32 from a table, then one
-    in-place multiply per block (the same fp32 products as multiplying q by its scale)."""
+    """Write q * scale (fp32) into out (n values) from the bytes holding their codes: q exactly
+    as fp32 from a table, then one in-place multiply per block (the same fp32 products as
+    multiplying q by its scale)."""
     table = _Q_OF_BYTE[codec]
     if n % (2 * PER_BYTE[codec]) == 0:  # whole words, no padding nibble
         words = _Q_OF_WORD[codec]
-        np.take(words, body.numpy().view(np.uint16), out=out.numpy().view(words.dtype), mode="clip")
+        words.take(codes.view(np.uint16), out=out.numpy().view(words.dtype), mode="clip")
     elif codec == "int4" and n % 2:  # the last byte's high nibble is padding
         q = torch.empty(n + 1, dtype=torch.float32)
-        np.take(table, body.numpy(), axis=0, out=q.numpy().reshape(-1, 2), mode="clip")
+        np.take(table, codes, axis=0, out=q.numpy().reshape(-1, 2), mode="clip")
         out.copy_(q[:n])
     else:  # mode="clip": a uint8 index is always in range, and no buffered copy of the output
-        np.take(table, body.numpy(), axis=0, out=out.numpy().reshape(-1, table.shape[1]), mode="clip")
+        np.take(table, codes, axis=0, out=out.numpy().reshape(-1, table.shape[1]), mode="clip")
     full = (n // block) * block
     if full:
         out[:full].view(-1, block).mul_(scale[: full // block, None])
@@ -95,11 +95,12 @@ def dequantize_chunk(scale: torch.Tensor, body: torch.Tensor, codec: str, n: int
 
 
 class Quantized:
-    """One int4/int8 tensor as its frame holds it: ``scale`` (fp32, one per block) and
-    ``body`` (uint8 codes), both views of the decompressed frame (never written)."""
+    """One int4/int8 tensor as its frame holds it: ``scale`` (fp32, one per block) and ``codes``
+    (the frame's bytes after the scales, a read-only view: numpy slices them with less overhead
+    than torch, which counts in a merge's many small ranges)."""
 
-    def __init__(self, *, codec: str, shape: tuple[int, ...], block: int, scale: torch.Tensor, body: torch.Tensor):
-        self.codec, self.shape, self.block, self.scale, self.body = codec, tuple(shape), block, scale, body
+    def __init__(self, *, codec: str, shape: tuple[int, ...], block: int, scale: torch.Tensor, codes: np.ndarray):
+        self.codec, self.shape, self.block, self.scale, self.codes = codec, tuple(shape), block, scale, codes
         self.numel = int(np.prod(self.shape, dtype=np.int64))
         # made on first use and kept; not functools.cached_property, whose lock (Python < 3.12)
         # is one per class: the syncer's decode threads would take turns
@@ -108,14 +109,12 @@ class Quantized:
 
     @classmethod
     def from_frame(cls, raw: bytes, *, codec: str, shape: tuple[int, ...], block: int) -> "Quantized":
-        """The tensor (of at least one element) of a decompressed frame whose length is already
-        checked (codec.py)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only buffer: we never write into it
-            buf = torch.frombuffer(raw, dtype=torch.uint8)
+        """The tensor of a decompressed frame whose length is already checked (codec.py)."""
+        buf = np.frombuffer(raw, dtype=np.uint8)
         nb = num_blocks(int(np.prod(shape, dtype=np.int64)), block)
-        return cls(codec=codec, shape=shape, block=block, scale=buf[: 2 * nb].view(torch.bfloat16).to(torch.float32),
-                   body=buf[2 * nb:])
+        bf16 = buf[: 2 * nb].view(np.uint16)  # as torch reads bf16: this machine's byte order
+        scale = torch.from_numpy((bf16.astype(np.uint32) << 16).view(np.float32))  # bf16 is fp32's top half
+        return cls(codec=codec, shape=shape, block=block, scale=scale, codes=buf[2 * nb:])
 
     def values(self, start: int, stop: int, *, out: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 values of elements [start, stop) (flat), written into out[:stop - start]
@@ -125,7 +124,7 @@ class Quantized:
         assert start % block == 0 and start % 2 == 0 and 0 <= start <= stop <= self.numel
         b0 = start // block
         scale = self.scale if scale is None else scale
-        dequantize_chunk(scale[b0 : b0 + num_blocks(m, block)], self.body[start // per_byte : -(-stop // per_byte)],
+        dequantize_chunk(scale[b0 : b0 + num_blocks(m, block)], self.codes[start // per_byte : -(-stop // per_byte)],
                          self.codec, m, block, out=out[:m])
         return out[:m]
 
@@ -158,8 +157,8 @@ class Quantized:
         full = n // block
         parts = []
         if full and block % (2 * per_byte) == 0:  # whole 2-byte words per block: the word table
-            words = self.body[: full * block // per_byte].numpy().view(np.uint16)
-            sq = torch.from_numpy(np.take(_SQ_OF_WORD[self.codec], words, mode="clip")).view(full, -1)
+            words = self.codes[: full * block // per_byte].view(np.uint16)
+            sq = torch.from_numpy(_SQ_OF_WORD[self.codec].take(words, mode="clip")).view(full, -1)
             if block * QABS[self.codec] ** 2 < 2**24:  # fp32 sums of these integers are exact: BLAS, fast
                 per_block = torch.mv(sq, torch.ones(sq.shape[1])).to(torch.float64)
             else:
