@@ -204,8 +204,9 @@ def _write_heartbeats(store, run: dict, m: int) -> None:
 
 
 def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: int, base_version: int,
-                         gen: torch.Generator) -> int:
-    """M contributions (noise, scale 1e-3) against base_version; returns bytes written."""
+                         gen: torch.Generator, zstd_level: int) -> int:
+    """M contributions (noise, scale 1e-3) against base_version, compressed at ``zstd_level``
+    (a learner's is 1); returns bytes written."""
     from ddiloco_cli import codec, layout, records
     from ddiloco_cli.published import expected_shapes
 
@@ -216,7 +217,8 @@ def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: 
         header = records.make("contribution", run_id=run["run_id"], fragment=fragment, learner_id=lid, seq=seq,
                               base_version=base_version, c_tokens=512 * (i + 1), c_steps=24, step=seq,
                               nonce=records.new_nonce(), created_s=time.time())
-        data = codec.encode_tensors(delta, codec=run["codec"], block_size=int(run["codec_block"]), metadata=header)
+        data = codec.encode_tensors(delta, codec=run["codec"], block_size=int(run["codec_block"]), metadata=header,
+                                    zstd_level=zstd_level)
         assert store.put_if_absent(layout.contribution_key(fragment, lid, seq), data)
         nbytes += len(data)
     return nbytes
@@ -229,7 +231,7 @@ def _run_url(*, codec: str, m: int, root: str, store_kind: str) -> str:
 
 def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, store_kind: str,
                  num_fragments: int, profile: bool = False, fragment: int = 0, url: str | None = None,
-                 decode_threads: int | None = None) -> dict[str, Any]:
+                 decode_threads: int | None = None, zstd_level: int = 1) -> dict[str, Any]:
     """Time `rounds` merges of `fragment` with M contributions each, by a syncer that owns
     only that fragment (`ddiloco sync --fragments <fragment>`). `url`: a run made by
     `_make_run` (and its heartbeats) that other shards share; None: make one here."""
@@ -261,7 +263,8 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     prof = cProfile.Profile() if profile else None
     for r in range(warmup + rounds):
         version = state.version
-        nb = _write_contributions(store, run, plan, fragment=fragment, m=m, seq=r + 1, base_version=version, gen=gen)
+        nb = _write_contributions(store, run, plan, fragment=fragment, m=m, seq=r + 1, base_version=version, gen=gen,
+                                  zstd_level=zstd_level)
         timed = r >= warmup
         if timed and r == warmup:
             REGIONS.reset()
@@ -328,6 +331,7 @@ def bench_shards(*, codec: str, m: int, shards: int, args: argparse.Namespace, r
                "--layers", str(args.layers), "--fragments", str(max(args.fragments, shards)), "--json", out]
         if args.decode_threads is not None:
             cmd += ["--decode-threads", str(args.decode_threads)]
+        cmd += ["--contribution-zstd-level", str(args.contribution_zstd_level)]
         procs.append((subprocess.Popen(cmd), out))
     for proc, _ in procs:
         if proc.wait() != 0:
@@ -364,6 +368,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="codec:M to cProfile (prints the top functions)")
     ap.add_argument("--decode-threads", type=int, default=None,
                     help="contributions the syncer decodes at once (default: the syncer's own, min(4, cores))")
+    ap.add_argument("--contribution-zstd-level", type=int, default=1,
+                    help="zstd level of the contributions written (a learner's: 1; -1 stores int4 codes without "
+                         "Huffman: larger, much faster to decode)")
     ap.add_argument("--shards", default=None,
                     help="also run K syncer processes at once, one fragment each (e.g. 1,2): the scaling table; "
                          "K <= --fragments keeps the fragment size")
@@ -381,7 +388,8 @@ def main() -> None:
     if args.shard_of:
         res = bench_config(codec=args.codecs, m=int(args.ms), rounds=args.rounds, warmup=args.warmup, root=root,
                            store_kind="local", num_fragments=args.fragments, fragment=args.fragment,
-                           url=args.shard_of, decode_threads=args.decode_threads)
+                           url=args.shard_of, decode_threads=args.decode_threads,
+                           zstd_level=args.contribution_zstd_level)
         with open(args.json, "w") as f:
             json.dump({"results": [res]}, f)
         return
@@ -391,7 +399,7 @@ def main() -> None:
             c, m = args.profile.split(":")
             res = bench_config(codec=c, m=int(m), rounds=args.rounds, warmup=args.warmup, root=root,
                                store_kind=args.store, num_fragments=args.fragments, profile=True,
-                               decode_threads=args.decode_threads)
+                               decode_threads=args.decode_threads, zstd_level=args.contribution_zstd_level)
             print(res.pop("profile"))
             results.append(res)
         else:
@@ -399,7 +407,7 @@ def main() -> None:
                 for m in (int(x) for x in args.ms.split(",")):
                     res = bench_config(codec=c, m=m, rounds=args.rounds, warmup=args.warmup, root=root,
                                        store_kind=args.store, num_fragments=args.fragments,
-                                       decode_threads=args.decode_threads)
+                                       decode_threads=args.decode_threads, zstd_level=args.contribution_zstd_level)
                     results.append(res)
                     print(f"  {c:5s} M={m}: {res['param_contribs_per_s']:.3g} param-contribs/s "
                           f"({res['s_per_merge_mean'] * 1e3:.0f} ms/merge)", file=sys.stderr, flush=True)
