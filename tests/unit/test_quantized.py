@@ -19,7 +19,7 @@ from ddiloco_cli.quantized import DecodedTensors, Quantized
 from ddiloco_cli.store import open_store
 from support.runs import assert_same_state, beat, contribution, live_syncer, make_run, step
 
-CASES = [("int4", 64, 10_000), ("int4", 64, 4_097), ("int4", 3, 1001), ("int4", 5, 7), ("int4", 1, 1),
+CASES = [("int4", 64, 10_000), ("int4", 64, 4_097), ("int4", 3, 1001), ("int4", 5, 7), ("int4", 1, 1), ("int4", 2, 1000),
          ("int8", 256, 10_000), ("int8", 7, 1001), ("int8", 4096, 9000)]  # the last: per-block sums in fp64
 
 
@@ -39,11 +39,12 @@ def test_values_of_any_range_are_the_decoders(codec, block, n):
     q = kept.sources["a"]
     assert isinstance(kept, DecodedTensors) and isinstance(q, Quantized)
     assert torch.equal(kept["a"], dense)  # dequantised on access
-    step = quantized.chunk_elems(block, elems=300)
-    out = torch.empty(step)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        assert torch.equal(q.values(start, stop, out=out), dense[start:stop]), (start, stop)
+    for elems in (300, 6):  # 6: with a small block, ranges that start inside a 2-byte word of int4 codes
+        step = quantized.chunk_elems(block, elems=elems)
+        out = torch.empty(step)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            assert torch.equal(q.values(start, stop, out=out), dense[start:stop]), (start, stop)
 
 
 @pytest.mark.parametrize("codec,block,n", CASES)
