@@ -211,6 +211,11 @@ def init(
         "--keep-overlap-progress/--discard-overlap-progress", metavar="", rich_help_panel=_MERGE,
         help="On receive, keep the steps trained since the send (theta <- Theta_new + progress) or overwrite them")
     ] = _D.keep_overlap_progress,
+    await_own_merge: Annotated[bool, typer.Option(
+        "--await-own-merge/--take-newest", metavar="", rich_help_panel=_MERGE,
+        help="Decoupled learners: from t+tau, take the first version that merged their contribution (never "
+             "blocking; the newest one at the step before the next send), or the newest version at t+tau")
+    ] = _D.await_own_merge,
     merge: Annotated[Merge, typer.Option(rich_help_panel=_MERGE,
                                          help="Radial-Directional Averaging or a token-weighted mean")] = Merge(_D.merge),
     outer_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_MERGE,

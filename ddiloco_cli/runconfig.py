@@ -99,6 +99,7 @@ class RunConfig:
     quorum: int = _f(1, "quorum", _M, kind=int, lo=1, hi=_MAX_INT)
     alpha: float = _f(0.0, "alpha", _M, kind=float, lo=0.0, hi=1.0)
     keep_overlap_progress: bool = _f(True, "keep-overlap-progress", _M, kind=bool)
+    await_own_merge: bool = _f(True, "await-own-merge", _M, kind=bool)
     merge: str = _f("rda", "merge", _M, kind=str, choices=Merge)
     outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True)
     outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, lo_open=True, hi=1.0, hi_open=True)  # Nesterov needs > 0

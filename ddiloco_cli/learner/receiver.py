@@ -34,6 +34,7 @@ class InFlight:
     theta: Tensors  # the learner's fragment at the send
     counters: tuple[int, int]  # (c_steps, c_tokens) at the send
     wanted: bool = False  # registered with the Receiver (from step receive_step - 1 on)
+    held: Ready | None = None  # a newer version that does not account for this send yet [L8]
 
 
 def receive_rule(local: Tensors, new_global: Tensors, theta_at_send: Tensors, *, alpha: float,

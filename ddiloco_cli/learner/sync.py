@@ -111,6 +111,9 @@ class DiLoCoSync:
         self.alpha = self.config.alpha
         # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
         self.keep_progress = self.config.keep_overlap_progress and self.tau > 0 and not self.lockstep
+        # [L8] take the version that merged this learner's contribution, not one merged without it
+        # (whose own merge would come later, against a base the learner has already left)
+        self.await_own = self.config.await_own_merge and not self.lockstep
         self.total_steps = self.config.total_steps
         # receive as theta += Theta_new - theta_at_send on the parameters themselves (the alpha = 0
         # case of receive_rule, summed in another order), the increment computed by the receiver
@@ -393,9 +396,11 @@ class DiLoCoSync:
                     self.stats.num_refused += 1
                     log.warning("fragment %d: contribution seq %d was refused by the syncer (%s); re-basing on "
                                 "version %d", p, entry["seq"], entry.get("reason", "no reason given"), got.version)
-            if got is not None and self.lockstep and got.manifest["high_water"].get(self.learner_id, -1) < flight.seq:
+            if got is not None and self.lockstep and not self._accounts_for(got, flight):
                 receiver.want(p, (got.version, got.value), blocking=True)  # not ours yet: wait for a later one
                 got = None
+            if self.await_own:
+                return self._own_or_newest(p, flight, got)
             if got is not None or not self.lockstep or self.stop_reason is not None:
                 break
             now = time.monotonic()
@@ -405,6 +410,25 @@ class DiLoCoSync:
             time.sleep(0.005)
         if self.lockstep:
             self.stats.blocked_s += time.monotonic() - t0
+        return got
+
+    def _accounts_for(self, got: Ready, flight: InFlight) -> bool:
+        """Whether version ``got`` has settled the contribution sent with ``flight``: merged or
+        superseded (the manifest's high-water mark), or refused."""
+        return (got.manifest["high_water"].get(self.learner_id, -1) >= flight.seq
+                or any(entry.get("seq") == flight.seq for entry in got.refused))
+
+    def _own_or_newest(self, p: int, flight: InFlight, got: Ready | None) -> Ready | None:
+        """Decoupled [L8]: a version that settles the contribution in flight is taken at once; an
+        earlier one is held back (the receiver goes on polling from it) until the step before the
+        fragment's next send, which takes the newest version it has. Never waits."""
+        last_step = flight.receive_step - self.tau + self.H - 1  # the next send of p comes after it
+        if got is not None and not self._accounts_for(got, flight) and self.stats.step < last_step:
+            flight.held = got
+            self._receiver.want(p, (got.version, got.value), subtract=flight.theta if self._in_place else None)
+            return None
+        if got is None and self.stats.step >= last_step:
+            got = flight.held
         return got
 
     def _receive(self, p: int, flight: InFlight) -> bool:

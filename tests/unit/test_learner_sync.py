@@ -441,3 +441,73 @@ def test_error_feedback_adds_what_the_codec_dropped_to_the_next_delta_L6():
     store = _run(codec="int4", error_feedback=False)
     with DiLoCoSync(store, model, learner_id="n") as sync:
         assert not sync.error_feedback
+
+
+def _publish(store, *, version: int, prev: dict, high_water: dict) -> dict:
+    """Commit version ``version`` of fragment 0 by hand (prev + 0.5, no contributions, the
+    given high-water marks), as a syncer merging other learners would; returns its value."""
+    from ddiloco_cli.published import encode_version, upload_payloads
+
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    value = {k: v + 0.5 for k, v in prev.items()}
+    encoded = encode_version(fragment=0, version=version, new_value=value, prev_published=prev,
+                             publish_codec="none", block_size=64, keyframe_every=8)
+    upload_payloads(store, encoded)
+    assert ledger.commit_manifest(store, records.make(
+        "manifest", run_id=run["run_id"], fragment=0, version=version, epoch=1, syncer_id="s",
+        nonce=records.new_nonce(), numel=plan.fragment_numel(0), payloads=[e for _, _, e in encoded.payloads],
+        contributions=[], quorum_size=0, outer_steps=version, high_water=high_water))
+    return value
+
+
+def _until_ready(sync, version: int) -> None:
+    """Wait (no step: the step count is what the test is about) until the receiver holds
+    ``version`` of fragment 0 ready, with a generous ceiling."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        got = sync._receiver.ready.get(0)
+        if got is not None and got.version >= version:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"version {version} never became ready")
+
+
+@pytest.mark.parametrize("own_comes", [True, False])
+def test_a_decoupled_learner_takes_the_version_that_merged_its_contribution_L8(own_comes):
+    """[L8] from t + tau a decoupled learner holds back a version merged without its
+    contribution and takes the first one that accounts for it; if none comes, it takes the
+    newest it has at the step before the fragment's next send (t + H - 1). It never waits."""
+    store = _run(num_fragments=1, sync_every=8, overlap_steps=1)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="w") as sync:
+        for _ in range(8):  # fragment 0 is sent after step 8: receive_step 9, the next send after step 16
+            sync.step(num_tokens=1)
+        seq = sync.in_flight[0].seq
+        v1 = _publish(store, version=1, prev=sync.base[0][1], high_water={"other": 3})
+        _until_ready(sync, 1)
+        assert sync.step(num_tokens=1) == []  # step 9: version 1 lacks our contribution, held back
+        assert sync.base[0][0] == 0 and sync.in_flight[0].held.version == 1
+        if own_comes:
+            _publish(store, version=2, prev=v1, high_water={"other": 3, "w": seq})
+            _until_ready(sync, 2)
+            assert sync.step(num_tokens=1) == [0]  # step 10
+            assert sync.base[0][0] == 2
+        else:
+            for step in range(10, 15):
+                assert sync.step(num_tokens=1) == [], step
+            assert sync.step(num_tokens=1) == [0]  # step 15 = t + H - 1
+            assert sync.base[0][0] == 1 and 0 not in sync.in_flight
+
+
+def test_take_newest_receives_whatever_is_newest_at_t_plus_tau():
+    """--take-newest (await_own_merge false): the first newer version is taken at t + tau."""
+    store = _run(num_fragments=1, sync_every=8, overlap_steps=1, await_own_merge=False)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="w") as sync:
+        for _ in range(8):
+            sync.step(num_tokens=1)
+        _publish(store, version=1, prev=sync.base[0][1], high_water={"other": 3})
+        _until_ready(sync, 1)
+        assert sync.step(num_tokens=1) == [0]
+        assert sync.base[0][0] == 1
