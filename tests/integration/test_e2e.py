@@ -130,8 +130,10 @@ def test_survives_kill9_of_learner_and_syncer(run_url, tmp_path):
         wait_for(lambda: min(v - k for v, k in zip(versions(url, P), killed_at)) >= 2, timeout_s=WAIT_S,
                  what="the second syncer committing", procs=procs, poll_s=POLL_S)
 
+        for proc in learners.values():  # all at once: each sends what it has not sent [L7] and leaves
+            proc.send_signal(signal.SIGTERM)
         for lid, proc in learners.items():
-            assert terminate(proc) == 0, procs.log(lid)
+            assert proc.wait(timeout=60) == 0, procs.log(lid)
             assert learner_heartbeat(url, lid)["state"] == "left"
         assert terminate(procs.procs[-1]) == 0
 
