@@ -330,6 +330,14 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cctx
 
 
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor (as ``_compressor``)."""
+    dctx = getattr(_COMPRESSORS, "dctx", None)
+    if dctx is None:
+        dctx = _COMPRESSORS.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
 def _write_safetensors(frames: list[tuple[str, bytes]], metadata: dict[str, str]) -> bytes:
     """A safetensors file of uint8 tensors (the format is 8-byte LE header length,
     JSON header, data). Written directly to avoid two extra copies of the data;
@@ -474,7 +482,7 @@ def _decode_tensors(
         plan.append((key, shape, n, raw_n, comp))
 
     # -- decompress (capped at the derived size) and dequantize
-    dctx = zstandard.ZstdDecompressor()
+    dctx = _decompressor()
     out: dict[str, Source] = {}
     for key, shape, n, raw_n, comp in plan:
         try:
