@@ -91,11 +91,14 @@ def test_env_vars_name_the_run_and_show_in_help(tmp_path, monkeypatch):
     assert invoke("init", *SMALL).exit_code == 0
     result = invoke("status", "--json")
     assert result.exit_code == 0 and json.loads(result.output)["num_fragments"] == 2
-    for command, names in (("init", ("DDILOCO_URL", "DDILOCO_STORAGE_OPTIONS")),
-                           ("learn", ("DDILOCO_URL", "DDILOCO_LEARNER_ID", "DDILOCO_DEVICE", "DDILOCO_STORAGE_OPTIONS")),
-                           ("sync", ("DDILOCO_URL", "DDILOCO_SYNCER_ID", "DDILOCO_STORAGE_OPTIONS"))):
-        text = subprocess.run([sys.executable, "-m", "ddiloco_cli", command, "--help"], capture_output=True, text=True,
-                              env={**os.environ, "COLUMNS": "200"}).stdout
+    expected = {"init": ("DDILOCO_URL", "DDILOCO_STORAGE_OPTIONS"),
+                "learn": ("DDILOCO_URL", "DDILOCO_LEARNER_ID", "DDILOCO_DEVICE", "DDILOCO_STORAGE_OPTIONS"),
+                "sync": ("DDILOCO_URL", "DDILOCO_SYNCER_ID", "DDILOCO_STORAGE_OPTIONS")}
+    helps = {command: subprocess.Popen([sys.executable, "-m", "ddiloco_cli", command, "--help"], stdout=subprocess.PIPE,
+                                       text=True, env={**os.environ, "COLUMNS": "200"})
+             for command in expected}  # started together: each spends its time importing
+    for command, names in expected.items():
+        text = helps[command].communicate(timeout=120)[0]
         for name in names:
             assert name in text, (command, name)
         assert "<bool>" not in text, text  # flags take no value
