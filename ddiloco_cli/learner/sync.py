@@ -382,7 +382,7 @@ class DiLoCoSync:
 
     def _take(self, p: int, flight: InFlight) -> Ready | None:
         """Rank 0: a ready newer version of p, or None (lock-step: wait for the one
-        that merged our contribution)."""
+        that merged our contribution; decoupled with await_own_merge: ``_own_or_newest``)."""
         receiver = self._receiver
         t0 = time.monotonic()
         # like decoupled mode's alert after 2*H quiet steps: the time they take (at least 10 s)
@@ -399,8 +399,6 @@ class DiLoCoSync:
             if got is not None and self.lockstep and not self._accounts_for(got, flight):
                 receiver.want(p, (got.version, got.value), blocking=True)  # not ours yet: wait for a later one
                 got = None
-            if self.await_own:
-                return self._own_or_newest(p, flight, got)
             if got is not None or not self.lockstep or self.stop_reason is not None:
                 break
             now = time.monotonic()
@@ -410,7 +408,7 @@ class DiLoCoSync:
             time.sleep(0.005)
         if self.lockstep:
             self.stats.blocked_s += time.monotonic() - t0
-        return got
+        return self._own_or_newest(p, flight, got) if self.await_own else got
 
     def _accounts_for(self, got: Ready, flight: InFlight) -> bool:
         """Whether version ``got`` has settled the contribution sent with ``flight``: merged or
