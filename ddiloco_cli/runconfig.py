@@ -120,7 +120,7 @@ class RunConfig:
     keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT)
     error_feedback: bool = _f(True, "error-feedback", _C, kind=bool)
     grace_gamma: float = _f(0.5, "grace-gamma", _F, kind=float, lo=0.0, hi=1.0, hi_open=True)
-    grace_max_s: float = _f(5.0, "grace-max", _F, kind=float, lo=0.0)
+    grace_max_s: float = _f(30.0, "grace-max", _F, kind=float, lo=0.0)
     max_staleness: int = _f(8, "max-staleness", _F, kind=int, lo=0, hi=_MAX_INT)
     checkpoint_every: int = _f(10, "checkpoint-every", _F, kind=int, lo=1, hi=_MAX_INT)
     lease_s: float = _f(10.0, "lease", _F, kind=float, lo=0.0, lo_open=True)

@@ -31,7 +31,7 @@ from ddiloco_cli.intake import REFUSED, USED, Contribution, Intake, add_pending,
 from ddiloco_cli.lease import Lease
 from ddiloco_cli.published import FragmentReader, upload_payloads
 from ddiloco_cli.replay import checkpoint_bytes, manifest_cycle, per_cycle, restore_value
-from ddiloco_cli.runconfig import read_run_config
+from ddiloco_cli.runconfig import RunConfig, read_run_config
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 from ddiloco_cli.update import FragmentValue, NonFiniteUpdate, contribution_gradient, outer_update
 
@@ -99,14 +99,15 @@ class FragmentState:
 
 def ready_to_merge(
     *, num_pending: int, quorum: int, now_t: float, first_pending_t: float | None, quorum_t: float | None,
-    step_time_s: float | None, overlap_steps: int, sync_time_s: float, grace_gamma: float, grace_max_s: float,
+    step_time_s: float | None, window_steps: int, sync_time_s: float, grace_gamma: float, grace_max_s: float,
     all_live_reported: bool,
 ) -> tuple[bool, float]:
     """The commit decision for one fragment. Returns (merge now?, grace window in s).
 
     Merge once ``quorum`` distinct learners have reported, after a grace window
-    that waits only as long as the learners' overlap can hide:
-    ``grace = min(grace_max_s, gamma * max(0, tau * step_time - (time_to_quorum + time_to_sync)))``.
+    that waits only as long as the first sender can absorb the wait
+    (``window_steps``, see ``grace_window_steps``):
+    ``grace = min(grace_max_s, gamma * max(0, window * step_time - (time_to_quorum + time_to_sync)))``.
     If every live learner has reported there is nothing to wait for.
     """
     if num_pending < quorum or quorum_t is None:
@@ -114,9 +115,28 @@ def ready_to_merge(
     if all_live_reported:
         return True, 0.0
     time_to_quorum = quorum_t - (first_pending_t if first_pending_t is not None else quorum_t)
-    slack = overlap_steps * (step_time_s or 0.0) - (time_to_quorum + sync_time_s)
+    slack = window_steps * (step_time_s or 0.0) - (time_to_quorum + sync_time_s)
     grace = min(grace_max_s, grace_gamma * max(0.0, slack))
     return now_t - quorum_t >= grace, grace
+
+
+def grace_window_steps(config: RunConfig) -> int:
+    """How many of a sender's steps the grace window may fill without costing it anything.
+
+    A learner that sent fragment p at step t folds a new version of p in from
+    step t + tau. Without [L8] it takes whatever is newest then, so a merge that
+    waits longer than tau steps only reaches it a cycle later: the window is tau.
+    A decoupled learner with ``await_own_merge`` instead holds out, training on,
+    for the version that includes its send until step t + H - 1, the last before
+    p's next send ([L8]); a merge that lands by then costs it nothing, so the
+    window stretches to H - 1 steps and a slower learner's contribution can join
+    the same merge instead of making a version of its own (fewer versions per
+    cycle: fewer downloads, and the outer step sees more of the cycle's work).
+    """
+    tau = config.overlap_steps
+    if config.mode == "decoupled" and config.await_own_merge:
+        return max(tau, config.sync_every - 1)
+    return tau
 
 
 class Syncer:
@@ -419,7 +439,7 @@ class Syncer:
             return False
         go, grace = ready_to_merge(
             num_pending=len(state.pending), quorum=quorum, now_t=now_t, first_pending_t=state.first_pending_t,
-            quorum_t=state.quorum_t, step_time_s=self.step_time_s, overlap_steps=self.config.overlap_steps,
+            quorum_t=state.quorum_t, step_time_s=self.step_time_s, window_steps=grace_window_steps(self.config),
             sync_time_s=self.sync_time_s, grace_gamma=self.config.grace_gamma,
             grace_max_s=self.config.grace_max_s, all_live_reported=all_live,
         )

@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
-    ap.add_argument("--grace-max", type=float, default=5.0)
+    ap.add_argument("--grace-max", type=float, default=None, help="default: the run's")
     ap.add_argument("--chaos-mean-s", type=float, default=40.0, help="mean seconds between kills, per learner")
     ap.add_argument("--chaos-restart-s", type=float, default=2.0, help="seconds from kill to restart")
     ap.add_argument("--seed", type=int, default=0, help="chaos trace seed")

@@ -2,7 +2,7 @@
 and syncer memory by the number of fragments it serves.
 
 1. Step time. Two arms, each a fresh process with 1 torch thread, interleaved
-   A/B/B/A/A/B/... for --reps rounds on the same task (``mid``, defined here: a
+   A/B/B/A/A/B/... for --reps rounds on the same task (``mid``, from benchlib: a
    ~3.2M-parameter char-level GPT, block 64, batch 8), same seed, same data stream:
    * plain:   nanoGPT-like loop (lr, forward, backward, clip, AdamW step, loss.item());
    * ddiloco: ``Learner.train`` on a local-directory run with P = H = 24, tau 2, K 1,
@@ -49,11 +49,9 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
-from ddiloco_cli.tasks.gpt import GPTConfig, GPTTask  # noqa: E402
+from benchlib import mid  # noqa: E402
 
-# ~3.2M parameters: ~100-200 ms per step on one core at batch 8 x 64 tokens
-mid = GPTTask(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), default_batch_size=8)
-
+MID_TASK = f"{benchlib.BENCHLIB_PATH}:mid"
 BATCH_SIZE = 8
 INNER_LR = 1e-3
 WARMUP = 20
@@ -200,7 +198,7 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
             at_last_step.update(spent)
 
     learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9,
-                                                              task=f"{THIS}:mid"),
+                                                              task=MID_TASK),
                       on_progress=on_progress)
     reason = learner.train()
     if dump_profiles is not None:
@@ -264,7 +262,7 @@ def step_time_comparison(args, workdir: str) -> dict:
     from ddiloco_cli.store import open_store
 
     url = os.path.join(workdir, "run")
-    init_run(open_store(url), RunSpec(task=f"{THIS}:mid", num_fragments=24, sync_every=24, overlap_steps=2, quorum=1,
+    init_run(open_store(url), RunSpec(task=MID_TASK, num_fragments=24, sync_every=24, overlap_steps=2, quorum=1,
                                       codec="int4", inner_lr=INNER_LR, warmup_steps=WARMUP, lr_schedule="constant",
                                       total_steps=0, batch_size=BATCH_SIZE, seed=SEED))
     cpu_l, cpu_s = (0, 1) if args.pin else (None, None)

@@ -1,7 +1,8 @@
 """Traffic benchmark: bytes a real run's learners move, against data-parallel.
 
 Real processes (`ddiloco init`, one `ddiloco sync`, M `ddiloco learn`) on a
-local-directory bucket, built-in tiny GPT (benchlib's paced task). Half of the
+local-directory bucket, a paced GPT from benchlib (--task tiny, 237k parameters, or
+mid, 3.2M parameters, whose bigger fragments amortise the payload headers). Half of the
 learners (odd indices) are paced --slowdown times slower, as in
 bench_convergence.py's mixed arm, so they drift out of phase and the syncer
 commits several versions of a fragment per cycle.
@@ -9,7 +10,9 @@ commits several versions of a fragment per cycle.
 Per learner, from its own heartbeats (bytes_up / bytes_down count payload bytes
 it uploaded and downloaded; manifests, hints and LISTs are not counted) over a
 steady window (its first heartbeat at step >= --skip-steps, so the bootstrap
-download of the whole model is left out, to its final heartbeat):
+download of the whole model is left out, to its last heartbeat before the run's
+total_steps, so the stop's flush of every fragment's unsent progress [L7] is
+left out too):
 
   bytes up / down per step, and the data-parallel equivalent for the same model
   and M: a ring all-reduce of fp32 gradients every step, both directions
@@ -24,7 +27,8 @@ payload sizes, and bytes per parameter of the contributions and deltas (int4's
 The whole-run totals (bootstrap included) are in the JSON too.
 
     .venv/bin/python scripts/bench_traffic.py --json /tmp/traffic.json      # M=4, P=H=24, 240 steps
-    .venv/bin/python scripts/bench_traffic.py --steps 480 --grace-max 5
+    .venv/bin/python scripts/bench_traffic.py --steps 480 --grace-gamma 0.9
+    .venv/bin/python scripts/bench_traffic.py --task mid --steps 144 --skip-steps 48
 """
 
 from __future__ import annotations
@@ -43,13 +47,13 @@ import benchlib  # noqa: E402
 from bench_bandwidth import dp_bytes_per_step  # noqa: E402
 
 from ddiloco_cli import ledger  # noqa: E402
-from ddiloco_cli.tasks import load_task  # noqa: E402
 
 TARGET_RATIO = 300.0  # issue 12: >= 300x less than data-parallel at P = H = 24, M = 4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", choices=sorted(benchlib.PACED_TASKS), default="tiny")
     ap.add_argument("--learners", "-M", type=int, default=4)
     ap.add_argument("--slowdown", type=float, default=1.5, help="step time of the odd learners / the others'")
     ap.add_argument("--steps", type=int, default=240, help="inner steps per learner (the run's total_steps)")
@@ -63,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--keyframe-every", type=int, default=None, help="default: the run's")
     ap.add_argument("--grace-gamma", type=float, default=None, help="default: the run's")
     ap.add_argument("--grace-max", type=float, default=None, help="default: the run's")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the task's")
     ap.add_argument("--syncer-poll", type=float, default=None, help="`sync --poll` (default: its own)")
     ap.add_argument("--workdir", default=None, help="the run goes here (default: a temp dir, removed after)")
     ap.add_argument("--timeout-s", type=float, default=1800)
@@ -74,12 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def steady_window(beats: list[dict], *, skip_steps: int) -> tuple[dict, dict]:
+def steady_window(beats: list[dict], *, skip_steps: int, total_steps: int) -> tuple[dict, dict]:
     """(first, last) heartbeats of a learner's window: from its first heartbeat at a step
     >= skip_steps (or, in a run too short for that, its earliest one: a learner writes
-    its first heartbeat after the bootstrap download) to its latest one."""
+    its first heartbeat after the bootstrap download) to its latest one before step
+    total_steps, where it stops and flushes every fragment's unsent progress ([L7]):
+    P partial contributions at once, which a longer run would amortise."""
     ordered = sorted(beats, key=lambda b: b["time_s"])
-    last = ordered[-1]
+    last = next((b for b in reversed(ordered) if b["step"] < total_steps), ordered[-1])
     first = next((b for b in ordered if b["step"] >= skip_steps and b["step"] < last["step"]), ordered[0])
     return first, last
 
@@ -112,12 +118,14 @@ def manifest_figures(manifests: list[dict], *, fragment_numel: list[int]) -> dic
 def run_traffic(args, *, workdir: str) -> dict:
     ids = [f"l{i}" for i in range(args.learners)]
     cluster = benchlib.Cluster(os.path.join(workdir, "run"))
-    step_s = benchlib.measure_step_s(load_task("ddiloco_cli.tasks.gpt:tiny"), batch_size=args.batch_size)
-    flags = dict(task=benchlib.PACED_TASK, fragments=args.fragments, sync_every=args.sync_every,
+    task_path, task = benchlib.PACED_TASKS[args.task]
+    batch_size = args.batch_size or task.default_batch_size
+    step_s = benchlib.measure_step_s(task, batch_size=batch_size)
+    flags = dict(task=task_path, fragments=args.fragments, sync_every=args.sync_every,
                  overlap_steps=args.overlap_steps, codec=args.codec, codec_block=args.codec_block,
                  publish_codec=args.publish_codec,
                  keyframe_every=args.keyframe_every, grace_gamma=args.grace_gamma, grace_max=args.grace_max,
-                 total_steps=args.steps, batch_size=args.batch_size, heartbeat=1, lease=6)
+                 total_steps=args.steps, batch_size=batch_size, heartbeat=1, lease=6)
     samples: dict[str, dict[float, dict]] = {lid: {} for lid in ids}
     t0 = time.monotonic()
     try:
@@ -146,7 +154,7 @@ def run_traffic(args, *, workdir: str) -> dict:
     for i, lid in enumerate(ids):
         beats = list(samples[lid].values())
         final = max(beats, key=lambda b: b["time_s"])
-        window = steady_window(beats, skip_steps=args.skip_steps)
+        window = steady_window(beats, skip_steps=args.skip_steps, total_steps=args.steps)
         if window[1]["step"] <= window[0]["step"]:
             raise RuntimeError(f"learner {lid}: no steps between its heartbeats; raise --steps")
         fig = learner_figures(*window, num_fragments=P, sync_every=H, dp_Bps=dp_Bps)
@@ -191,7 +199,7 @@ def print_report(out: dict) -> None:
     print(f"settings: M={s['learners']} (odd ones {s['slowdown']:g}x slower) P={out['run']['num_fragments']} "
           f"H={out['run']['sync_every']} tau={out['run']['overlap_steps']} codec={out['run']['codec']}/{out['run']['codec_block']} "
           f"publish={out['run']['publish_codec']} keyframe_every={out['run']['keyframe_every']} "
-          f"steps={s['steps']} (window from {s['skip_steps']}); tiny GPT {out['num_params']:,} params, "
+          f"steps={s['steps']} (window from {s['skip_steps']}); {s['task']} GPT {out['num_params']:,} params, "
           f"{out['step_s_unpaced'] * 1e3:.0f} ms/step unpaced; {out['train_s']:.0f} s; {benchlib.load_text()}")
 
 

@@ -42,6 +42,7 @@ from ddiloco_cli.learner import lr_at
 from ddiloco_cli.published import load_global_model
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import evaluate
+from ddiloco_cli.tasks.gpt import GPTConfig, GPTTask
 from ddiloco_cli.tasks.gpt import tiny as _tiny
 
 BENCHLIB_PATH = os.path.abspath(__file__)
@@ -83,7 +84,14 @@ class PacedTask:
         return self.inner.loss(model, batch)
 
 
+# ~3.2M parameters (4 layers, 256 wide): ~100-200 ms per step on one core at batch 8 x 64 tokens,
+# fragments of ~130k parameters at P = 24, so a payload's header is a small part of it
+mid = GPTTask(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), default_batch_size=8)
+
 paced_tiny = PacedTask(_tiny)
+paced_mid = PacedTask(mid)
+# name -> (task path for `ddiloco init --task`, the unpaced task)
+PACED_TASKS = {"tiny": (PACED_TASK, _tiny), "mid": (f"{BENCHLIB_PATH}:paced_mid", mid)}
 
 
 class LinearStack(torch.nn.Module):

@@ -394,8 +394,9 @@ class DiLoCoSync:
                 for entry in got.refused:
                     # the ledger's word: that progress is gone; receiving this version re-bases p
                     self.stats.num_refused += 1
-                    log.warning("fragment %d: contribution seq %d was refused by the syncer (%s); re-basing on "
-                                "version %d", p, entry["seq"], entry.get("reason", "no reason given"), got.version)
+                    log.warning("fragment %d: contribution seq %d was refused by the syncer (%s): its progress is "
+                                "not in version %d; re-basing on it", p, entry["seq"],
+                                entry.get("reason", "no reason given"), got.version)
             if got is not None and self.lockstep and not self._accounts_for(got, flight):
                 receiver.want(p, (got.version, got.value), blocking=True)  # not ours yet: wait for a later one
                 got = None

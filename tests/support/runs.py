@@ -88,10 +88,10 @@ def make_run(store, **overrides: Any) -> dict[str, Any]:
     return init_run(store, RunSpec(**spec))
 
 
-def beat(store, learner_id: str, *, state: str = "running") -> None:
+def beat(store, learner_id: str, *, state: str = "running", step_time_s: float = 0.01) -> None:
     run = ledger.read_run(store)
     rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id=learner_id, state=state, step=1,
-                       tokens=1, step_time_s=0.01)
+                       tokens=1, step_time_s=step_time_s)
     store.put(layout.learner_heartbeat_key(learner_id), records.dumps(rec))
 
 

@@ -194,7 +194,7 @@ def test_a_refused_contribution_is_logged_and_the_fragment_re_based(caplog):
             time.sleep(0.01)
         assert sync.base[0][0] == 1 and sync.stats.num_refused == 1
     assert "contribution seq 7 was refused by the syncer (stale: base 0 is 9 cycles behind" in caplog.text
-    assert "re-basing on version 1" in caplog.text
+    assert "its progress is not in version 1; re-basing on it" in caplog.text
 
 
 def test_receiver_is_idle_until_one_step_before_the_overlap_window_ends():

@@ -206,6 +206,41 @@ def test_out_of_phase_schedule_loses_nothing(num_learners):
     assert max(stale) < 8
 
 
+@pytest.mark.parametrize("await_own", [True, False])
+def test_the_grace_window_spans_what_the_first_sender_can_absorb(await_own):
+    """K = 1, two live learners at 1 s per step, H = 24, tau = 2, gamma 0.5. With [L8]
+    (await_own_merge) the first sender holds out for its own merge until step t + H - 1,
+    so the syncer waits up to gamma * (H - 1) steps for the second learner and merges
+    both in one version; without it the window is tau steps (gamma * 2 s = 1 s) and the
+    lone contribution is merged on its own."""
+    store = open_store(f"memory://grace-{uuid.uuid4().hex}")
+    make_run(store, num_fragments=1, sync_every=24, overlap_steps=2, quorum=1, grace_gamma=0.5, grace_max_s=30.0,
+             await_own_merge=await_own, heartbeat_s=1000.0, lease_s=10_000.0)
+    for lid in ("a", "b"):
+        beat(store, lid, step_time_s=1.0)
+    clock = _FakeClock()
+    s = Syncer(store, options=SyncerOptions(syncer_id="g", gc=False, clock=clock))
+    assert s.acquire()
+    s.restore()
+    s._refresh_learners()
+    contribution(store, 0, "a", 1)
+    merged_at = None
+    for t in range(12):  # a's contribution waits; b reports at t = 8 s
+        clock.t = float(t)
+        if t == 8:
+            contribution(store, 0, "b", 1)
+        s.poll_contributions()
+        if s.maybe_merge(s.states[0]) and merged_at is None:
+            merged_at = clock.t
+    first = ledger.read_manifest(store, 0, 1)
+    merged = sorted(c["learner_id"] for c in first["contributions"])
+    if await_own:
+        assert (merged_at, merged) == (8.0, ["a", "b"])  # 8 s < 0.5 * 23 s: b's work joins a's merge
+    else:
+        assert (merged_at, merged) == (1.0, ["a"])  # the window is 0.5 * 2 s
+        assert first["grace_s"] == pytest.approx(1.0)
+
+
 def test_non_finite_update_commits_nothing_and_refuses_the_culprit_V3(run_store):
     """[V3] a finite contribution so large that the outer step overflows fp32: nothing is
     committed and the contribution is quarantined (no ledger entry: the report is its record)."""
