@@ -11,6 +11,7 @@ the real outer gradient.
 
     .venv/bin/python scripts/bench_codec.py                      # ~100M values for throughput
     .venv/bin/python scripts/bench_codec.py --numel 4000000 --json /tmp/codec.json   # CPU/CI-sized
+    .venv/bin/python scripts/bench_codec.py --codecs int4 --blocks 64,128,256 --numel 4000000
 """
 
 from __future__ import annotations
@@ -168,17 +169,22 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=24, help="H: AdamW steps in the outer gradient")
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--blocks", default=None,
+                    help="comma-separated block sizes for the block codecs (int8, int4); default: each codec's own")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
     before, grad, info = real_outer_gradient(sync_every=args.sync_every, warmup_steps=args.warmup_steps)
     rows = []
     for codec in args.codecs.split(","):
-        block = DEFAULT_BLOCK_SIZE.get(codec)
-        row = {"codec": codec, "block_size": block}
-        row.update(measure_sizes(codec, block, before, grad))
-        row.update(measure_throughput(codec, block, grad, numel=args.numel, repeats=args.repeats))
-        rows.append(row)
+        blocks = [DEFAULT_BLOCK_SIZE.get(codec)]
+        if args.blocks and blocks[0] is not None:
+            blocks = [int(b) for b in args.blocks.split(",")]
+        for block in blocks:
+            row = {"codec": codec, "block_size": block}
+            row.update(measure_sizes(codec, block, before, grad))
+            row.update(measure_throughput(codec, block, grad, numel=args.numel, repeats=args.repeats))
+            rows.append(row)
 
     print(f"outer gradient: {info['num_params']:,} params, H={info['sync_every']} AdamW steps after "
           f"{info['warmup_steps']} warmup, text {info['text']} (loss {info['loss_after_sync_window']})")
