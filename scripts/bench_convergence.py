@@ -31,12 +31,15 @@ scored on the same fixed validation batches (the whole val split).
     .venv/bin/python scripts/bench_convergence.py                     # CPU defaults, ~5 min on 2 cores
     .venv/bin/python scripts/bench_convergence.py --steps-per-learner 1000 --learners 4 --json /tmp/conv.json
     .venv/bin/python scripts/bench_convergence.py --arms dp,decoupled --outer-lr 0.5   # a subset, tuning
+    .venv/bin/python scripts/bench_convergence.py --learners 4 --steps-per-learner 1200 --arms decoupled,mixed \\
+        --repeats 3 --dp-val-loss 1.6968     # mean and range of 3 runs against a known dp figure
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +53,7 @@ from ddiloco_cli.tasks import load_task  # noqa: E402
 ARMS = ("dp", "diloco", "lockstep", "decoupled", "mean", "chaos", "mixed", "m8")
 TARGETS = {"decoupled": 1.03, "chaos": 1.03, "mixed": 1.03, "m8": 1.03}  # loss ratio to dp at most
 MIN_MERGED_TOKEN_FRACTION = 0.99
+DETERMINISTIC_ARMS = ("diloco", "lockstep")  # lock-step merges everyone every cycle: the same run every time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--workdir", default=None, help="runs go here (default: a temp dir, removed after)")
     ap.add_argument("--timeout-s", type=float, default=1800, help="per arm")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each ddiloco arm; val_loss is their mean, val_losses each run's (dp and "
+                         "diloco are deterministic: run once)")
+    ap.add_argument("--dp-val-loss", type=float, default=None,
+                    help="data-parallel's val loss from an earlier run of the same settings (it is deterministic), "
+                         "instead of running the dp arm")
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -114,6 +124,24 @@ def init_flags(args, *, arm: str) -> dict:
     elif arm == "m8":
         flags.update(batch_size=M * args.batch_size // 8)
     return flags
+
+
+def mean_of_runs(runs: list[dict]) -> dict:
+    """One arm's result from its repeated runs: the first run's record with val_loss,
+    merged_token_fraction and mean_quorum averaged (the worst merged fraction is kept too),
+    each run's val_loss in val_losses and train_s summed."""
+    out = dict(runs[0])
+    if len(runs) == 1:
+        return out
+    for key in ("val_loss", "merged_token_fraction", "mean_quorum"):
+        if all(key in r for r in runs):
+            out[key] = statistics.fmean(r[key] for r in runs)
+    out["val_losses"] = [r["val_loss"] for r in runs]
+    if all("merged_token_fraction" in r for r in runs):
+        out["min_merged_token_fraction"] = min(r["merged_token_fraction"] for r in runs)
+    out["train_s"] = sum(r["train_s"] for r in runs)
+    out["runs"] = runs
+    return out
 
 
 def arm_learners(args, arm: str) -> list[str]:
@@ -194,14 +222,18 @@ def main(argv=None) -> dict:
             results[arm] = {"arm": arm, "val_loss": benchlib.val_loss(task, model), "train_s": time.monotonic() - t0,
                             "tokens": N * M * B * task.config.block_size if hasattr(task, "config") else None}
         else:
-            run_inner: dict = {}
-            results[arm] = run_ddiloco_arm(args, arm=arm, workdir=workdir, task=task, inner_out=run_inner)
-            # the dp arm must use exactly the learners' optimizer settings
-            assert all(run_inner[k] == inner[k] or (k == "betas" and list(run_inner[k]) == inner[k])
-                       or (k == "batch_size" and arm == "m8") for k in inner), (run_inner, inner)
+            runs = []
+            for i in range(1 if arm in DETERMINISTIC_ARMS else args.repeats):
+                run_inner: dict = {}
+                runs.append(run_ddiloco_arm(args, arm=arm, workdir=os.path.join(workdir, f"r{i}"), task=task,
+                                            inner_out=run_inner))
+                # the dp arm must use exactly the learners' optimizer settings
+                assert all(run_inner[k] == inner[k] or (k == "betas" and list(run_inner[k]) == inner[k])
+                           or (k == "batch_size" and arm == "m8") for k in inner), (run_inner, inner)
+            results[arm] = mean_of_runs(runs)
         print(f"[{arm}] val loss {results[arm]['val_loss']:.4f} in {time.monotonic() - t0:.0f}s "
               f"({benchlib.load_text()})", file=sys.stderr)
-    base = results.get("dp", {}).get("val_loss")
+    base = results.get("dp", {}).get("val_loss", args.dp_val_loss)
     rows = []
     for arm in args.arms:
         r = results[arm]
@@ -210,8 +242,10 @@ def main(argv=None) -> dict:
         r["ratio_to_dp"] = ratio
         r["target_ratio"] = target
         r["target_met"] = None if ratio is None or target is None else ratio <= target
-        fraction = r.get("merged_token_fraction")
-        rows.append([arm, r["val_loss"], "-" if ratio is None else f"{ratio:.4f}",
+        fraction = r.get("min_merged_token_fraction", r.get("merged_token_fraction"))  # the worst run
+        losses = r.get("val_losses", [])
+        shown = f"{r['val_loss']:.4f}" + (f" ({min(losses):.4f}-{max(losses):.4f})" if len(losses) > 1 else "")
+        rows.append([arm, shown, "-" if ratio is None else f"{ratio:.4f}",
                      "-" if target is None else f"<= {target:.2f} " + ("met" if r["target_met"] else "MISSED"),
                      r.get("tokens", "-"), "-" if fraction is None else
                      f"{fraction:.4f} " + ("met" if fraction >= MIN_MERGED_TOKEN_FRACTION else "MISSED"),
