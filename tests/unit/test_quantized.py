@@ -147,6 +147,26 @@ def test_merge_of_codes_in_many_ranges_equals_one_range(monkeypatch):
     assert all(torch.equal(one[k], many[k]) for k in one)
 
 
+@pytest.mark.parametrize("shape", [(40, 50), (1000,), (12, 1000)])  # (1000,): a partial last block
+def test_merge_of_int4_codes_by_word_views_equals_by_values(monkeypatch, shape):
+    """The merge reads int4 codes of whole ranges by its own views (``_codes_term``); the same
+    bits as ``Quantized.values`` of each range, in one range or many."""
+    import ddiloco_cli.merge as M
+
+    g = torch.Generator().manual_seed(4)
+    kept = [decode_tensors(encode_tensors({"w": torch.randn(shape, generator=g) * (i + 1)}, codec="int4",
+                                          block_size=64), keep_codes=True)[0] for i in range(3)]
+    out = {}
+    for chunk in (10**9, 128):
+        monkeypatch.setattr(M, "MERGE_CHUNK_ELEMS", chunk)
+        out[chunk, "views"] = merge_outer_gradients(kept, [1.0, 2.0, 3.0])["w"]
+        with monkeypatch.context() as m:
+            m.setattr(M, "_codes_term", lambda *a: None)
+            out[chunk, "values"] = merge_outer_gradients(kept, [1.0, 2.0, 3.0])["w"]
+    first = out[10**9, "values"]
+    assert all(torch.equal(v, first) for v in out.values())
+
+
 def test_a_contributions_norm_from_its_codes():
     kept = _contributions(1)[0]
     exact = math.sqrt(sum(float(t.double().square().sum()) for t in kept.values()))
