@@ -226,8 +226,11 @@ def _term(v: Source, d: float | None, f: float, step: int) -> Term:
     c = f if d is None else f / d
     if _ONE_MULTIPLY[0] <= c <= _ONE_MULTIPLY[1]:
         if isinstance(v, Quantized):
-            scale = v.scale.to(torch.float64).mul_(c).to(torch.float32)
-            if all_finite(scale):  # a huge scale over zero codes could overflow: then the general way
+            # fl32(scale * c), the product in fp64 (numpy: a few small ops, not several torch calls)
+            with np.errstate(over="ignore"):
+                scaled = (v.scale.numpy().astype(np.float64) * c).astype(np.float32)
+            scale = torch.from_numpy(scaled)
+            if np.isfinite(scaled).all():  # a huge scale over zero codes could overflow: then the general way
                 fast = _codes_term(v, scale, step)
                 if fast is not None:
                     return fast
