@@ -15,7 +15,8 @@ gradient, update = merge + outer step + encode, commit = upload + manifest, chec
 plus "io", the store time inside them (from a timing store wrapper), and "other". A second
 table splits the CPU time per merge by part of the work (decode, norms, sha256, schema, merge,
 outer step, published delta, keyframes and checkpoints, store I/O, other), from the CPU time
-of each thread inside the functions that do it (``CPU_PARTS``).
+of each thread inside the functions that do it (``CPU_PARTS``), with the kernel's part of the
+CPU time ("sys ms") and the minor page faults per merge (fresh memory the process touched).
 
 The syncer decodes contributions in a small thread pool (``--decode-threads``; 1 = in
 line). Rates are given per CPU-second of the process (every thread's CPU time: the cost
