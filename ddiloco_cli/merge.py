@@ -29,10 +29,11 @@ import hashlib
 import math
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
-from ddiloco_cli.quantized import Quantized, Source, chunk_elems, shape_of, sources
+from ddiloco_cli.quantized import PER_BYTE, Q_OF_WORD, Quantized, Source, chunk_elems, shape_of, sources
 
 # Below this norm of the weighted mean of unit vectors, ||sum w phi(v)|| / sum w, RDA returns
 # the weighted mean instead: as the directions cancel, RDA would keep the full mean norm in a
@@ -164,23 +165,81 @@ MERGE_CHUNK_ELEMS = 1 << 17
 # overflows nor loses bits (|v / d * f| <= 1 for a unit vector times a weight in [0, 1]).
 _ONE_MULTIPLY = (2.0 ** -100, 2.0 ** 100)
 
-Term = Callable[[int, int, torch.Tensor], torch.Tensor]  # (start, stop, scratch) -> the term's values there
+class _Dest:
+    """Where a term writes the values of one range: ``t`` (the sum's range, for the first term, or
+    the scratch), with its views made once per merge and shared by every term, as a range's
+    views cost more than a small multiply (several microseconds each, for ~200 ranges x terms)."""
+
+    __slots__ = ("t", "_views")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self._views: dict = {}
+
+    def items(self, dtype: np.dtype) -> np.ndarray:
+        """The range as a numpy array of ``dtype`` items (a table's rows)."""
+        v = self._views.get(dtype)
+        if v is None:
+            v = self._views[dtype] = self.t.numpy().view(dtype)
+        return v
+
+    def blocks(self, block: int) -> torch.Tensor:
+        """The range's whole blocks, as (blocks, block)."""
+        v = self._views.get(block)
+        if v is None:
+            full = self.t.numel() // block * block
+            v = self._views[block] = self.t[:full].view(-1, block)
+        return v
 
 
-def _term(v: Source, d: float | None, f: float) -> Term:
+Term = Callable[[int, int, _Dest], torch.Tensor]  # (start, stop, destination) -> the term's values there
+
+
+def _codes_term(v: Quantized, scale: torch.Tensor, step: int) -> Term | None:
+    """q * scale of each block of v, for ranges [start, stop) of ``step`` elements (the last may
+    be shorter): the ops of ``Quantized.values`` (a word table, then one multiply per block),
+    on views made once. None when a range would not be whole 2-byte words of codes."""
+    words_elems = 2 * PER_BYTE[v.codec]
+    if step % words_elems or v.numel % words_elems:
+        return None
+    table, words, block = Q_OF_WORD[v.codec], v.codes.view(np.uint16), v.block
+    per_block = scale[:, None]
+
+    def term(start: int, stop: int, dest: _Dest) -> torch.Tensor:
+        table.take(words[start // words_elems : stop // words_elems], out=dest.items(table.dtype), mode="clip")
+        b0 = start // block
+        blocks = dest.blocks(block)
+        k = blocks.shape[0]
+        if k:
+            blocks.mul_(per_block[b0 : b0 + k])
+        if k * block < stop - start:  # the tensor's partial last block
+            dest.t[k * block :].mul_(scale[b0 + k])
+        return dest.t
+
+    return term
+
+
+def _term(v: Source, d: float | None, f: float, step: int) -> Term:
     """(v / d) * f, d None for 1, as computed for the range [start, stop): one multiply by the
     factor c = f / d (for codes: by each block's scale times c, so q * (scale * c)), or, when c
     is not safely inside fp32's range, a division by d, then a multiply by f."""
     c = f if d is None else f / d
     if _ONE_MULTIPLY[0] <= c <= _ONE_MULTIPLY[1]:
         if isinstance(v, Quantized):
-            scale = v.scale.to(torch.float64).mul_(c).to(torch.float32)
-            if all_finite(scale):  # a huge scale over zero codes could overflow: then the general way
-                return lambda start, stop, t: v.values(start, stop, out=t, scale=scale)
+            # fl32(scale * c), the product in fp64 (numpy: a few small ops, not several torch calls)
+            with np.errstate(over="ignore"):
+                scaled = (v.scale.numpy().astype(np.float64) * c).astype(np.float32)
+            scale = torch.from_numpy(scaled)
+            if np.isfinite(scaled).all():  # a huge scale over zero codes could overflow: then the general way
+                fast = _codes_term(v, scale, step)
+                if fast is not None:
+                    return fast
+                return lambda start, stop, dest: v.values(start, stop, out=dest.t, scale=scale)
         else:
-            return lambda start, stop, t: torch.mul(v[start:stop], c, out=t)
+            return lambda start, stop, dest: torch.mul(v[start:stop], c, out=dest.t)
 
-    def general(start: int, stop: int, t: torch.Tensor) -> torch.Tensor:
+    def general(start: int, stop: int, dest: _Dest) -> torch.Tensor:
+        t = dest.t
         x = v.values(start, stop, out=t) if isinstance(v, Quantized) else v[start:stop]
         if d is not None:
             x = torch.div(x, d, out=t)
@@ -196,17 +255,19 @@ def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float
     n = _numel(items[0][1])
     blocks = [v.block for _, v, _ in items if isinstance(v, Quantized)]
     step = chunk_elems(math.lcm(1, *blocks), elems=MERGE_CHUNK_ELEMS)
-    terms = [_term(v, d, f) for (_, v, _), (d, f) in zip(items, factors) if f]
+    terms = [_term(v, d, f, step) for (_, v, _), (d, f) in zip(items, factors) if f]
     if not terms:
         return torch.zeros(n, dtype=torch.float32)
     acc = torch.empty(n, dtype=torch.float32)
     scratch = torch.empty(min(step, n), dtype=torch.float32)
+    whole = _Dest(scratch)  # the scratch of every whole range (its views made once)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        part, t = acc[start:stop], scratch[: stop - start]
+        part = _Dest(acc[start:stop])
+        t = whole if stop - start == scratch.numel() else _Dest(scratch[: stop - start])
         terms[0](start, stop, part)
         for term in terms[1:]:
-            part.add_(term(start, stop, t))
+            part.t.add_(term(start, stop, t))
     return acc
 
 

@@ -14,6 +14,17 @@ import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 
+# ``OuterOptimizer.stepped`` steps each tensor range by range: the ranges of the param, the
+# gradient, the old and new buffers and the new param (5 x 256 KB) stay in cache between the ops.
+# A multiple of 64 elements: every range but a tensor's last is whole vector lanes, as unranged.
+STEP_CHUNK_ELEMS = 1 << 16
+
+
+def _flat_ok(t: torch.Tensor) -> bool:
+    """t can be stepped range by range in place of step (a contiguous fp32 CPU tensor)."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
 class OuterOptimizer:
     def __init__(self, *, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
         if lr <= 0:
@@ -48,6 +59,74 @@ class OuterOptimizer:
                 grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
             param.add_(grad, alpha=-self.lr)
         self.num_steps += 1
+
+    @torch.no_grad()
+    def stepped(self, params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor], *,
+                lr: float | None = None) -> tuple[dict[str, torch.Tensor], "OuterOptimizer"]:
+        """``step`` without touching ``params`` or this optimizer: returns (the new params, an
+        optimizer with ``lr`` (default: this one's) that has taken the step). The same operations,
+        element by element, as ``copy()`` then ``step`` on copies of ``params`` (so the same bits),
+        but range by range (``STEP_CHUNK_ELEMS``: the ranges of every tensor stay in cache
+        between the operations) and into fresh tensors: no copies of the old values are made
+        first. Keys of params without a gradient are copied."""
+        out = OuterOptimizer(lr=self.lr if lr is None else lr, momentum=self.momentum, nesterov=self.nesterov)
+        out.num_steps = self.num_steps + 1
+        new: dict[str, torch.Tensor] = {}
+        for key, grad in outer_grad.items():
+            if key not in params:
+                raise UsageError(f"outer gradient for {key!r} but no such parameter")
+            param = params[key]
+            assert param.shape == grad.shape, (key, param.shape, grad.shape)
+            buf = self.momentum_buffers.get(key) if self.momentum != 0 else None
+            if not all(_flat_ok(t) for t in (param, grad) + (() if buf is None else (buf,))):
+                one = OuterOptimizer(lr=out.lr, momentum=self.momentum, nesterov=self.nesterov)
+                if buf is not None:
+                    one.momentum_buffers[key] = buf.detach().clone()
+                new[key] = param.detach().clone()
+                one.step(new, {key: grad})  # in place on the copies
+                out.momentum_buffers.update(one.momentum_buffers)
+                continue
+            new[key], new_buf = self._step_ranges(param.detach(), grad.detach(), buf, lr=out.lr)
+            if new_buf is not None:
+                out.momentum_buffers[key] = new_buf
+        for key, param in params.items():
+            if key not in new:
+                new[key] = param.detach().clone()
+        for key, buf in self.momentum_buffers.items():
+            if key not in out.momentum_buffers:
+                out.momentum_buffers[key] = buf.detach().clone()
+        return new, out
+
+    def _step_ranges(self, param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, *,
+                     lr: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(new param, new momentum buffer or None) of one tensor, as ``step`` computes them, range
+        by range. Contiguous fp32 CPU tensors of one shape."""
+        n = param.numel()
+        new_param = torch.empty_like(param)
+        p, g, out_p = param.view(-1), grad.view(-1), new_param.view(-1)
+        if self.momentum == 0:
+            for a in range(0, n, STEP_CHUNK_ELEMS):
+                b = min(n, a + STEP_CHUNK_ELEMS)
+                torch.add(p[a:b], g[a:b], alpha=-lr, out=out_p[a:b])
+            return new_param, None
+        if buf is None:  # the first step: buf = g, as torch does
+            new_buf = grad.clone()
+            d = g.add(new_buf.view(-1), alpha=self.momentum) if self.nesterov else new_buf.view(-1)
+            torch.add(p, d, alpha=-lr, out=out_p)
+            return new_param, new_buf
+        new_buf = torch.empty_like(buf)
+        old_b, out_b = buf.view(-1), new_buf.view(-1)
+        tmp = torch.empty(min(n, STEP_CHUNK_ELEMS), dtype=param.dtype) if self.nesterov else None
+        for a in range(0, n, STEP_CHUNK_ELEMS):
+            b = min(n, a + STEP_CHUNK_ELEMS)
+            nb = out_b[a:b]
+            torch.mul(old_b[a:b], self.momentum, out=nb).add_(g[a:b], alpha=1)  # buf.mul_(m).add_(g)
+            if tmp is not None:  # g.add(buf, alpha=m)
+                d = torch.add(g[a:b], nb, alpha=self.momentum, out=tmp[: b - a])
+            else:
+                d = nb
+            torch.add(p[a:b], d, alpha=-lr, out=out_p[a:b])  # param.add_(d, alpha=-lr)
+        return new_param, new_buf
 
     @torch.no_grad()
     def gradient_part(self, params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor], *,

@@ -103,15 +103,15 @@ def outer_update(
     for k, t in merged.items():
         if not all_finite(t):
             raise NonFiniteUpdate(f"fragment {fragment}: the merged outer gradient of {k!r} is not finite")
-    outer = value.outer.copy()
-    outer.lr = lr
-    raw = {k: t.clone() for k, t in value.raw.items()}
     phase = value.phase + share if per_cycle else value.phase
     accum: Tensors = {}
     whole_cycle = share == 1.0 and not value.accum and value.phase == math.floor(value.phase)
     if not per_cycle or whole_cycle:
-        outer.step(raw, merged)
+        raw, outer = value.outer.stepped(value.raw, merged, lr=lr)  # into new tensors: value is kept
     else:
+        outer = value.outer.copy()
+        outer.lr = lr
+        raw = {k: t.clone() for k, t in value.raw.items()}
         outer.gradient_part(raw, merged, fraction=share)
         accum = {k: (value.accum[k] + share * g) if value.accum else share * g for k, g in merged.items()}
         if math.floor(phase) > math.floor(value.phase):

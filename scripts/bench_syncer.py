@@ -15,7 +15,8 @@ gradient, update = merge + outer step + encode, commit = upload + manifest, chec
 plus "io", the store time inside them (from a timing store wrapper), and "other". A second
 table splits the CPU time per merge by part of the work (decode, norms, sha256, schema, merge,
 outer step, published delta, keyframes and checkpoints, store I/O, other), from the CPU time
-of each thread inside the functions that do it (``CPU_PARTS``).
+of each thread inside the functions that do it (``CPU_PARTS``), with the kernel's part of the
+CPU time ("sys ms") and the minor page faults per merge (fresh memory the process touched).
 
 The syncer decodes contributions in a small thread pool (``--decode-threads``; 1 = in
 line). Rates are given per CPU-second of the process (every thread's CPU time: the cost
@@ -42,6 +43,7 @@ import io
 import json
 import os
 import pstats
+import resource
 import shutil
 import subprocess
 import sys
@@ -155,9 +157,15 @@ CPU_PARTS = (
     ("schema", "ddiloco_cli.records", "validate"),
     ("merge", "ddiloco_cli.update", "merge_gradients"),
     ("outer", "ddiloco_cli.outer", "OuterOptimizer.step"),
+    ("outer", "ddiloco_cli.outer", "OuterOptimizer.stepped"),  # the step into new tensors (update.py)
     ("publish", "ddiloco_cli.codec", "encode_published_delta"),  # quantise, zstd, new published value
     ("full", "ddiloco_cli.codec", "encode_tensors"),  # keyframes and checkpoints (codec none)
 )
+
+
+def _part_labels() -> list[str]:
+    """The labels of CPU_PARTS, each once, in order."""
+    return list(dict.fromkeys(label for label, _, _ in CPU_PARTS))
 
 
 def _instrument_cpu() -> None:
@@ -171,7 +179,8 @@ def _instrument_cpu() -> None:
         *path, name = attr.split(".")
         for part in path:
             owner = getattr(owner, part)
-        setattr(owner, name, CPU.wrap(label, getattr(owner, name)))
+        if hasattr(owner, name):  # (an older tree, for an A/B run, may lack one)
+            setattr(owner, name, CPU.wrap(label, getattr(owner, name)))
     _instrument_cpu.done = True  # type: ignore[attr-defined]
 
 
@@ -260,6 +269,7 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     n = plan.fragment_numel(fragment)
     gen = torch.Generator().manual_seed(0)
     times, cpu_times, bytes_in = [], [], 0
+    faults, sys_s = 0, 0.0  # page faults (fresh memory touched) and kernel CPU time in the timed rounds
     prof = cProfile.Profile() if profile else None
     for r in range(warmup + rounds):
         version = state.version
@@ -273,10 +283,12 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         REGIONS.enabled = CPU.enabled = timed
         if prof is not None and timed:
             prof.enable()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0, c0 = time.perf_counter(), time.process_time()
         syncer.poll_contributions()
         merged = syncer.maybe_merge(syncer.states[fragment])
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         if prof is not None and timed:
             prof.disable()
         REGIONS.enabled = CPU.enabled = False
@@ -287,11 +299,13 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
             times.append(dt)
             cpu_times.append(dc)
             bytes_in += nb
+            faults += ru1.ru_minflt - ru0.ru_minflt
+            sys_s += ru1.ru_stime - ru0.ru_stime
     total = sum(times)
     split = {k: (syncer.stage_s.get(k, 0.0) - stages_before.get(k, 0.0)) / rounds for k in STAGES}
     split["other"] = total / rounds - sum(split.values())
     split["io"] = REGIONS.totals.get("io", 0.0) / rounds  # inside the stages above
-    cpu_split = {label: CPU.totals.get(label, 0.0) / rounds for label, _, _ in CPU_PARTS}
+    cpu_split = {label: CPU.totals.get(label, 0.0) / rounds for label in _part_labels()}
     cpu_split["io"] = CPU.totals.get("io", 0.0) / rounds
     cpu_split["other"] = sum(cpu_times) / rounds - sum(cpu_split.values())
     if own_run and store_kind != "memory":
@@ -304,6 +318,8 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         "cpu_s_per_merge_mean": sum(cpu_times) / rounds,
         "param_contribs_per_cpu_s": m * n * rounds / sum(cpu_times),
         "contribution_bytes": bytes_in / (rounds * m),
+        "minor_faults_per_merge": faults / rounds,
+        "sys_cpu_s_per_merge": sys_s / rounds,
         "split_s_per_merge": split,
         "cpu_split_s_per_merge": cpu_split,
     }
@@ -438,17 +454,19 @@ def main() -> None:
               f"{r['cpu_s_per_merge_mean'] * 1e3:>7.1f} {r['param_contribs_per_cpu_s']:>10.3g} "
               f"{r['param_contribs_per_s']:>10.3g} {r['m_max_1b_h24_1s']:>6.1f} | "
               + " ".join(f"{sp.get(c, 0.0) * 1e3:>10.1f}" for c in cols))
-    parts = [*(label for label, _, _ in CPU_PARTS), "io", "other"]
+    parts = [*_part_labels(), "io", "other"]
     print("\nCPU ms per merge by part (all threads; each part without the others it calls): decode = parse + zstd + "
           "finiteness of the scales; norm = contribution norms from the codes; publish = the published delta "
           "(quantise, zstd, new value); full = keyframe and checkpoint payloads; other = the rest (bookkeeping, "
-          "finiteness checks of the update, manifests)")
-    head = f"{'codec':5s} {'M':>2s} {'CPU ms':>7s} | " + " ".join(f"{c:>8s}" for c in parts)
+          "finiteness checks of the update, manifests); sys ms = the kernel's part of CPU ms, faults = minor page "
+          "faults per merge (fresh memory touched: each costs kernel time)")
+    head = f"{'codec':5s} {'M':>2s} {'CPU ms':>7s} {'sys ms':>6s} {'faults':>6s} | " + " ".join(f"{c:>8s}" for c in parts)
     print(head)
     print("-" * len(head))
     for r in results:
         cs = r["cpu_split_s_per_merge"]
-        print(f"{r['codec']:5s} {r['m']:>2d} {r['cpu_s_per_merge_mean'] * 1e3:>7.1f} | "
+        print(f"{r['codec']:5s} {r['m']:>2d} {r['cpu_s_per_merge_mean'] * 1e3:>7.1f} "
+              f"{r['sys_cpu_s_per_merge'] * 1e3:>6.1f} {r['minor_faults_per_merge']:>6.0f} | "
               + " ".join(f"{cs.get(c, 0.0) * 1e3:>8.1f}" for c in parts))
     target = 2e8
     int4 = [r for r in results if r["codec"] == "int4"]

@@ -33,6 +33,36 @@ def test_matches_torch_sgd_bit_for_bit(lr, momentum, nesterov):
     assert opt.num_steps == len(grads)
 
 
+@pytest.mark.parametrize("lr,momentum,nesterov", [(0.7, 0.9, True), (0.4, 0.5, False), (1.0, 0.0, False)])
+def test_stepped_is_copy_then_step_bit_for_bit(lr, momentum, nesterov, monkeypatch):
+    """``stepped`` (range by range, into new tensors: the syncer's update) makes the bits of
+    ``copy()`` then ``step`` on copies, over many ranges with a short last one, a first step,
+    a key without a gradient and a non-contiguous tensor; the inputs are left as they were."""
+    import ddiloco_cli.outer as outer_mod
+
+    monkeypatch.setattr(outer_mod, "STEP_CHUNK_ELEMS", 64)
+    g = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(37, 29, generator=g), "b": torch.randn(11, generator=g),
+              "c": torch.randn(5, 4, generator=g).t()}
+    ref, ref_opt = {k: v.clone() for k, v in params.items()}, OuterOptimizer(lr=lr, momentum=momentum, nesterov=nesterov)
+    ours, opt = {k: v.clone() for k, v in params.items()}, OuterOptimizer(lr=lr, momentum=momentum, nesterov=nesterov)
+    for i in range(4):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        if i == 2:
+            del grads["b"]
+        ref_opt.step(ref, grads)
+        before = {k: v.clone() for k, v in ours.items()}
+        bufs = {k: v.clone() for k, v in opt.momentum_buffers.items()}
+        new, new_opt = opt.stepped(ours, grads, lr=lr)
+        assert all(torch.equal(ours[k], before[k]) for k in ours)  # untouched: the rollback point
+        assert all(torch.equal(opt.momentum_buffers[k], bufs[k]) for k in bufs)
+        ours, opt = new, new_opt
+        assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref), i
+        assert set(opt.momentum_buffers) == set(ref_opt.momentum_buffers)
+        assert all(torch.equal(opt.momentum_buffers[k], b) for k, b in ref_opt.momentum_buffers.items())
+        assert opt.num_steps == ref_opt.num_steps and opt.lr == lr
+
+
 def test_state_round_trip_through_safetensors_and_codec_is_bit_exact():
     params, grads = make(1)
     a = {k: v.clone() for k, v in params.items()}

@@ -54,6 +54,35 @@ def test_sum_of_squares_from_the_codes(codec, block, n):
     assert q.sum_of_squares == pytest.approx(exact, rel=1e-12)
 
 
+@pytest.mark.parametrize("block", [16, 64, 4080, 4096])  # 4080: the most 16-bit lanes hold; 4096: the table
+def test_sum_of_squares_of_every_code(block):
+    """Every byte value (q = -8, which no encoder writes, included) in int4 blocks: the same sum
+    as from the values, and from the block sums of the table (the other way)."""
+    n = 2 * 256 * 40 // block * block
+    codes = torch.arange(n // 2).remainder(256).to(torch.uint8).numpy()
+    g = torch.Generator().manual_seed(2)
+    scale = (torch.rand(n // block, generator=g) * 2.0 ** torch.randint(-60, 60, (n // block,), generator=g))
+    scale = scale.to(torch.bfloat16).to(torch.float32)
+    q = Quantized(codec="int4", shape=(n,), block=block, scale=scale, codes=codes)
+    exact = math.fsum(float(v) ** 2 for v in q.dense().double())
+    assert q.sum_of_squares == pytest.approx(exact, rel=1e-12)
+    words = torch.from_numpy(quantized._SQ_OF_WORD["int4"][codes.view("u2")].astype("float64"))
+    assert torch.equal(torch.from_numpy(quantized._int4_block_sums(codes, n // block)),
+                       words.view(n // block, -1).sum(1)) if block % 16 == 0 and block <= 4080 else True
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+def test_bounded_is_every_scale_times_the_largest_code_finite(codec):
+    big = float(torch.finfo(torch.float32).max) / quantized.QABS[codec]
+    above = float(torch.nextafter(torch.tensor(big), torch.tensor(math.inf)))  # the next fp32
+    for s, want in ((0.0, True), (-big, True), (big, True), (above, False), (-above, False),
+                    (math.inf, False), (math.nan, False)):
+        q = Quantized(codec=codec, shape=(8,), block=4, scale=torch.tensor([1.0, s]),
+                      codes=torch.zeros(8 // quantized.PER_BYTE[codec], dtype=torch.uint8).numpy())
+        assert q.bounded() is want, s
+        assert bool(torch.isfinite((q.scale * quantized.QABS[codec]).float()).all()) is want, s
+
+
 def _frame(codec, block, scales, body):
     """A payload of one tensor "t" from its frame: bf16 scales, then the codes."""
     n = len(body) * (2 if codec == "int4" else 1)
@@ -116,6 +145,26 @@ def test_merge_of_codes_in_many_ranges_equals_one_range(monkeypatch):
     monkeypatch.setattr(M, "MERGE_CHUNK_ELEMS", 12)
     many = merge_outer_gradients(kept, [1.0, 2.0, 3.0])
     assert all(torch.equal(one[k], many[k]) for k in one)
+
+
+@pytest.mark.parametrize("shape", [(40, 50), (1000,), (12, 1000)])  # (1000,): a partial last block
+def test_merge_of_int4_codes_by_word_views_equals_by_values(monkeypatch, shape):
+    """The merge reads int4 codes of whole ranges by its own views (``_codes_term``); the same
+    bits as ``Quantized.values`` of each range, in one range or many."""
+    import ddiloco_cli.merge as M
+
+    g = torch.Generator().manual_seed(4)
+    kept = [decode_tensors(encode_tensors({"w": torch.randn(shape, generator=g) * (i + 1)}, codec="int4",
+                                          block_size=64), keep_codes=True)[0] for i in range(3)]
+    out = {}
+    for chunk in (10**9, 128):
+        monkeypatch.setattr(M, "MERGE_CHUNK_ELEMS", chunk)
+        out[chunk, "views"] = merge_outer_gradients(kept, [1.0, 2.0, 3.0])["w"]
+        with monkeypatch.context() as m:
+            m.setattr(M, "_codes_term", lambda *a: None)
+            out[chunk, "values"] = merge_outer_gradients(kept, [1.0, 2.0, 3.0])["w"]
+    first = out[10**9, "values"]
+    assert all(torch.equal(v, first) for v in out.values())
 
 
 def test_a_contributions_norm_from_its_codes():
