@@ -87,8 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workdir", default=None, help="runs go here (default: a temp dir, removed after)")
     ap.add_argument("--timeout-s", type=float, default=1800, help="per arm")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="runs of each ddiloco arm; val_loss is their mean, val_losses each run's (dp and "
-                         "diloco are deterministic: run once)")
+                    help="runs of each decoupled arm; val_loss is their mean, val_losses each run's (dp and the "
+                         "lock-step arms diloco and lockstep are deterministic: run once)")
     ap.add_argument("--dp-val-loss", type=float, default=None,
                     help="data-parallel's val loss from an earlier run of the same settings (it is deterministic), "
                          "instead of running the dp arm")
