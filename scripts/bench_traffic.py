@@ -90,6 +90,19 @@ def steady_window(beats: list[dict], *, skip_steps: int, total_steps: int) -> tu
     return first, last
 
 
+def measured_window(beats: list[dict], *, skip_steps: int, total_steps: int) -> tuple[dict, dict, bool]:
+    """(first, last, steady): the steady window, or, when a run is too short for two heartbeats
+    in it (a fast learner writes one a second), the whole run from the earliest heartbeat to the
+    final one (steady False). Raises RuntimeError when even that has no steps."""
+    first, last = steady_window(beats, skip_steps=skip_steps, total_steps=total_steps)
+    if last["step"] > first["step"]:
+        return first, last, True
+    first, last = min(beats, key=lambda b: b["time_s"]), max(beats, key=lambda b: b["time_s"])
+    if last["step"] <= first["step"]:
+        raise RuntimeError("a learner made no steps between its heartbeats; raise --steps")
+    return first, last, False
+
+
 def learner_figures(first: dict, last: dict, *, num_fragments: int, sync_every: int, dp_Bps: float) -> dict:
     """Bytes per step and versions per fragment per cycle between two heartbeats of one learner."""
     steps = last["step"] - first["step"]
@@ -154,12 +167,14 @@ def run_traffic(args, *, workdir: str) -> dict:
     for i, lid in enumerate(ids):
         beats = list(samples[lid].values())
         final = max(beats, key=lambda b: b["time_s"])
-        window = steady_window(beats, skip_steps=args.skip_steps, total_steps=args.steps)
-        if window[1]["step"] <= window[0]["step"]:
-            raise RuntimeError(f"learner {lid}: no steps between its heartbeats; raise --steps")
+        *window, steady = measured_window(beats, skip_steps=args.skip_steps, total_steps=args.steps)
+        if not steady:
+            print(f"learner {lid}: no steps between two heartbeats of the steady window; its figures are "
+                  f"the whole run's (bootstrap and stop flush included): raise --steps", file=sys.stderr)
         fig = learner_figures(*window, num_fragments=P, sync_every=H, dp_Bps=dp_Bps)
         total = final["bytes_up"] + final["bytes_down"]
         learners[lid] = {**fig, "paced": args.slowdown if i % 2 else 1.0, "window_steps": [window[0]["step"], window[1]["step"]],
+                         "steady_window": steady,
                          "total_bytes_up": final["bytes_up"], "total_bytes_down": final["bytes_down"],
                          "total_steps": final["step"], "num_contributions": final["num_contributions"],
                          "contribution_bytes": final["bytes_up"] / max(1, final["num_contributions"]),

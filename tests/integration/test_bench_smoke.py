@@ -86,7 +86,9 @@ def test_bench_traffic_smoke(tmp_path):
     finite_positive = lambda x: isinstance(x, (int, float)) and 0 < x < math.inf  # noqa: E731
     finite = lambda x: isinstance(x, (int, float)) and 0 <= x < math.inf  # noqa: E731
     for r in rep["learners"].values():
-        assert r["steps"] > 0
+        # a fast learner may write no two heartbeats inside so short a steady window: then its
+        # figures are the whole run's, and the report says so
+        assert r["steps"] > 0 and isinstance(r["steady_window"], bool)
         for key in ("bytes_up_per_step", "ratio_vs_dp", "total_ratio_vs_dp", "contribution_bytes"):
             assert finite_positive(r[key]), (key, r)
         # what a learner downloads inside the short steady window depends on how soon the syncer

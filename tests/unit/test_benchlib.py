@@ -190,3 +190,23 @@ def test_every_convergence_arm_makes_a_run_init_accepts(tmp_path, arm):
         assert (config.mode, config.quorum, config.codec) == ("lockstep", 4, "int4")
     else:
         assert (config.mode, config.quorum, config.merge) == ("decoupled", 1, "rda")
+
+
+def test_bench_traffic_window_falls_back_to_the_whole_run_when_the_steady_one_is_empty():
+    """bench_traffic: a fast learner of a short run may write no two heartbeats between
+    --skip-steps and total_steps; its figures then come from the whole run, flagged, instead of
+    the run failing (a loaded CI machine hit that)."""
+    import bench_traffic
+
+    def beat(t, step):
+        return {"time_s": t, "step": step}
+
+    steady = [beat(1, 2), beat(2, 10), beat(3, 20), beat(4, 30), beat(5, 48)]
+    first, last, ok = bench_traffic.measured_window(steady, skip_steps=8, total_steps=48)
+    assert ok and (first["step"], last["step"]) == (10, 30)
+    # the first beat came after the bootstrap at step 20 and the next is the final one
+    sparse = [beat(1, 20), beat(2, 24)]
+    first, last, ok = bench_traffic.measured_window(sparse, skip_steps=8, total_steps=24)
+    assert not ok and (first["step"], last["step"]) == (20, 24)
+    with pytest.raises(RuntimeError, match="no steps"):
+        bench_traffic.measured_window([beat(1, 5)], skip_steps=8, total_steps=24)
