@@ -172,7 +172,9 @@ TIMED = (
     ("ddiloco_cli.codec", "decode_tensors"), ("ddiloco_cli.codec", "apply_published_delta"),
     ("ddiloco_cli.codec", "encode_with_residual"), ("ddiloco_cli.store.retry", "RetryingStore.put_if_absent"),
     ("ddiloco_cli.store.retry", "RetryingStore.get"), ("ddiloco_cli.learner.sync", "DiLoCoSync._send"),
-    ("ddiloco_cli.learner.session", "SessionWriter.beat"),
+    ("ddiloco_cli.learner.session", "SessionWriter.beat"), ("ddiloco_cli.learner.receiver", "Receiver._manifests_since"),
+    ("ddiloco_cli.quantized", "Quantized.dense"), ("ddiloco_cli.codec", "_quantize"),
+    ("ddiloco_cli.codec", "_quantize_together"), ("ddiloco_cli.records", "sha256_hex"),
 )
 
 
@@ -181,6 +183,7 @@ def time_functions() -> dict[str, list[float]]:
     returns {"thread-kind function": [calls, CPU s]}, filled as they run. Thread kinds:
     main, uploader (all of them), receiver, heartbeat."""
     import importlib
+    import inspect
     import threading
 
     spent: dict[str, list[float]] = {}
@@ -207,6 +210,8 @@ def time_functions() -> dict[str, list[float]]:
                 acc[0] += 1
                 acc[1] += time.thread_time() - c0
 
+        if isinstance(inspect.getattr_static(owner, leaf), staticmethod):
+            wrapped = staticmethod(wrapped)
         setattr(owner, leaf, wrapped)
     return spent
 
