@@ -46,7 +46,8 @@ import zstandard
 from ddiloco_cli import records
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.merge import all_finite
-from ddiloco_cli.quantized import QMAX, DecodedTensors, Quantized, Source, chunk_elems, num_blocks
+from ddiloco_cli.quantized import (_Q_OF_BYTE, _Q_OF_WORD, PER_BYTE, QMAX, DecodedTensors, Quantized, Source, chunk_elems,
+                                   num_blocks)
 
 FORMAT_VERSION = 1
 METADATA_KEY = "ddiloco"
@@ -404,6 +405,30 @@ def _decode_tensors(
     data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str,
     keep_codes: bool,
 ) -> tuple[Mapping[str, torch.Tensor], dict]:
+    codec, block, plan, caller_meta = _checked_frames(data, expected=expected, max_numel=max_numel, where=where)
+    out: dict[str, Source] = {}
+    for key, shape, n, raw_n, comp in plan:
+        raw = _decompressed(comp, raw_n, where=where, key=key)
+        out[key] = _decoded(raw, codec, tuple(shape), block, keep_codes=keep_codes, where=f"{where}: tensor {key!r}")
+    return (DecodedTensors(out, codec=codec, block_size=block) if keep_codes else out), caller_meta
+
+
+def _decompressed(comp: memoryview, raw_n: int, *, where: str, key: str) -> bytes:
+    """A tensor's frame, decompressed (capped at its derived size ``raw_n``, and exactly that)."""
+    try:
+        raw = _decompressor().decompress(comp, max_output_size=raw_n, allow_extra_data=False)
+    except zstandard.ZstdError as err:
+        raise InvalidPayloadError(f"{where}: tensor {key!r}: zstd decompression failed ({err})") from None
+    if len(raw) != raw_n:
+        raise InvalidPayloadError(f"{where}: tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
+    return raw
+
+
+def _checked_frames(
+    data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str,
+) -> tuple[str, int, list[tuple[str, list[int], int, int, memoryview]], dict]:
+    """(codec, block size, [(key, shape, numel, raw size, compressed frame)], caller metadata) of a
+    payload, every declared size checked (see ``decode_tensors``) and nothing decompressed."""
     def bad(msg: str) -> InvalidPayloadError:
         return InvalidPayloadError(f"{where}: {msg}")
 
@@ -480,19 +505,7 @@ def _decode_tensors(
         if declared not in (-1, raw_n):
             raise bad(f"tensor {key!r}: zstd frame declares {declared} bytes, expected {raw_n}")
         plan.append((key, shape, n, raw_n, comp))
-
-    # -- decompress (capped at the derived size) and dequantize
-    dctx = _decompressor()
-    out: dict[str, Source] = {}
-    for key, shape, n, raw_n, comp in plan:
-        try:
-            raw = dctx.decompress(comp, max_output_size=raw_n, allow_extra_data=False)
-        except zstandard.ZstdError as err:
-            raise bad(f"tensor {key!r}: zstd decompression failed ({err})") from None
-        if len(raw) != raw_n:
-            raise bad(f"tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
-        out[key] = _decoded(raw, codec, tuple(shape), block, keep_codes=keep_codes, where=f"{where}: tensor {key!r}")
-    return (DecodedTensors(out, codec=codec, block_size=block) if keep_codes else out), caller_meta
+    return codec, block, plan, caller_meta
 
 
 def _decoded(raw: bytes, codec: str, shape: tuple[int, ...], block: int, *, keep_codes: bool, where: str) -> Source:
@@ -598,8 +611,93 @@ def apply_published_delta(
     when prev is non-empty. Raises InvalidPayloadError."""
     if expected is None and prev_published:
         expected = {k: tuple(v.shape) for k, v in prev_published.items()}
-    decoded, _ = decode_tensors(payload, expected=expected, where=where)
-    return _add(prev_published, decoded)
+    where = where or "payload"
+    try:
+        codec, block, plan, _ = _checked_frames(payload, expected=expected, max_numel=None, where=where)
+        out: dict[str, torch.Tensor] = {}
+        for key, shape, n, raw_n, comp in plan:
+            raw = _decompressed(comp, raw_n, where=where, key=key)
+            p = prev_published.get(key)
+            summed = _sum_with(p, raw, codec, tuple(shape), block) if codec in QMAX and n else None
+            if summed is None:  # the general way: decode (values checked), then add
+                t = _decoded(raw, codec, tuple(shape), block, keep_codes=False, where=f"{where}: tensor {key!r}")
+                summed = _add({key: p} if p is not None else {}, {key: t})[key]
+            out[key] = summed
+    except records.PARSE_ERRORS as exc:  # as decode_tensors
+        raise InvalidPayloadError(f"{where}: cannot decode ({type(exc).__name__}: {records.one_line(exc)})") from None
+    return out
+
+
+# the largest bf16 magnitude (bits & 0x7FFF) whose product with the largest |q| a frame can hold
+# (QABS, a power of two: the product is exact or infinite) is finite: its exponent + log2(QABS)
+# stays below 255; NaN and Inf lie above
+_BOUNDED_BITS = {"int4": ((254 - 3) << 7) | 0x7F, "int8": ((254 - 7) << 7) | 0x7F}
+_SUM_CHUNK = 1 << 18  # values made in a scratch buffer this many at a time (it stays in cache)
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """This thread's fp32 buffer of at least n values (at most _SUM_CHUNK: reused)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _SCRATCH.buf = np.empty(n, dtype=np.float32)
+    return buf
+
+
+def _q_values(codes: np.ndarray, codec: str, m: int, *, out: np.ndarray) -> None:
+    """q (fp32, exact) of m elements from the bytes holding their codes, into out[:m]: as
+    ``quantized.dequantize_chunk`` makes them before it multiplies by the scales."""
+    if m % (2 * PER_BYTE[codec]) == 0:  # whole 2-byte words: one lookup per word
+        words = _Q_OF_WORD[codec]
+        words.take(codes.view(np.uint16), out=out[:m].view(words.dtype), mode="clip")
+        return
+    table = _Q_OF_BYTE[codec]
+    if codec == "int4" and m % 2:  # the last byte's high nibble is padding
+        q = np.empty(m + 1, dtype=np.float32)
+        np.take(table, codes, axis=0, out=q.reshape(-1, 2), mode="clip")
+        out[:m] = q[:m]
+    else:
+        np.take(table, codes, axis=0, out=out[:m].reshape(-1, table.shape[1]), mode="clip")
+
+
+def _sum_with(prev: torch.Tensor | None, raw: bytes, codec: str, shape: tuple[int, ...],
+              block: int) -> torch.Tensor | None:
+    """prev + the values of a decompressed int4/int8 frame (length already checked), made in one
+    pass: q from the codes into a scratch buffer, then prev + q * scale by one ``addcmul`` per
+    range (q * scale is exact in fp32, so this is the bits of decoding, then adding). None when
+    a scale times the largest |q| a frame can hold is not finite (the caller then decodes and
+    checks the values themselves)."""
+    n = math.prod(shape)
+    nb = num_blocks(n, block)
+    bits = np.frombuffer(raw, dtype=np.uint16, count=nb)  # bf16 scales, as torch reads them
+    if int(np.bitwise_and(bits, 0x7FFF).max()) > _BOUNDED_BITS[codec]:
+        return None  # includes NaN and Inf scales
+    scale = torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))  # bf16 is fp32's top half
+    codes = np.frombuffer(raw, dtype=np.uint8, offset=2 * nb)
+    out = torch.empty(n, dtype=torch.float32)
+    base = None if prev is None else _flat32(prev)
+    per_byte = PER_BYTE[codec]
+    step = chunk_elems(block, elems=_SUM_CHUNK)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        m = stop - start
+        q = torch.from_numpy(_scratch(min(n, step))[:m])
+        _q_values(codes[start // per_byte : -(-stop // per_byte)], codec, m, out=q.numpy())
+        b0, full = start // block, (m // block) * block
+        if full:
+            sc = scale[b0 : b0 + full // block, None]
+            if base is None:
+                torch.mul(q[:full].view(-1, block), sc, out=out[start : start + full].view(-1, block))
+            else:
+                torch.addcmul(base[start : start + full].view(-1, block), q[:full].view(-1, block), sc,
+                              out=out[start : start + full].view(-1, block))
+        if full < m:  # a partial last block
+            sc = scale[b0 + full // block]
+            if base is None:
+                torch.mul(q[full:], sc, out=out[start + full : stop])
+            else:
+                torch.addcmul(base[start + full : stop], q[full:], sc, out=out[start + full : stop])
+    return out.view(shape)
 
 
 __all__ = [
