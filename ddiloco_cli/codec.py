@@ -61,13 +61,33 @@ _MAX_NUMEL = 1 << 40  # per payload, whatever the caller's bounds: 4 TB of fp32
 # --- quantization (vectorised, pure torch) ---------------------------------------
 
 
+_MAX_BF16_BITS = 0x7F7F0000  # the largest finite bf16, as fp32 bits
+
+
 def _bf16_scale_bits_up(absmax: np.ndarray, qmax: int) -> np.ndarray:
     """The int32 bits of absmax / qmax rounded up to the next bf16 value (fp32, whose low 16
     bits are then zero)."""
-    bits = (absmax / np.float32(qmax)).view(np.int32).astype(np.int64)
-    # bf16 is the top 16 bits of fp32; adding 0xFFFF before truncating rounds
-    # positive values up. The clip keeps huge scales at the largest finite bf16.
-    return ((bits + 0xFFFF) & ~0xFFFF).clip(max=0x7F7F0000).astype(np.int32)
+    # bf16 is the top 16 bits of fp32; adding 0xFFFF before truncating rounds positive values
+    # up. Huge scales stay at the largest finite bf16: clipped first, which gives the same bits
+    # as clipping after (anything above it rounds to it or above) and keeps the sum in int32
+    # (three in-place int32 operations, not seven through int64)
+    bits = np.minimum((absmax / np.float32(qmax)).view(np.int32), _MAX_BF16_BITS)
+    bits += 0xFFFF
+    bits &= ~0xFFFF
+    return bits
+
+
+def _largest_bounded_scale_bits(qmax: int) -> int:
+    """The largest bf16 scale (as fp32 bits) whose product with qmax is finite in fp32."""
+    bits = _MAX_BF16_BITS
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.array([bits], dtype=np.int32).view(np.float32)[0] * np.float32(qmax)):
+            bits -= 0x10000
+    return bits
+
+
+# |scale| * qmax is finite (the sign bit masked off) exactly when |scale| is at most this
+_BOUNDED_SCALE_BITS = {codec: _largest_bounded_scale_bits(q) for codec, q in QMAX.items()}
 
 
 def _raw_nbytes(codec: str, n: int, block: int) -> int:
@@ -190,7 +210,9 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *,
         q = np.floor(y, out=y)
         q -= np.float32(offset)
         q *= scale[:, None]  # padding of a partial last block included: sliced off below
-        sink(torch.from_numpy(q).view(-1)[:n], bool(np.isfinite(scale * np.float32(qmax)).all()))  # |q| <= qmax
+        # |q| <= qmax: finite when every |scale| * qmax is (NaN scales lie above the bound too)
+        bounded = int(np.bitwise_and(bits, 0x7FFFFFFF).max()) <= _BOUNDED_SCALE_BITS[codec]
+        sink(torch.from_numpy(q).view(-1)[:n], bounded)
     scale_buf = (bits >> 16).astype(np.int16)  # the bf16 of each scale: its top 16 bits, exactly
     if codec == "int8":
         return scale_buf, codes[:n]  # stored as q + 128 (uint8)
