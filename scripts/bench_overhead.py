@@ -264,7 +264,8 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
             threads.update(thread_cpu_s())
             at_last_step.update(spent)
             for r in receivers[:1]:
-                at_last_step.update(polls=r.num_polls, downloads=getattr(r, "num_downloads", None))
+                at_last_step.update(polls=r.num_polls, downloads=getattr(r, "num_downloads", None),
+                                    waits=getattr(r, "num_waits", None))
             if timed_calls is not None:
                 calls_at_last_step.update({k: list(v) for k, v in timed_calls.items()})
 
@@ -515,7 +516,8 @@ def main() -> None:
           + "; fragments received (version > 0) " + ", ".join(f"{r['versions_received']}/24" for r in dd)
           + "; blocked s " + ", ".join(f"{r['blocked_s']:.2f}" for r in dd)
           + "; receiver polls per step " + ", ".join(f"{r.get('polls', 0) / args.steps:.2f}" for r in dd)
-          + ", downloads per step " + ", ".join(f"{(r.get('downloads') or 0) / args.steps:.2f}" for r in dd))
+          + ", downloads per step " + ", ".join(f"{(r.get('downloads') or 0) / args.steps:.2f}" for r in dd)
+          + ", sleeps per step " + ", ".join(f"{(r.get('waits') or 0) / args.steps:.2f}" for r in dd))
     if args.timers:
         print("timed functions, inclusive thread CPU (median over processes): ms per step, calls per step, ms per call")
         for key in sorted({k for r in dd for k in r["timers"]}):

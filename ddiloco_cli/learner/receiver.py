@@ -122,6 +122,7 @@ class Receiver(threading.Thread):
         self.wake = threading.Event()
         self.num_polls = 0
         self.num_downloads = 0  # newer versions downloaded and decoded
+        self.num_waits = 0  # times the thread went to sleep
 
     def want(self, p: int, have: tuple[int, Tensors], *, subtract: Tensors | None = None,
              blocking: bool = False, order: float | None = None) -> None:
@@ -140,8 +141,10 @@ class Receiver(threading.Thread):
                 self.subtract.pop(p, None)
             # at once when first in line (the download then overlaps the window's last step)
             waiting = self._waiting()
-            self.polled_t[p] = -math.inf if not waiting or waiting[0] == p else time.monotonic()
-        self.wake.set()
+            first = not waiting or waiting[0] == p
+            self.polled_t[p] = -math.inf if first else time.monotonic()
+        if first:  # else the thread's next wake-up (for the first in line, due sooner) comes first
+            self.wake.set()
 
     def has_ready(self, p: int) -> bool:
         """Whether a version of p is ready for ``take`` (a peek, without the lock)."""
@@ -199,6 +202,7 @@ class Receiver(threading.Thread):
                     found = True  # there is a version (or the bucket is in trouble): keep polling as often
                 self._polled(younger, found)
             if not due:  # nothing wanted (wait_s None: until the loop registers a fragment), or not yet due
+                self.num_waits += 1
                 self.wake.wait(wait_s)
 
     def _fetch(self, p: int, have: tuple[int, Tensors]) -> bool:
