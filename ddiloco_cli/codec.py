@@ -654,16 +654,7 @@ def apply_published_delta(
 # (QABS, a power of two: the product is exact or infinite) is finite: its exponent + log2(QABS)
 # stays below 255; NaN and Inf lie above
 _BOUNDED_BITS = {"int4": ((254 - 3) << 7) | 0x7F, "int8": ((254 - 7) << 7) | 0x7F}
-_SUM_CHUNK = 1 << 18  # values made in a scratch buffer this many at a time (it stays in cache)
-_SCRATCH = threading.local()
-
-
-def _scratch(n: int) -> np.ndarray:
-    """This thread's fp32 buffer of at least n values (at most _SUM_CHUNK: reused)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.size < n:
-        buf = _SCRATCH.buf = np.empty(n, dtype=np.float32)
-    return buf
+_SUM_CHUNK = 1 << 18  # values made this many at a time: each range is multiplied and summed while in cache
 
 
 def _q_values(codes: np.ndarray, codec: str, m: int, *, out: np.ndarray) -> None:
@@ -684,42 +675,43 @@ def _q_values(codes: np.ndarray, codec: str, m: int, *, out: np.ndarray) -> None
 
 def _sum_with(prev: torch.Tensor | None, raw: bytes, codec: str, shape: tuple[int, ...],
               block: int) -> torch.Tensor | None:
-    """prev + the values of a decompressed int4/int8 frame (length already checked), made in one
-    pass: q from the codes into a scratch buffer, then prev + q * scale by one ``addcmul`` per
-    range (q * scale is exact in fp32, so this is the bits of decoding, then adding). None when
-    a scale times the largest |q| a frame can hold is not finite (the caller then decodes and
-    checks the values themselves)."""
+    """prev + the values of a decompressed int4/int8 frame (length already checked), range by
+    range in cache: q from the codes into the output, times the scales, plus prev, in place: the
+    fp32 operations (and bits) of decoding, then adding. In numpy on the tensors' memory: a few
+    calls a range, none of them through torch's dispatcher (on a background thread woken after a
+    training step each first call costs tens of microseconds of cold code). None when a scale
+    times the largest |q| a frame can hold is not finite (the caller then decodes and checks the
+    values themselves)."""
     n = math.prod(shape)
     nb = num_blocks(n, block)
     bits = np.frombuffer(raw, dtype=np.uint16, count=nb)  # bf16 scales, as torch reads them
     if int(np.bitwise_and(bits, 0x7FFF).max()) > _BOUNDED_BITS[codec]:
         return None  # includes NaN and Inf scales
-    scale = torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))  # bf16 is fp32's top half
+    scale = (bits.astype(np.uint32) << 16).view(np.float32)  # bf16 is fp32's top half
     codes = np.frombuffer(raw, dtype=np.uint8, offset=2 * nb)
-    out = torch.empty(n, dtype=torch.float32)
-    base = None if prev is None else _flat32(prev)
+    out = np.empty(n, dtype=np.float32)
+    base = None
+    if prev is not None:
+        if prev.dtype == torch.float32 and prev.device.type == "cpu" and prev.is_contiguous() and not prev.requires_grad:
+            base = prev.numpy().reshape(-1)
+        else:
+            base = _flat32(prev).numpy()
     per_byte = PER_BYTE[codec]
     step = chunk_elems(block, elems=_SUM_CHUNK)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        m = stop - start
-        q = torch.from_numpy(_scratch(min(n, step))[:m])
-        _q_values(codes[start // per_byte : -(-stop // per_byte)], codec, m, out=q.numpy())
-        b0, full = start // block, (m // block) * block
+        m, b0 = stop - start, start // block
+        values = out[start:stop]
+        _q_values(codes[start // per_byte : -(-stop // per_byte)], codec, m, out=values)
+        full = (m // block) * block
         if full:
-            sc = scale[b0 : b0 + full // block, None]
-            if base is None:
-                torch.mul(q[:full].view(-1, block), sc, out=out[start : start + full].view(-1, block))
-            else:
-                torch.addcmul(base[start : start + full].view(-1, block), q[:full].view(-1, block), sc,
-                              out=out[start : start + full].view(-1, block))
+            rows = values[:full].reshape(-1, block)
+            np.multiply(rows, scale[b0 : b0 + full // block, None], out=rows)
         if full < m:  # a partial last block
-            sc = scale[b0 + full // block]
-            if base is None:
-                torch.mul(q[full:], sc, out=out[start + full : stop])
-            else:
-                torch.addcmul(base[start + full : stop], q[full:], sc, out=out[start + full : stop])
-    return out.view(shape)
+            np.multiply(values[full:], scale[b0 + full // block], out=values[full:])
+        if base is not None:  # prev + decoded, as _add makes it (addition commutes: the same bits)
+            np.add(values, base[start:stop], out=values)
+    return torch.from_numpy(out).view(shape)
 
 
 __all__ = [

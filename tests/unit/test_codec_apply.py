@@ -102,3 +102,15 @@ def test_the_bound_on_the_scales_is_the_last_bf16_whose_product_with_the_largest
         below = torch.tensor([edge], dtype=torch.int16).view(torch.bfloat16).float()
         above = torch.tensor([edge + 1], dtype=torch.int16).view(torch.bfloat16).float()
         assert torch.isfinite(below * qabs) and not torch.isfinite(above * qabs)
+
+
+def test_a_previous_value_that_is_not_a_plain_fp32_tensor_is_summed_as_its_fp32_values():
+    g = torch.Generator().manual_seed(2)
+    prev = {"a": 0.02 * torch.randn(64, 48, generator=g)}
+    new = {"a": prev["a"] + 1e-3 * torch.randn(64, 48, generator=g)}
+    payload, published = C.encode_published_delta(prev, new, codec="int4", block_size=64)
+    # not contiguous, requiring grad, fp64
+    for other in (prev["a"].t().contiguous().t(), prev["a"].clone().requires_grad_(True), prev["a"].double()):
+        got = C.apply_published_delta({"a": other}, payload, where="x")
+        _same_bits(got, published)
+        _same_bits(got, _decode_then_add({"a": other.detach()}, payload))
