@@ -109,8 +109,10 @@ def _full_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
 
 
 # (start, stop, values, bounded): the decoder's values of x[start:stop] as the encoder makes
-# them; bounded: they are finite (known from the scales), else unknown
-Sink = Callable[[int, int, torch.Tensor, bool], None]
+# them (fp32 numpy, valid during the call); bounded: they are finite (known from the scales),
+# else unknown. numpy: a sink's arithmetic then makes no torch call (each first torch call on an
+# uploader thread woken after a training step costs tens of microseconds of cold dispatcher code)
+Sink = Callable[[int, int, np.ndarray, bool], None]
 QUANTIZE_CHUNK_ELEMS = 1 << 18  # x, its codes and their values stay in cache between the passes
 
 
@@ -127,11 +129,11 @@ def _quantize(x: torch.Tensor, codec: str, block: int, *, minus: torch.Tensor | 
             x = x - minus
         if codec == "none":
             if sink is not None:
-                sink(0, n, x, False)
+                sink(0, n, x.numpy(), False)
             return [x.numpy()]
         b = x.to(torch.bfloat16)
         if sink is not None:
-            sink(0, n, b.to(torch.float32), False)
+            sink(0, n, b.to(torch.float32).numpy(), False)
         return [b.view(torch.int16).numpy()]
     step = chunk_elems(block, elems=QUANTIZE_CHUNK_ELEMS)
     diff = None if minus is None else torch.empty(min(step, n), dtype=torch.float32)
@@ -187,7 +189,7 @@ def _quantize_together(xs: list[torch.Tensor], codec: str, block: int, *,
 
 
 def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *,
-                    sink: Callable[[torch.Tensor, bool], None] | None) -> tuple[np.ndarray, np.ndarray]:
+                    sink: Callable[[np.ndarray, bool], None] | None) -> tuple[np.ndarray, np.ndarray]:
     """(bf16 scales as int16, codes) of x. The arithmetic is numpy's on x's memory (a numpy
     call costs ~1 us where a torch call costs several, and a contribution makes ~30 of them
     per chunk): the same IEEE fp32 operations, so the same bytes."""
@@ -212,7 +214,7 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *,
         q *= scale[:, None]  # padding of a partial last block included: sliced off below
         # |q| <= qmax: finite when every |scale| * qmax is (NaN scales lie above the bound too)
         bounded = int(np.bitwise_and(bits, 0x7FFFFFFF).max()) <= _BOUNDED_SCALE_BITS[codec]
-        sink(torch.from_numpy(q).view(-1)[:n], bounded)
+        sink(q.reshape(-1)[:n], bounded)
     scale_buf = (bits >> 16).astype(np.int16)  # the bf16 of each scale: its top 16 bits, exactly
     if codec == "int8":
         return scale_buf, codes[:n]  # stored as q + 128 (uint8)
@@ -277,12 +279,12 @@ def encode_with_residual(
     residual: dict[str, torch.Tensor] = {}
 
     def left_out(key: str) -> Sink:
-        x = _flat32(tensors[key])
+        x = _flat32(tensors[key]).numpy()
         r = residual[key] = torch.empty(tensors[key].shape, dtype=torch.float32)
-        flat = r.view(-1)
+        flat = r.view(-1).numpy()
 
-        def sink(start: int, stop: int, decoded: torch.Tensor, bounded: bool) -> None:
-            torch.sub(x[start:stop], decoded, out=flat[start:stop])
+        def sink(start: int, stop: int, decoded: np.ndarray, bounded: bool) -> None:
+            np.subtract(x[start:stop], decoded, out=flat[start:stop])
 
         return sink
 
@@ -603,16 +605,16 @@ def encode_published_delta(
 
     def into_published(key: str) -> Sink:
         out = published[key] = torch.empty(value[key].shape, dtype=torch.float32)
-        flat, p = out.view(-1), prev_published.get(key)
-        base = None if p is None else _flat32(p)
+        flat, p = out.view(-1).numpy(), prev_published.get(key)
+        base = None if p is None else _flat32(p).numpy()
 
-        def sink(start: int, stop: int, decoded: torch.Tensor, bounded: bool) -> None:
-            if not bounded and not all_finite(decoded):
+        def sink(start: int, stop: int, decoded: np.ndarray, bounded: bool) -> None:
+            if not bounded and not all_finite(torch.from_numpy(decoded)):
                 raise InvalidPayloadError(f"own published delta: tensor {key!r} has non-finite values")
             if base is None:
-                flat[start:stop].copy_(decoded)
+                flat[start:stop] = decoded
             else:  # what _add computes on a reader's decode: base + decoded
-                torch.add(base[start:stop], decoded, out=flat[start:stop])
+                np.add(base[start:stop], decoded, out=flat[start:stop])
 
         return sink
 
