@@ -46,7 +46,8 @@ import zstandard
 from ddiloco_cli import records
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.merge import all_finite
-from ddiloco_cli.quantized import QMAX, DecodedTensors, Quantized, Source, chunk_elems, num_blocks
+from ddiloco_cli.quantized import (_Q_OF_BYTE, _Q_OF_WORD, PER_BYTE, QMAX, DecodedTensors, Quantized, Source, chunk_elems,
+                                   num_blocks)
 
 FORMAT_VERSION = 1
 METADATA_KEY = "ddiloco"
@@ -60,13 +61,33 @@ _MAX_NUMEL = 1 << 40  # per payload, whatever the caller's bounds: 4 TB of fp32
 # --- quantization (vectorised, pure torch) ---------------------------------------
 
 
+_MAX_BF16_BITS = 0x7F7F0000  # the largest finite bf16, as fp32 bits
+
+
 def _bf16_scale_bits_up(absmax: np.ndarray, qmax: int) -> np.ndarray:
     """The int32 bits of absmax / qmax rounded up to the next bf16 value (fp32, whose low 16
     bits are then zero)."""
-    bits = (absmax / np.float32(qmax)).view(np.int32).astype(np.int64)
-    # bf16 is the top 16 bits of fp32; adding 0xFFFF before truncating rounds
-    # positive values up. The clip keeps huge scales at the largest finite bf16.
-    return ((bits + 0xFFFF) & ~0xFFFF).clip(max=0x7F7F0000).astype(np.int32)
+    # bf16 is the top 16 bits of fp32; adding 0xFFFF before truncating rounds positive values
+    # up. Huge scales stay at the largest finite bf16: clipped first, which gives the same bits
+    # as clipping after (anything above it rounds to it or above) and keeps the sum in int32
+    # (three in-place int32 operations, not seven through int64)
+    bits = np.minimum((absmax / np.float32(qmax)).view(np.int32), _MAX_BF16_BITS)
+    bits += 0xFFFF
+    bits &= ~0xFFFF
+    return bits
+
+
+def _largest_bounded_scale_bits(qmax: int) -> int:
+    """The largest bf16 scale (as fp32 bits) whose product with qmax is finite in fp32."""
+    bits = _MAX_BF16_BITS
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.array([bits], dtype=np.int32).view(np.float32)[0] * np.float32(qmax)):
+            bits -= 0x10000
+    return bits
+
+
+# |scale| * qmax is finite (the sign bit masked off) exactly when |scale| is at most this
+_BOUNDED_SCALE_BITS = {codec: _largest_bounded_scale_bits(q) for codec, q in QMAX.items()}
 
 
 def _raw_nbytes(codec: str, n: int, block: int) -> int:
@@ -88,8 +109,10 @@ def _full_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
 
 
 # (start, stop, values, bounded): the decoder's values of x[start:stop] as the encoder makes
-# them; bounded: they are finite (known from the scales), else unknown
-Sink = Callable[[int, int, torch.Tensor, bool], None]
+# them (fp32 numpy, valid during the call); bounded: they are finite (known from the scales),
+# else unknown. numpy: a sink's arithmetic then makes no torch call (each first torch call on an
+# uploader thread woken after a training step costs tens of microseconds of cold dispatcher code)
+Sink = Callable[[int, int, np.ndarray, bool], None]
 QUANTIZE_CHUNK_ELEMS = 1 << 18  # x, its codes and their values stay in cache between the passes
 
 
@@ -106,11 +129,11 @@ def _quantize(x: torch.Tensor, codec: str, block: int, *, minus: torch.Tensor | 
             x = x - minus
         if codec == "none":
             if sink is not None:
-                sink(0, n, x, False)
+                sink(0, n, x.numpy(), False)
             return [x.numpy()]
         b = x.to(torch.bfloat16)
         if sink is not None:
-            sink(0, n, b.to(torch.float32), False)
+            sink(0, n, b.to(torch.float32).numpy(), False)
         return [b.view(torch.int16).numpy()]
     step = chunk_elems(block, elems=QUANTIZE_CHUNK_ELEMS)
     diff = None if minus is None else torch.empty(min(step, n), dtype=torch.float32)
@@ -166,7 +189,7 @@ def _quantize_together(xs: list[torch.Tensor], codec: str, block: int, *,
 
 
 def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *,
-                    sink: Callable[[torch.Tensor, bool], None] | None) -> tuple[np.ndarray, np.ndarray]:
+                    sink: Callable[[np.ndarray, bool], None] | None) -> tuple[np.ndarray, np.ndarray]:
     """(bf16 scales as int16, codes) of x. The arithmetic is numpy's on x's memory (a numpy
     call costs ~1 us where a torch call costs several, and a contribution makes ~30 of them
     per chunk): the same IEEE fp32 operations, so the same bytes."""
@@ -189,7 +212,9 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *,
         q = np.floor(y, out=y)
         q -= np.float32(offset)
         q *= scale[:, None]  # padding of a partial last block included: sliced off below
-        sink(torch.from_numpy(q).view(-1)[:n], bool(np.isfinite(scale * np.float32(qmax)).all()))  # |q| <= qmax
+        # |q| <= qmax: finite when every |scale| * qmax is (NaN scales lie above the bound too)
+        bounded = int(np.bitwise_and(bits, 0x7FFFFFFF).max()) <= _BOUNDED_SCALE_BITS[codec]
+        sink(q.reshape(-1)[:n], bounded)
     scale_buf = (bits >> 16).astype(np.int16)  # the bf16 of each scale: its top 16 bits, exactly
     if codec == "int8":
         return scale_buf, codes[:n]  # stored as q + 128 (uint8)
@@ -254,12 +279,12 @@ def encode_with_residual(
     residual: dict[str, torch.Tensor] = {}
 
     def left_out(key: str) -> Sink:
-        x = _flat32(tensors[key])
+        x = _flat32(tensors[key]).numpy()
         r = residual[key] = torch.empty(tensors[key].shape, dtype=torch.float32)
-        flat = r.view(-1)
+        flat = r.view(-1).numpy()
 
-        def sink(start: int, stop: int, decoded: torch.Tensor, bounded: bool) -> None:
-            torch.sub(x[start:stop], decoded, out=flat[start:stop])
+        def sink(start: int, stop: int, decoded: np.ndarray, bounded: bool) -> None:
+            np.subtract(x[start:stop], decoded, out=flat[start:stop])
 
         return sink
 
@@ -404,6 +429,30 @@ def _decode_tensors(
     data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str,
     keep_codes: bool,
 ) -> tuple[Mapping[str, torch.Tensor], dict]:
+    codec, block, plan, caller_meta = _checked_frames(data, expected=expected, max_numel=max_numel, where=where)
+    out: dict[str, Source] = {}
+    for key, shape, n, raw_n, comp in plan:
+        raw = _decompressed(comp, raw_n, where=where, key=key)
+        out[key] = _decoded(raw, codec, tuple(shape), block, keep_codes=keep_codes, where=f"{where}: tensor {key!r}")
+    return (DecodedTensors(out, codec=codec, block_size=block) if keep_codes else out), caller_meta
+
+
+def _decompressed(comp: memoryview, raw_n: int, *, where: str, key: str) -> bytes:
+    """A tensor's frame, decompressed (capped at its derived size ``raw_n``, and exactly that)."""
+    try:
+        raw = _decompressor().decompress(comp, max_output_size=raw_n, allow_extra_data=False)
+    except zstandard.ZstdError as err:
+        raise InvalidPayloadError(f"{where}: tensor {key!r}: zstd decompression failed ({err})") from None
+    if len(raw) != raw_n:
+        raise InvalidPayloadError(f"{where}: tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
+    return raw
+
+
+def _checked_frames(
+    data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str,
+) -> tuple[str, int, list[tuple[str, list[int], int, int, memoryview]], dict]:
+    """(codec, block size, [(key, shape, numel, raw size, compressed frame)], caller metadata) of a
+    payload, every declared size checked (see ``decode_tensors``) and nothing decompressed."""
     def bad(msg: str) -> InvalidPayloadError:
         return InvalidPayloadError(f"{where}: {msg}")
 
@@ -480,19 +529,7 @@ def _decode_tensors(
         if declared not in (-1, raw_n):
             raise bad(f"tensor {key!r}: zstd frame declares {declared} bytes, expected {raw_n}")
         plan.append((key, shape, n, raw_n, comp))
-
-    # -- decompress (capped at the derived size) and dequantize
-    dctx = _decompressor()
-    out: dict[str, Source] = {}
-    for key, shape, n, raw_n, comp in plan:
-        try:
-            raw = dctx.decompress(comp, max_output_size=raw_n, allow_extra_data=False)
-        except zstandard.ZstdError as err:
-            raise bad(f"tensor {key!r}: zstd decompression failed ({err})") from None
-        if len(raw) != raw_n:
-            raise bad(f"tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
-        out[key] = _decoded(raw, codec, tuple(shape), block, keep_codes=keep_codes, where=f"{where}: tensor {key!r}")
-    return (DecodedTensors(out, codec=codec, block_size=block) if keep_codes else out), caller_meta
+    return codec, block, plan, caller_meta
 
 
 def _decoded(raw: bytes, codec: str, shape: tuple[int, ...], block: int, *, keep_codes: bool, where: str) -> Source:
@@ -568,16 +605,16 @@ def encode_published_delta(
 
     def into_published(key: str) -> Sink:
         out = published[key] = torch.empty(value[key].shape, dtype=torch.float32)
-        flat, p = out.view(-1), prev_published.get(key)
-        base = None if p is None else _flat32(p)
+        flat, p = out.view(-1).numpy(), prev_published.get(key)
+        base = None if p is None else _flat32(p).numpy()
 
-        def sink(start: int, stop: int, decoded: torch.Tensor, bounded: bool) -> None:
-            if not bounded and not all_finite(decoded):
+        def sink(start: int, stop: int, decoded: np.ndarray, bounded: bool) -> None:
+            if not bounded and not all_finite(torch.from_numpy(decoded)):
                 raise InvalidPayloadError(f"own published delta: tensor {key!r} has non-finite values")
             if base is None:
-                flat[start:stop].copy_(decoded)
+                flat[start:stop] = decoded
             else:  # what _add computes on a reader's decode: base + decoded
-                torch.add(base[start:stop], decoded, out=flat[start:stop])
+                np.add(base[start:stop], decoded, out=flat[start:stop])
 
         return sink
 
@@ -598,8 +635,85 @@ def apply_published_delta(
     when prev is non-empty. Raises InvalidPayloadError."""
     if expected is None and prev_published:
         expected = {k: tuple(v.shape) for k, v in prev_published.items()}
-    decoded, _ = decode_tensors(payload, expected=expected, where=where)
-    return _add(prev_published, decoded)
+    where = where or "payload"
+    try:
+        codec, block, plan, _ = _checked_frames(payload, expected=expected, max_numel=None, where=where)
+        out: dict[str, torch.Tensor] = {}
+        for key, shape, n, raw_n, comp in plan:
+            raw = _decompressed(comp, raw_n, where=where, key=key)
+            p = prev_published.get(key)
+            summed = _sum_with(p, raw, codec, tuple(shape), block) if codec in QMAX and n else None
+            if summed is None:  # the general way: decode (values checked), then add
+                t = _decoded(raw, codec, tuple(shape), block, keep_codes=False, where=f"{where}: tensor {key!r}")
+                summed = _add({key: p} if p is not None else {}, {key: t})[key]
+            out[key] = summed
+    except records.PARSE_ERRORS as exc:  # as decode_tensors
+        raise InvalidPayloadError(f"{where}: cannot decode ({type(exc).__name__}: {records.one_line(exc)})") from None
+    return out
+
+
+# the largest bf16 magnitude (bits & 0x7FFF) whose product with the largest |q| a frame can hold
+# (QABS, a power of two: the product is exact or infinite) is finite: its exponent + log2(QABS)
+# stays below 255; NaN and Inf lie above
+_BOUNDED_BITS = {"int4": ((254 - 3) << 7) | 0x7F, "int8": ((254 - 7) << 7) | 0x7F}
+_SUM_CHUNK = 1 << 18  # values made this many at a time: each range is multiplied and summed while in cache
+
+
+def _q_values(codes: np.ndarray, codec: str, m: int, *, out: np.ndarray) -> None:
+    """q (fp32, exact) of m elements from the bytes holding their codes, into out[:m]: as
+    ``quantized.dequantize_chunk`` makes them before it multiplies by the scales."""
+    if m % (2 * PER_BYTE[codec]) == 0:  # whole 2-byte words: one lookup per word
+        words = _Q_OF_WORD[codec]
+        words.take(codes.view(np.uint16), out=out[:m].view(words.dtype), mode="clip")
+        return
+    table = _Q_OF_BYTE[codec]
+    if codec == "int4" and m % 2:  # the last byte's high nibble is padding
+        q = np.empty(m + 1, dtype=np.float32)
+        np.take(table, codes, axis=0, out=q.reshape(-1, 2), mode="clip")
+        out[:m] = q[:m]
+    else:
+        np.take(table, codes, axis=0, out=out[:m].reshape(-1, table.shape[1]), mode="clip")
+
+
+def _sum_with(prev: torch.Tensor | None, raw: bytes, codec: str, shape: tuple[int, ...],
+              block: int) -> torch.Tensor | None:
+    """prev + the values of a decompressed int4/int8 frame (length already checked), range by
+    range in cache: q from the codes into the output, times the scales, plus prev, in place: the
+    fp32 operations (and bits) of decoding, then adding. In numpy on the tensors' memory: a few
+    calls a range, none of them through torch's dispatcher (on a background thread woken after a
+    training step each first call costs tens of microseconds of cold code). None when a scale
+    times the largest |q| a frame can hold is not finite (the caller then decodes and checks the
+    values themselves)."""
+    n = math.prod(shape)
+    nb = num_blocks(n, block)
+    bits = np.frombuffer(raw, dtype=np.uint16, count=nb)  # bf16 scales, as torch reads them
+    if int(np.bitwise_and(bits, 0x7FFF).max()) > _BOUNDED_BITS[codec]:
+        return None  # includes NaN and Inf scales
+    scale = (bits.astype(np.uint32) << 16).view(np.float32)  # bf16 is fp32's top half
+    codes = np.frombuffer(raw, dtype=np.uint8, offset=2 * nb)
+    out = np.empty(n, dtype=np.float32)
+    base = None
+    if prev is not None:
+        if prev.dtype == torch.float32 and prev.device.type == "cpu" and prev.is_contiguous() and not prev.requires_grad:
+            base = prev.numpy().reshape(-1)
+        else:
+            base = _flat32(prev).numpy()
+    per_byte = PER_BYTE[codec]
+    step = chunk_elems(block, elems=_SUM_CHUNK)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        m, b0 = stop - start, start // block
+        values = out[start:stop]
+        _q_values(codes[start // per_byte : -(-stop // per_byte)], codec, m, out=values)
+        full = (m // block) * block
+        if full:
+            rows = values[:full].reshape(-1, block)
+            np.multiply(rows, scale[b0 : b0 + full // block, None], out=rows)
+        if full < m:  # a partial last block
+            np.multiply(values[full:], scale[b0 + full // block], out=values[full:])
+        if base is not None:  # prev + decoded, as _add makes it (addition commutes: the same bits)
+            np.add(values, base[start:stop], out=values)
+    return torch.from_numpy(out).view(shape)
 
 
 __all__ = [

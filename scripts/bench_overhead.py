@@ -164,15 +164,72 @@ def profile_threads(out_dir: str) -> Callable[[], None]:
     return dump
 
 
-def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None) -> None:
+# (module, attribute) of the functions ``--timers`` times: inclusive thread CPU per call, by thread
+TIMED = (
+    ("ddiloco_cli.learner.receiver", "Receiver._fetch"), ("ddiloco_cli.ledger", "read_latest_hint"),
+    ("ddiloco_cli.ledger", "latest_version"), ("ddiloco_cli.ledger", "read_manifest"),
+    ("ddiloco_cli.published", "FragmentReader.read"), ("ddiloco_cli.published", "FragmentReader._payload"),
+    ("ddiloco_cli.codec", "decode_tensors"), ("ddiloco_cli.codec", "apply_published_delta"),
+    ("ddiloco_cli.codec", "encode_with_residual"), ("ddiloco_cli.store.retry", "RetryingStore.put_if_absent"),
+    ("ddiloco_cli.store.retry", "RetryingStore.get"), ("ddiloco_cli.learner.sync", "DiLoCoSync._send"),
+    ("ddiloco_cli.learner.session", "SessionWriter.beat"), ("ddiloco_cli.learner.receiver", "Receiver._manifests_since"),
+    ("ddiloco_cli.quantized", "Quantized.dense"), ("ddiloco_cli.codec", "_quantize"),
+    ("ddiloco_cli.codec", "_quantize_together"), ("ddiloco_cli.records", "sha256_hex"),
+)
+
+
+def time_functions() -> dict[str, list[float]]:
+    """Wrap every TIMED function (inclusive thread CPU of each call, ~1 us a call on top);
+    returns {"thread-kind function": [calls, CPU s]}, filled as they run. Thread kinds:
+    main, uploader (all of them), receiver, heartbeat."""
+    import importlib
+    import inspect
+    import threading
+
+    spent: dict[str, list[float]] = {}
+
+    def kind() -> str:
+        name = threading.current_thread().name
+        return "main" if name == "MainThread" else name.removeprefix("ddiloco-").split("-")[0]
+
+    for module, attr in TIMED:
+        owner = importlib.import_module(module)
+        *path, leaf = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, leaf):
+            continue
+        fn = getattr(owner, leaf)
+
+        def wrapped(*a, _fn=fn, _name=attr, **k):
+            c0 = time.thread_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc = spent.setdefault(f"{kind()} {_name}", [0, 0.0])
+                acc[0] += 1
+                acc[1] += time.thread_time() - c0
+
+        if isinstance(inspect.getattr_static(owner, leaf), staticmethod):
+            wrapped = staticmethod(wrapped)
+        setattr(owner, leaf, wrapped)
+    return spent
+
+
+def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None,
+                   timers: bool = False) -> None:
     torch.set_num_threads(1)
     dump_profiles = profile_threads(profile_dir) if profile_dir else None
+    timed_calls = time_functions() if timers else None
+    calls_at_last_step: dict[str, list[float]] = {}
     from ddiloco_cli.learner import DiLoCoSync, Learner, LearnerOptions
     from ddiloco_cli.store import open_store
 
-    # main-thread time inside the loop's own ddiloco calls (send: gather + delta + queue;
-    # receive: take + scatter), wall and CPU
-    spent = {"send_s": 0.0, "receive_s": 0.0, "send_cpu_s": 0.0, "receive_cpu_s": 0.0, "send_calls": 0, "receive_calls": 0}
+    # main-thread time inside the loop's ddiloco call (``step``: send, i.e. gather + delta + queue,
+    # and receive, i.e. take + scatter, and the bookkeeping), and in send alone, wall and CPU: one
+    # timed call per step (a wrapper's clock reads cost microseconds; ``_receive``, called for every
+    # fragment in flight at every step, would be timed mostly for its clocks)
+    spent = {"step_s": 0.0, "send_s": 0.0, "step_cpu_s": 0.0, "send_cpu_s": 0.0, "step_calls": 0, "send_calls": 0}
 
     def timed(name, fn):
         def wrapped(*a, **k):
@@ -186,7 +243,17 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
         return wrapped
 
     DiLoCoSync._send = timed("send", DiLoCoSync._send)
-    DiLoCoSync._receive = timed("receive", DiLoCoSync._receive)
+    DiLoCoSync.step = timed("step", DiLoCoSync.step)
+    from ddiloco_cli.learner.receiver import Receiver
+
+    receivers: list = []
+    start_receiver = Receiver.start
+
+    def start(self) -> None:  # keep the instance: its poll and download counters
+        receivers.append(self)
+        start_receiver(self)
+
+    Receiver.start = start
     stamps = [_stamp()]
     threads: dict[str, float] = {}
     at_last_step: dict[str, float] = {}
@@ -196,6 +263,11 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
         if len(stamps) == steps + 1:  # last step: the workers are still alive, the flush on close not begun
             threads.update(thread_cpu_s())
             at_last_step.update(spent)
+            for r in receivers[:1]:
+                at_last_step.update(polls=r.num_polls, downloads=getattr(r, "num_downloads", None),
+                                    waits=getattr(r, "num_waits", None))
+            if timed_calls is not None:
+                calls_at_last_step.update({k: list(v) for k, v in timed_calls.items()})
 
     learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9,
                                                               task=MID_TASK),
@@ -208,7 +280,8 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
            bytes_down=s.bytes_down, num_contributions=s.num_contributions,
            num_flushed=spent["send_calls"] - at_last_step["send_calls"],
            versions_received=sum(1 for v in s.versions.values() if v > 0),
-           max_version=max(s.versions.values(), default=0), thread_cpu_s=threads, **at_last_step)
+           max_version=max(s.versions.values(), default=0), thread_cpu_s=threads, timers=calls_at_last_step,
+           **at_last_step)
 
 
 def _write(out: str, **rec) -> None:
@@ -232,13 +305,15 @@ def _prefix(cpu: int | None, nice: int = 0) -> list[str]:
 
 
 def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | None,
-            profile_dir: str | None = None) -> dict:
+            profile_dir: str | None = None, timers: bool = False) -> dict:
     out = os.path.join(workdir, f"{arm}-{rep}.json")
     cmd = [*_prefix(cpu), sys.executable, THIS, "--worker", arm, "--steps", str(steps), "--out", out]
     if arm == "ddiloco":
         cmd += ["--url", url, "--learner-id", f"bench-{rep}"]
         if profile_dir:
             cmd += ["--profile", os.path.join(profile_dir, f"rep{rep}")]
+        if timers:
+            cmd += ["--timers"]
     load0 = os.getloadavg()[0]
     subprocess.run(cmd, check=True, env=_env(), cwd=str(REPO))
     with open(out) as f:
@@ -274,7 +349,7 @@ def step_time_comparison(args, workdir: str) -> dict:
             order = ("plain", "ddiloco") if rep % 2 == 0 else ("ddiloco", "plain")
             for arm in order:
                 records.append(run_arm(arm, url=url, rep=rep, steps=args.steps, skip=args.skip, workdir=workdir,
-                                       cpu=cpu_l, profile_dir=args.profile))
+                                       cpu=cpu_l, profile_dir=args.profile, timers=args.timers))
         syncer_hwm = vm_hwm_kb(syncer.pid)
     finally:
         syncer.terminate()
@@ -301,10 +376,12 @@ def step_time_comparison(args, workdir: str) -> dict:
 
 def _machinery(dd: list[dict], *, steps: int) -> dict[str, float]:
     """ddiloco's own work per step (median over processes), in ms: main-thread time in
-    send/receive, and CPU of each background thread; these do not depend on the load."""
+    ``DiLoCoSync.step`` (of it in send; the rest is receive and bookkeeping), and CPU of each
+    background thread; these do not depend on the load."""
     out: dict[str, float] = {}
-    for key in ("send_s", "receive_s", "send_cpu_s", "receive_cpu_s"):
+    for key in ("step_s", "send_s", "step_cpu_s", "send_cpu_s"):
         out["main " + key.replace("_s", "").replace("_cpu", " CPU")] = 1e3 * statistics.median(r[key] for r in dd) / steps
+    out["main receive+rest CPU"] = 1e3 * statistics.median(r["step_cpu_s"] - r["send_cpu_s"] for r in dd) / steps
     names = ("ddiloco-uploader", "ddiloco-receiver", "ddiloco-heartbeat")  # the uploaders: -0, -1, ... together
     for name in names:
         out[name + " CPU"] = 1e3 * statistics.median(
@@ -380,6 +457,9 @@ def main() -> None:
     ap.add_argument("--syncer-width", type=int, default=1024, help="layer width of the syncer-memory model (24 layers)")
     ap.add_argument("--skip-syncer-memory", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--timers", action="store_true",
+                    help="time the learner's main functions (thread CPU per call, inclusive; ~1 us a call more) and "
+                         "print them per step and per call")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="cProfile the ddiloco arm in thread CPU time, one pstats file per thread in DIR/repN/ (slows that arm: its "
                          "figures are then not comparable)")
@@ -392,7 +472,8 @@ def main() -> None:
     if args.worker == "plain":
         return plain_worker(args.steps, args.out)
     if args.worker == "ddiloco":
-        return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile)
+        return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile,
+                              timers=args.timers)
     if args.pin and (os.cpu_count() or 1) < 2:
         args.pin = False
 
@@ -426,14 +507,23 @@ def main() -> None:
     print(f"main-thread CPU per step (median): plain {res['plain_main_cpu_ms']:.1f} ms, ddiloco "
           f"{res['ddiloco_main_cpu_ms']:.1f} ms")
     mach = res["machinery_ms_per_step"]
-    total = mach["main send CPU"] + mach["main receive CPU"] + sum(v for k, v in mach.items() if "thread" in k or "ddiloco-" in k)
+    total = mach["main step CPU"] + sum(v for k, v in mach.items() if "thread" in k or "ddiloco-" in k)
     print("ddiloco machinery per step, ms (load-independent): " + ", ".join(f"{k} {v:.2f}" for k, v in mach.items())
           + f"; CPU total {total:.2f} = {total / res['plain_cpu_ms']:.1%} of the plain step's CPU")
     res["machinery_cpu_fraction"] = total / res["plain_cpu_ms"]
     dd = [r for r in res["records"] if r["arm"] == "ddiloco"]
     print("ddiloco arm: contributions sent " + ", ".join(str(r["num_contributions"]) for r in dd)
           + "; fragments received (version > 0) " + ", ".join(f"{r['versions_received']}/24" for r in dd)
-          + "; blocked s " + ", ".join(f"{r['blocked_s']:.2f}" for r in dd))
+          + "; blocked s " + ", ".join(f"{r['blocked_s']:.2f}" for r in dd)
+          + "; receiver polls per step " + ", ".join(f"{r.get('polls', 0) / args.steps:.2f}" for r in dd)
+          + ", downloads per step " + ", ".join(f"{(r.get('downloads') or 0) / args.steps:.2f}" for r in dd)
+          + ", sleeps per step " + ", ".join(f"{(r.get('waits') or 0) / args.steps:.2f}" for r in dd))
+    if args.timers:
+        print("timed functions, inclusive thread CPU (median over processes): ms per step, calls per step, ms per call")
+        for key in sorted({k for r in dd for k in r["timers"]}):
+            calls = statistics.median(r["timers"].get(key, [0, 0.0])[0] for r in dd) / args.steps
+            ms = 1e3 * statistics.median(r["timers"].get(key, [0, 0.0])[1] for r in dd) / args.steps
+            print(f"  {key:45s} {ms:6.3f} ms/step  {calls:5.2f} calls/step  {ms / calls if calls else 0:6.3f} ms/call")
     sm = res.get("syncer_memory")
     if sm:
         base = sm["import_baseline"]

@@ -85,18 +85,23 @@ class Receiver(threading.Thread):
     them (the main thread only copies ready values in).
 
     It polls only for fragments the loop registered (``want``: from step t + tau - 1
-    on), each on its own schedule: the oldest one every ``pace_s()`` (the learner's
-    step time: a version is only taken at a step boundary, so polling faster buys
-    nothing; never faster than ``min_poll_s``), the others ``BACKLOG_SLOWDOWN`` times
-    less often. Versions come in the order of the sends: while the oldest wanted
-    fragment has no new version the younger ones rarely have one, so a syncer that
-    falls behind does not multiply the polls. A fragment is polled at once when
-    registered with nothing older waiting, else one interval later. A poll is one
-    GET of the fragment's ``latest`` hint; every ``LIST_EVERY``-th poll of a
-    fragment LISTs its manifests instead, in case the hint is stale or lost."""
+    on), in the order of their sends, each on its own schedule: the oldest one every
+    ``pace_s()`` (the learner's step time: a version is only taken at a step boundary,
+    so polling faster buys nothing; never faster than ``min_poll_s``), the others
+    ``BACKLOG_SLOWDOWN`` times less often, and that again up to ``MAX_BACKOFF`` times
+    less often while their polls find nothing. Versions come in the order of the sends:
+    while the oldest wanted fragment has no new version the younger ones rarely have one,
+    so a syncer that falls behind does not multiply the polls (each fragment is then
+    polled about once it is the oldest); when one of the younger ones does have a version
+    (several syncers, one of them behind), the younger ones go back to every
+    ``BACKLOG_SLOWDOWN`` intervals. A fragment is polled at once when registered with
+    nothing older waiting, else when it is due. A poll is one GET of the fragment's
+    ``latest`` hint; every ``LIST_EVERY``-th poll of a fragment LISTs its manifests
+    instead, in case the hint is stale or lost."""
 
     LIST_EVERY = 8
     BACKLOG_SLOWDOWN = 4
+    MAX_BACKOFF = 8  # the younger fragments' polls, at most this much rarer again while they find nothing
 
     def __init__(self, store: Store, readers: dict[int, FragmentReader], *, learner_id: str, min_poll_s: float,
                  stats: LearnerStats, pace_s: Callable[[], float] = lambda: 0.0):
@@ -109,20 +114,26 @@ class Receiver(threading.Thread):
         self.subtract: dict[int, Tensors] = {}  # fragment -> what to subtract from its new value (see want)
         self.polled_t: dict[int, float] = {}  # fragment -> when it was last polled (monotonic)
         self.polls: dict[int, int] = {}  # fragment -> polls since it was registered
+        self.order: dict[int, float] = {}  # fragment -> its place in line (the send's sequence number)
+        self.backoff = 1  # the younger fragments are polled every BACKLOG_SLOWDOWN * backoff intervals
+        self._next_order = 0
         self.ready: dict[int, Ready] = {}
         self.stopping = threading.Event()
         self.wake = threading.Event()
         self.num_polls = 0
+        self.num_downloads = 0  # newer versions downloaded and decoded
+        self.num_waits = 0  # times the thread went to sleep
 
     def want(self, p: int, have: tuple[int, Tensors], *, subtract: Tensors | None = None,
-             blocking: bool = False) -> None:
+             blocking: bool = False, order: float | None = None) -> None:
         """Poll for a version of p newer than ``have`` = (version, value). With ``subtract``
         (the fragment at the send), the Ready also carries ``increment`` = new value -
-        subtract, one ``_foreach`` op here rather than on the training thread. ``blocking``:
-        the loop waits for p (lock-step), so p goes first in line."""
+        subtract, one ``_foreach`` op here rather than on the training thread. ``order``: p's
+        place in line (the sequence number of its send; default: after every fragment
+        registered so far). ``blocking``: the loop waits for p (lock-step), so p goes first."""
         with self.lock:
-            if blocking:
-                self.wanted = {p: have, **{q: h for q, h in self.wanted.items() if q != p}}
+            self._next_order += 1
+            self.order[p] = -math.inf if blocking else (self._next_order if order is None else order)
             self.wanted[p] = have
             if subtract is not None:
                 self.subtract[p] = subtract
@@ -130,8 +141,14 @@ class Receiver(threading.Thread):
                 self.subtract.pop(p, None)
             # at once when first in line (the download then overlaps the window's last step)
             waiting = self._waiting()
-            self.polled_t[p] = -math.inf if not waiting or waiting[0] == p else time.monotonic()
-        self.wake.set()
+            first = not waiting or waiting[0] == p
+            self.polled_t[p] = -math.inf if first else time.monotonic()
+        if first:  # else the thread's next wake-up (for the first in line, due sooner) comes first
+            self.wake.set()
+
+    def has_ready(self, p: int) -> bool:
+        """Whether a version of p is ready for ``take`` (a peek, without the lock)."""
+        return p in self.ready
 
     def take(self, p: int) -> Ready | None:
         with self.lock:
@@ -141,41 +158,56 @@ class Receiver(threading.Thread):
                 self.subtract.pop(p, None)
                 self.polled_t.pop(p, None)
                 self.polls.pop(p, None)
+                self.order.pop(p, None)
             return got
 
     def _waiting(self) -> list[int]:
-        """Wanted fragments without a ready version, oldest registration first (under the lock)."""
-        return [p for p in self.wanted if p not in self.ready]
+        """Wanted fragments without a ready version, in line (under the lock)."""
+        return sorted((p for p in self.wanted if p not in self.ready), key=self.order.__getitem__)
 
-    def _due(self, now: float) -> tuple[list[tuple[int, tuple[int, Tensors]]], float | None]:
-        """The wanted fragments due for a poll now (their next poll scheduled), and how long
-        until the next one is due (None: nothing wanted)."""
+    def _due(self, now: float) -> tuple[list[tuple[int, tuple[int, Tensors], bool]], float | None]:
+        """The wanted fragments due for a poll now (their next poll scheduled), each with
+        whether it is a younger one (not first in line), and how long until the next one is
+        due (None: nothing wanted)."""
         interval_s = max(self.min_poll_s, self.pace_s())
         due, next_t = [], None
         with self.lock:
+            slow = self.BACKLOG_SLOWDOWN * self.backoff
             for i, p in enumerate(self._waiting()):
-                due_t = self.polled_t[p] + interval_s * (1 if i == 0 else self.BACKLOG_SLOWDOWN)
+                every_s = interval_s * (1 if i == 0 else slow)
+                due_t = self.polled_t[p] + every_s
                 if due_t <= now:
-                    due.append((p, self.wanted[p]))
+                    due.append((p, self.wanted[p], i > 0))
                     self.polled_t[p] = now
-                    due_t = now + interval_s * (1 if i == 0 else self.BACKLOG_SLOWDOWN)
+                    due_t = now + every_s
                 next_t = due_t if next_t is None else min(next_t, due_t)
         return due, None if next_t is None else max(0.0, next_t - now)
+
+    def _polled(self, younger: bool, found: bool) -> None:
+        """After a poll: a younger fragment's poll that found nothing makes the next ones rarer
+        (up to MAX_BACKOFF); one that found a version brings them back (out-of-order versions)."""
+        if younger:
+            with self.lock:
+                self.backoff = 1 if found else min(self.MAX_BACKOFF, 2 * self.backoff)
 
     def run(self) -> None:
         while not self.stopping.is_set():
             self.wake.clear()  # before looking: a want() from now on ends the wait below
             due, wait_s = self._due(time.monotonic())
-            for p, have in due:
+            for p, have, younger in due:
                 try:
-                    self._fetch(p, have)
+                    found = self._fetch(p, have)
                 except Exception as exc:  # noqa: BLE001 - never stop training over a bad download
                     log.warning("fragment %d: download failed: %s", p, exc)
+                    found = True  # there is a version (or the bucket is in trouble): keep polling as often
+                self._polled(younger, found)
             if not due:  # nothing wanted (wait_s None: until the loop registers a fragment), or not yet due
+                self.num_waits += 1
                 self.wake.wait(wait_s)
 
-    def _fetch(self, p: int, have: tuple[int, Tensors]) -> None:
-        """Poll p; when a newer version is there, download and decode it."""
+    def _fetch(self, p: int, have: tuple[int, Tensors]) -> bool:
+        """Poll p; when a newer version is there, download and decode it. Returns whether
+        there was one."""
         # the hint costs a GET; a LIST now and then, in case the hint is stale or lost
         self.num_polls += 1
         with self.lock:
@@ -184,7 +216,8 @@ class Receiver(threading.Thread):
         if latest is None:
             latest = ledger.latest_version(self.store, p)
         if latest is None or latest <= have[0]:
-            return
+            return False
+        self.num_downloads += 1
         reader = self.readers[p]
         before = reader.bytes_down
         value = reader.read(latest, have=have)
@@ -199,6 +232,7 @@ class Receiver(threading.Thread):
         with self.lock:
             if p in self.wanted:
                 self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment)
+        return True
 
     @staticmethod
     def _manifests_since(reader: FragmentReader, have: int, latest: int) -> list[dict[str, Any]]:

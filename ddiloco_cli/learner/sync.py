@@ -236,7 +236,8 @@ class DiLoCoSync:
             if step >= flight.receive_step - 1 and not flight.wanted:
                 flight.wanted = True  # one step ahead: the download overlaps the last step of the window
                 if self._receiver is not None:
-                    self._receiver.want(p, self.base[p], subtract=flight.theta if self._in_place else None)
+                    self._receiver.want(p, self.base[p], subtract=flight.theta if self._in_place else None,
+                                        order=flight.seq)
             if step >= flight.receive_step and self._receive(p, flight):
                 del self.in_flight[p]
                 received.append(p)
@@ -417,14 +418,20 @@ class DiLoCoSync:
         return (got.manifest["high_water"].get(self.learner_id, -1) >= flight.seq
                 or any(entry.get("seq") == flight.seq for entry in got.refused))
 
+    def _last_step(self, flight: InFlight) -> int:
+        """[L8] The last step that may take the version held for ``flight``: the next send of its
+        fragment comes after it."""
+        return flight.receive_step - self.tau + self.H - 1
+
     def _own_or_newest(self, p: int, flight: InFlight, got: Ready | None) -> Ready | None:
         """Decoupled [L8]: a version that settles the contribution in flight is taken at once; an
         earlier one is held back (the receiver goes on polling from it) until the step before the
         fragment's next send, which takes the newest version it has. Never waits."""
-        last_step = flight.receive_step - self.tau + self.H - 1  # the next send of p comes after it
+        last_step = self._last_step(flight)
         if got is not None and not self._accounts_for(got, flight) and self.stats.step < last_step:
             flight.held = got
-            self._receiver.want(p, (got.version, got.value), subtract=flight.theta if self._in_place else None)
+            self._receiver.want(p, (got.version, got.value), subtract=flight.theta if self._in_place else None,
+                                order=flight.seq)  # its place in line: the send's
             return None
         if got is None and self.stats.step >= last_step:
             got = flight.held
@@ -433,6 +440,9 @@ class DiLoCoSync:
     def _receive(self, p: int, flight: InFlight) -> bool:
         """Fold a newer committed version of p into the model if one is ready.
         Returns True when p was received."""
+        if self.island.world == 1 and not self.lockstep and not self._receiver.has_ready(p) and (
+                not self.await_own or flight.held is None or self.stats.step < self._last_step(flight)):
+            return False  # nothing to take (what _take would find): no lock, no agreement among ranks
         got = self._take(p, flight) if self.island.io else None
         version = self.island.agree([got.version if got is not None else -1])[0]
         if version < 0:

@@ -54,12 +54,15 @@ def test_bench_overhead_smoke(tmp_path):
     assert arms == ["plain", "ddiloco"]
     dd = rep["records"][1]
     assert dd["send_calls"] == 5  # P = H = 24: one fragment goes up per step
+    assert dd["step_calls"] == 5  # the main thread's machinery: timed once a step, in DiLoCoSync.step
     # then, on close, every fragment with steps not sent yet (all but the last one sent)
     assert dd["num_flushed"] == 23 and dd["num_contributions"] == 5 + 23
     assert dd["steps_measured"] == 4
     for key in ("overhead_median", "cpu_overhead_median", "plain_vm_hwm_kb", "ddiloco_vm_hwm_kb", "syncer_vm_hwm_kb"):
         assert key in rep
-    assert set(rep["machinery_ms_per_step"]) >= {"main send CPU", "ddiloco-uploader CPU", "ddiloco-receiver CPU"}
+    assert set(rep["machinery_ms_per_step"]) >= {"main step CPU", "main send CPU", "ddiloco-uploader CPU",
+                                                 "ddiloco-receiver CPU"}
+    assert dd["polls"] >= 0 and dd["downloads"] >= 0
     assert "syncer_memory" not in rep
 
 

@@ -4,6 +4,7 @@ alone gives (block boundaries restart at every tensor; int4 pads an odd tail wit
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,3 +51,26 @@ def test_chunks_split_inside_a_tensor_and_across_tensors(monkeypatch):
     chunked, chunked_res = C.encode_with_residual(tensors, codec="int4", block_size=5)
     assert chunked == one_shot
     assert all(torch.equal(chunked_res[k], one_shot_res[k]) for k in tensors)
+
+
+def _scale_bits_reference(absmax: np.ndarray, qmax: int) -> np.ndarray:
+    """absmax / qmax rounded up to bf16 through int64, clipped after: the encoder's first form."""
+    bits = (absmax / np.float32(qmax)).view(np.int32).astype(np.int64)
+    return ((bits + 0xFFFF) & ~0xFFFF).clip(max=0x7F7F0000).astype(np.int32)
+
+
+@pytest.mark.parametrize("qmax", [7, 127])
+def test_scale_rounding_in_int32_gives_the_bits_of_the_int64_form(qmax):
+    """Every fp32 bit pattern's top half (signs, subnormals, Inf, NaN with any payload) with
+    low halves that round differently; and the bound the sinks get from the bits is the
+    isfinite(scale * qmax) of every scale the rounding can make."""
+    rng = np.random.default_rng(0)
+    top = np.arange(1 << 16, dtype=np.uint32) << 16
+    with np.errstate(all="ignore"):
+        for low in [0, 1, 0x7FFF, 0x8000, 0xFFFE, 0xFFFF, *rng.integers(0, 1 << 16, 4).tolist()]:
+            absmax = (top | np.uint32(low)).view(np.float32)
+            assert np.array_equal(C._bf16_scale_bits_up(absmax, qmax), _scale_bits_reference(absmax, qmax)), low
+        scales = top.view(np.int32)
+        finite = np.isfinite(scales.view(np.float32) * np.float32(qmax))
+    codec = {7: "int4", 127: "int8"}[qmax]
+    assert np.array_equal(np.bitwise_and(scales, 0x7FFFFFFF) <= C._BOUNDED_SCALE_BITS[codec], finite)

@@ -276,9 +276,11 @@ def test_heartbeat_rereads_the_id_only_when_a_newer_session_may_have_started():
 
 def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_often():
     """Versions come in the order of the sends: the oldest wanted fragment is polled every
-    step time, younger ones 4x less often; a fragment registered with nothing older
-    waiting is polled at once (one GET of its latest hint), else one interval later; one
-    the loop blocks on (lock-step) goes first."""
+    step time, younger ones 4x less often, and up to 8x less often again while their polls
+    find nothing (one that finds a version brings them back); a fragment registered with
+    nothing older waiting is polled at once (one GET of its latest hint), else when due; the
+    line is the order of the sends (``order``), and one the loop blocks on (lock-step) goes
+    first."""
     store = _run(num_fragments=3)
     counting = _Counting(store)
     with DiLoCoSync(store, load_task(TINY).build_model(), learner_id="r") as sync:
@@ -287,7 +289,7 @@ def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_
     receiver = Receiver(counting, readers, learner_id="r", min_poll_s=0.0, stats=LearnerStats(), pace_s=lambda: step_s)
     receiver.start()
     try:
-        receiver.want(0, (0, {}))  # nothing older: polled at once, by the thread
+        receiver.want(0, (0, {}), order=10)  # nothing older: polled at once, by the thread
         deadline = time.monotonic() + 60
         while counting.calls[("get", layout.latest_hint_key(0))] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -295,26 +297,45 @@ def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_
     finally:
         receiver.close()
     # the schedule itself, on a clock of our own (the thread is stopped)
+    assert receiver.backoff == 1, "a poll of the oldest fragment leaves the younger ones' pace alone"
     t0 = receiver.polled_t[0]
-    receiver.want(1, (0, {}))
-    receiver.want(2, (0, {}))
+    receiver.want(2, (0, {}), order=12)
+    receiver.want(1, (0, {}), order=11)  # registered after 2, sent before it: 1 is ahead of 2
     t1, t2 = receiver.polled_t[1], receiver.polled_t[2]
-    assert t2 >= t1 >= t0  # not at once: 0 is older and still waiting
+    assert t1 >= t2 >= t0  # not at once: 0 is older and still waiting
+    assert receiver._waiting() == [0, 1, 2]
 
     def due(at: float) -> list[int]:
-        return [p for p, _ in receiver._due(at)[0]]
+        got = receiver._due(at)[0]
+        assert all(younger == (p != receiver._waiting()[0]) for p, _, younger in got)
+        return [p for p, _, _ in got]
 
     assert due(t0 + 0.5 * step_s) == []
     assert due(t0 + 1.0 * step_s) == [0]  # the oldest, every step
     assert due(t0 + 2.0 * step_s) == [0]
-    assert due(t2 + 4.0 * step_s) == [0, 1, 2]  # the younger ones, every 4 steps
+    assert due(t1 + 4.0 * step_s) == [0, 1, 2]  # the younger ones, every 4 steps
+    receiver._polled(True, False)  # 1's poll found nothing: every 8 steps
+    receiver._polled(True, False)  # 2's neither: every 16
+    assert receiver.backoff == 4
+    assert due(t1 + 12.0 * step_s) == [0]
+    assert due(t1 + 20.0 * step_s) == [0, 1, 2]
+    for _ in range(5):
+        receiver._polled(True, False)
+    assert receiver.backoff == Receiver.MAX_BACKOFF  # at most 32 steps
+    receiver._polled(False, False)  # the oldest's polls do not count
+    assert receiver.backoff == Receiver.MAX_BACKOFF
+    assert due(t1 + 51.0 * step_s) == [0]
+    assert due(t1 + 52.0 * step_s) == [0, 1, 2]
+    receiver._polled(True, True)  # a younger one had a version: back to every 4 steps
+    assert receiver.backoff == 1
     receiver.ready[0] = None  # 0's version came: 1 is the oldest waiting now, polled every step
-    assert due(t2 + 5.0 * step_s) == [1]
-    assert due(t2 + 6.0 * step_s) == [1]
-    assert due(t2 + 8.0 * step_s) == [1, 2]
+    assert due(t1 + 53.0 * step_s) == [1]
+    assert due(t1 + 54.0 * step_s) == [1]
+    assert due(t1 + 56.0 * step_s) == [1, 2]
     receiver.want(2, (1, {}), blocking=True)  # lock-step: the loop waits for 2, so it goes first, at once
-    assert due(t2 + 8.5 * step_s) == [2]
-    assert due(t2 + 9.5 * step_s) == [2]  # 1 is younger now: every 4 steps
+    assert due(t1 + 56.5 * step_s) == [2]
+    assert due(t1 + 57.5 * step_s) == [2]  # 1 is younger now: every 4 steps
+    assert receiver.has_ready(0) and not receiver.has_ready(1)
 
 
 def test_a_crashed_session_of_this_host_frees_its_id_at_once_a_live_one_does_not():
