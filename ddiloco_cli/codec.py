@@ -46,8 +46,8 @@ import zstandard
 from ddiloco_cli import records
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.merge import all_finite
-from ddiloco_cli.quantized import (_Q_OF_BYTE, _Q_OF_WORD, PER_BYTE, QMAX, DecodedTensors, Quantized, Source, chunk_elems,
-                                   num_blocks)
+from ddiloco_cli.quantized import (PER_BYTE, QABS, QMAX, DecodedTensors, Quantized, Source, chunk_elems, num_blocks,
+                                   q_values)
 
 FORMAT_VERSION = 1
 METADATA_KEY = "ddiloco"
@@ -79,11 +79,15 @@ def _bf16_scale_bits_up(absmax: np.ndarray, qmax: int) -> np.ndarray:
 
 def _largest_bounded_scale_bits(qmax: int) -> int:
     """The largest bf16 scale (as fp32 bits) whose product with qmax is finite in fp32."""
-    bits = _MAX_BF16_BITS
-    with np.errstate(over="ignore"):
-        while not np.isfinite(np.array([bits], dtype=np.int32).view(np.float32)[0] * np.float32(qmax)):
-            bits -= 0x10000
-    return bits
+    def bounded(top: int) -> bool:  # top: a bf16's 16 bits (a positive finite value)
+        with np.errstate(over="ignore"):
+            return bool(np.isfinite(np.array([top << 16], dtype=np.int32).view(np.float32)[0] * np.float32(qmax)))
+
+    lo, hi = 0, _MAX_BF16_BITS >> 16  # bounded(lo); positive bf16 values grow with their bits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if bounded(mid) else (lo, mid - 1)
+    return lo << 16
 
 
 # |scale| * qmax is finite (the sign bit masked off) exactly when |scale| is at most this
@@ -653,26 +657,9 @@ def apply_published_delta(
 
 
 # the largest bf16 magnitude (bits & 0x7FFF) whose product with the largest |q| a frame can hold
-# (QABS, a power of two: the product is exact or infinite) is finite: its exponent + log2(QABS)
-# stays below 255; NaN and Inf lie above
-_BOUNDED_BITS = {"int4": ((254 - 3) << 7) | 0x7F, "int8": ((254 - 7) << 7) | 0x7F}
+# (QABS) is finite; NaN and Inf lie above
+_BOUNDED_BITS = {codec: _largest_bounded_scale_bits(q) >> 16 for codec, q in QABS.items()}
 _SUM_CHUNK = 1 << 18  # values made this many at a time: each range is multiplied and summed while in cache
-
-
-def _q_values(codes: np.ndarray, codec: str, m: int, *, out: np.ndarray) -> None:
-    """q (fp32, exact) of m elements from the bytes holding their codes, into out[:m]: as
-    ``quantized.dequantize_chunk`` makes them before it multiplies by the scales."""
-    if m % (2 * PER_BYTE[codec]) == 0:  # whole 2-byte words: one lookup per word
-        words = _Q_OF_WORD[codec]
-        words.take(codes.view(np.uint16), out=out[:m].view(words.dtype), mode="clip")
-        return
-    table = _Q_OF_BYTE[codec]
-    if codec == "int4" and m % 2:  # the last byte's high nibble is padding
-        q = np.empty(m + 1, dtype=np.float32)
-        np.take(table, codes, axis=0, out=q.reshape(-1, 2), mode="clip")
-        out[:m] = q[:m]
-    else:
-        np.take(table, codes, axis=0, out=out[:m].reshape(-1, table.shape[1]), mode="clip")
 
 
 def _sum_with(prev: torch.Tensor | None, raw: bytes, codec: str, shape: tuple[int, ...],
@@ -704,7 +691,7 @@ def _sum_with(prev: torch.Tensor | None, raw: bytes, codec: str, shape: tuple[in
         stop = min(n, start + step)
         m, b0 = stop - start, start // block
         values = out[start:stop]
-        _q_values(codes[start // per_byte : -(-stop // per_byte)], codec, m, out=values)
+        q_values(codes[start // per_byte : -(-stop // per_byte)], codec, m, out=values)
         full = (m // block) * block
         if full:
             rows = values[:full].reshape(-1, block)

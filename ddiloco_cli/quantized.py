@@ -75,21 +75,27 @@ def num_blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
+def q_values(codes: np.ndarray, codec: str, n: int, *, out: np.ndarray) -> None:
+    """Write q (fp32, exact) of n elements into out[:n] from the bytes holding their codes: one
+    table lookup per 2-byte word, or per byte where the range is not whole words."""
+    table = _Q_OF_BYTE[codec]
+    if n % (2 * PER_BYTE[codec]) == 0:  # whole words, no padding nibble
+        words = _Q_OF_WORD[codec]
+        words.take(codes.view(np.uint16), out=out[:n].view(words.dtype), mode="clip")
+    elif codec == "int4" and n % 2:  # the last byte's high nibble is padding
+        q = np.empty(n + 1, dtype=np.float32)
+        np.take(table, codes, axis=0, out=q.reshape(-1, 2), mode="clip")
+        out[:n] = q[:n]
+    else:  # mode="clip": a uint8 index is always in range, and no buffered copy of the output
+        np.take(table, codes, axis=0, out=out[:n].reshape(-1, table.shape[1]), mode="clip")
+
+
 def dequantize_chunk(scale: torch.Tensor, codes: np.ndarray, codec: str, n: int, block: int, *,
                      out: torch.Tensor) -> None:
     """Write q * scale (fp32) into out (n values) from the bytes holding their codes: q exactly
     as fp32 from a table, then one in-place multiply per block (the same fp32 products as
     multiplying q by its scale)."""
-    table = _Q_OF_BYTE[codec]
-    if n % (2 * PER_BYTE[codec]) == 0:  # whole words, no padding nibble
-        words = _Q_OF_WORD[codec]
-        words.take(codes.view(np.uint16), out=out.numpy().view(words.dtype), mode="clip")
-    elif codec == "int4" and n % 2:  # the last byte's high nibble is padding
-        q = torch.empty(n + 1, dtype=torch.float32)
-        np.take(table, codes, axis=0, out=q.numpy().reshape(-1, 2), mode="clip")
-        out.copy_(q[:n])
-    else:  # mode="clip": a uint8 index is always in range, and no buffered copy of the output
-        np.take(table, codes, axis=0, out=out.numpy().reshape(-1, table.shape[1]), mode="clip")
+    q_values(codes, codec, n, out=out.numpy())
     full = (n // block) * block
     if full:
         out[:full].view(-1, block).mul_(scale[: full // block, None])
