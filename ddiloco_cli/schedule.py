@@ -12,9 +12,19 @@ so each fragment goes up exactly once every H steps, and its first send comes
 after t_p steps (or after H steps when t_p = 0), never before the first step.
 Offsets are distinct when P <= H and spread evenly over {0..H-1}; with P = H
 exactly one fragment is due per step.
+
+A decoupled learner may run this schedule shifted by a *schedule offset* o in
+[0, H): it calls `fragments_due(step + o, ...)`. At start it picks the offset that
+puts its sends in phase with the learners already running (`aligned_offset`, from
+their heartbeats), so that learners of equal speed send each fragment at the same
+time and the syncer merges them together without a grace wait.
 """
 
 from __future__ import annotations
+
+import cmath
+import math
+from typing import Iterable
 
 from ddiloco_cli.errors import UsageError
 
@@ -39,6 +49,19 @@ def fragments_due(step: int, *, num_fragments: int, sync_every: int) -> list[int
         for p in range(num_fragments)
         if (p * sync_every) // num_fragments == phase
     ]
+
+
+def aligned_offset(own_step: int, phases: Iterable[float], *, sync_every: int) -> int:
+    """The schedule offset in [0, H) that puts a learner about to take step ``own_step + 1``
+    in phase with others whose schedules are now at ``phases`` (each its completed steps plus
+    the fraction of the step under way plus its own offset, in steps). Their circular mean on
+    the cycle of H steps; 0 with no one to follow, or when their phases cancel out."""
+    H = sync_every
+    turn = sum((cmath.exp(2j * math.pi * (ph % H) / H) for ph in phases), 0j)
+    if abs(turn) < 1e-9:
+        return 0
+    mean = (cmath.phase(turn) / (2 * math.pi) * H) % H
+    return int(round(mean - own_step)) % H
 
 
 class FragmentCounters:

@@ -137,11 +137,11 @@ def predicted_arrival(
     """When a learner's next contribution of a fragment is expected by the syncer's clock, and
     until when to wait for it; None when there is nothing to go by. A learner sends each
     fragment once every ``sync_every`` of its steps, so one cycle after its last arrival; one
-    that is more than two of its steps (and a poll) late is paused, slowed down or gone."""
+    that is more than a quarter cycle late (and a poll) is paused, slowed down or gone."""
     if last_arrival_t is None or not step_time_s or step_time_s <= 0:
         return None
     t = last_arrival_t + sync_every * step_time_s
-    return t, t + 2 * step_time_s + poll_s
+    return t, t + max(2.0, sync_every / 4) * step_time_s + poll_s
 
 
 def grace_window_steps(config: RunConfig) -> int:

@@ -46,7 +46,7 @@ from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
 from ddiloco_cli.published import FragmentReader
 from ddiloco_cli.runconfig import RunConfig, read_run_config
-from ddiloco_cli.schedule import FragmentCounters, fragments_due
+from ddiloco_cli.schedule import FragmentCounters, aligned_offset, fragments_due
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import Store
 
@@ -62,6 +62,7 @@ class SyncOptions:
     min_poll_s: float = 0.2  # the receiver polls at the step time, never more often than this
     handle_sigterm: bool = True  # SIGTERM sets should_stop (the loop leaves cleanly) instead of killing
     stall_alert: bool = True  # warn when no new version arrived in 2*H steps
+    align_schedule: bool = True  # decoupled: start the send schedule in phase with the running learners
     key_path: str | None = None  # signing key admitted for this learner id (runs that require signatures)
 
 
@@ -128,6 +129,7 @@ class DiLoCoSync:
         self._residual: dict[int, Tensors] = {}
         self._residual_lock = threading.Lock()
         self.in_flight: dict[int, InFlight] = {}
+        self.schedule_offset = 0  # this session's shift of the send schedule (schedule.aligned_offset)
         self.session = 0
         self.seq = 0
         self.resume_state: dict[str, Any] | None = None
@@ -186,6 +188,8 @@ class DiLoCoSync:
         self.readers = {p: FragmentReader(self.store, run_id=self.run_id, plan=self.plan, fragment=p, trust=trust)
                         for p in range(self.plan.num_fragments)}
         self._bootstrap()
+        if not self.lockstep and self.opts.align_schedule:  # lock-step learners share one schedule
+            self.schedule_offset = self.island.agree([self._aligned_offset(trust) if io else 0])[0]
         if io:
             self._uploader = Uploader(self.store, codec_name=self.config.codec, block_size=self.config.codec_block,
                                       maxsize=self.opts.upload_queue, stats=self.stats,
@@ -219,7 +223,7 @@ class DiLoCoSync:
         n_tok = int(num_tokens) * self.island.world
         self.counters.on_step(n_tok)
         s.step, s.tokens = step, s.tokens + n_tok
-        due = fragments_due(step, num_fragments=self.plan.num_fragments, sync_every=self.H)
+        due = fragments_due(step + self.schedule_offset, num_fragments=self.plan.num_fragments, sync_every=self.H)
         for p in due:
             self.seq += 1
             theta = self._send(p, self.seq, step)
@@ -325,8 +329,29 @@ class DiLoCoSync:
             num_contributions=s.num_contributions, blocked_s=s.blocked_s,
             versions={str(p): v for p, v in s.versions.items()}, device=str(self.island.device),
             session=self.session, host=socket.gethostname(), pid=os.getpid(), started_s=self.started_s,
-            time_s=time.time(), **self.heartbeat_fields,
+            time_s=time.time(), schedule_offset=self.schedule_offset, **self.heartbeat_fields,
         )
+
+    def _aligned_offset(self, trust: signing.Trust) -> int:
+        """The schedule offset that puts this learner's sends in phase with the live learners'
+        (from their heartbeats: steps, step time and offset, aged by the store's clock), so that
+        learners of one speed send each fragment together and are merged at once. Advisory: an
+        unreadable or foreign heartbeat is skipped, and none gives 0."""
+        phases = []
+        for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
+            rec = b.record
+            step_s, offset = rec.get("step_time_s") or 0.0, rec.get("schedule_offset", 0)
+            if (rec["learner_id"] == self.learner_id or rec["state"] != "running" or b.age_s > self.config.lease_s
+                    or step_s <= 0 or not isinstance(offset, int) or not 0 <= offset < self.H
+                    or not trust.admits(rec, key=b.key, role="learner", member_id=rec["learner_id"])):
+                continue
+            if b.age_s / step_s > self.H / 2:  # too many steps since it was written to tell its phase
+                continue
+            phases.append(rec["step"] + offset + b.age_s / step_s)
+        offset = aligned_offset(self.stats.step, phases, sync_every=self.H)
+        if phases:
+            log.info("schedule offset %d: in phase with %d running learner(s)", offset, len(phases))
+        return offset
 
     def _bootstrap(self) -> None:
         """Load the latest committed version of every fragment into the model."""

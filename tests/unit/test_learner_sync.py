@@ -533,3 +533,45 @@ def test_take_newest_receives_whatever_is_newest_at_t_plus_tau():
         _until_ready(sync, 1)
         assert sync.step(num_tokens=1) == [0]
         assert sync.base[0][0] == 1
+
+
+def _running_beat(store, learner_id: str, *, step: int, step_time_s: float, **fields) -> None:
+    run = ledger.read_run(store)
+    rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id=learner_id, state="running", step=step,
+                       tokens=step, step_time_s=step_time_s, **fields)
+    store.put(layout.learner_heartbeat_key(learner_id), records.dumps(rec))
+
+
+def test_a_decoupled_learner_starts_its_send_schedule_in_phase_with_the_running_ones():
+    """Three learners run in phase 7 of H = 8 (at step 13 with an offset of 2, at step 15, at step
+    8 with an offset of 7); a learner starting at step 0 shifts its schedule by 7 so that it
+    sends each fragment when they do, and says so in its heartbeat. A learner that has left is
+    not followed, nor one whose heartbeat is too many of its steps old to tell its phase;
+    lock-step learners keep the common schedule."""
+    store = _run(num_fragments=2, sync_every=8, overlap_steps=1)
+    _running_beat(store, "a", step=13, step_time_s=30.0, schedule_offset=2)
+    _running_beat(store, "b", step=15, step_time_s=30.0)
+    _running_beat(store, "c", step=8, step_time_s=30.0, schedule_offset=7)
+    run = ledger.read_run(store)
+    gone = records.make("learner_heartbeat", run_id=run["run_id"], learner_id="d", state="left", step=2, tokens=2,
+                        step_time_s=30.0)
+    store.put(layout.learner_heartbeat_key("d"), records.dumps(gone))
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="n") as sync:
+        # a, b and c are in phase (7 = 13 + 2 - 8 = 15 - 8 = 8 + 7 - 8); d has left
+        assert sync.schedule_offset == 7
+        due = []
+        for _ in range(8):
+            due.append(sync.step(num_tokens=1) or [p for p in sync.in_flight])
+            sync.in_flight.clear()
+        # P = 2 of H = 8: fragment 0 at schedule step 0, fragment 1 at 4; shifted by 7: steps 1 and 5
+        assert [i + 1 for i, d in enumerate(due) if d] == [1, 5]
+        assert sync._heartbeat_record()["schedule_offset"] == 7
+    store2 = _run(num_fragments=2, sync_every=8, overlap_steps=1)
+    _running_beat(store2, "a", step=13, step_time_s=0.01)  # 2 s old would be 200 steps: no phase to go by
+    with DiLoCoSync(store2, model, learner_id="n") as sync:
+        assert sync.schedule_offset == 0
+    store3 = _run(num_fragments=2, sync_every=8, overlap_steps=1, mode="lockstep")
+    _running_beat(store3, "a", step=13, step_time_s=30.0)
+    with DiLoCoSync(store3, model, learner_id="n") as sync:
+        assert sync.schedule_offset == 0

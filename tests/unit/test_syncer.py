@@ -256,10 +256,10 @@ def test_the_grace_window_waits_only_for_learners_expected_before_it_closes():
     assert s.acquire()
     s.restore()
     s._refresh_learners()
-    sends = {0: "a", 20: "b", 24: "a", 48: "a", 56: "b", 72: "a", 96: "a"}  # b pauses after 56 s
+    sends = {0: "a", 20: "b", 24: "a", 48: "a", 56: "b", 72: "a", 102: "a"}  # b pauses after 56 s
     seqs = {"a": 0, "b": 0}
     merged = []  # (time, learners)
-    for t in range(100):
+    for t in range(110):
         clock.t = float(t)
         if t in sends:
             lid = sends[t]
@@ -274,7 +274,7 @@ def test_the_grace_window_waits_only_for_learners_expected_before_it_closes():
         (24, ["a", "b"]),  # b's window (17.25 s) waits for a, due at 0 + 24 s
         (56, ["a", "b"]),  # b is due at 20 + 36 = 56 s, inside a's window (48 + 11.5 s)
         (72, ["a"]),  # b is due at 92 s, after the window: merged at once
-        (96, ["a"]),  # b was due at 92 s and is 2 steps late: not awaited
+        (102, ["a"]),  # b was due at 92 s: more than 6 of its steps (a quarter cycle) late, not awaited
     ]
 
 
