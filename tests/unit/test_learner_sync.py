@@ -542,7 +542,7 @@ def _running_beat(store, learner_id: str, *, step: int, step_time_s: float, **fi
     store.put(layout.learner_heartbeat_key(learner_id), records.dumps(rec))
 
 
-def test_a_decoupled_learner_starts_its_send_schedule_in_phase_with_the_running_ones():
+def test_a_decoupled_learner_starts_its_send_schedule_in_phase_with_the_running_ones_L9():
     """Three learners run in phase 7 of H = 8 (at step 13 with an offset of 2, at step 15, at step
     8 with an offset of 7); a learner starting at step 0 shifts its schedule by 7 so that it
     sends each fragment when they do, and says so in its heartbeat. A learner that has left is
