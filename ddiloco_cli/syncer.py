@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -79,8 +79,6 @@ class FragmentState:
     quorum_t: float | None = None
     last_quorum_size: int = 0
     last_grace_s: float | None = None  # the grace window of its last merge (metrics)
-    arrivals: dict[str, float] = field(default_factory=dict)  # per learner: when its last contribution came
-    first_sender: str | None = None  # whose contribution opened the pending set
 
     @property
     def version(self) -> int:
@@ -102,19 +100,15 @@ class FragmentState:
 def ready_to_merge(
     *, num_pending: int, quorum: int, now_t: float, first_pending_t: float | None, quorum_t: float | None,
     step_time_s: float | None, window_steps: int, sync_time_s: float, grace_gamma: float, grace_max_s: float,
-    all_live_reported: bool, expected: Sequence[tuple[float, float] | None] = (),
+    all_live_reported: bool,
 ) -> tuple[bool, float]:
     """The commit decision for one fragment. Returns (merge now?, grace window in s).
 
     Merge once ``quorum`` distinct learners have reported, after a grace window
     that waits only as long as the first sender can absorb the wait
-    (``window_steps`` of its ``step_time_s``, see ``grace_window_steps``):
-    ``cap = min(grace_max_s, gamma * max(0, window * step_time - (time_to_quorum + time_to_sync)))``.
-    If every live learner has reported there is nothing to wait for. Within the cap the window
-    waits only for someone who may come: ``expected`` holds, for each live learner that has not
-    reported, ``(expected_t, give_up_t)`` (``predicted_arrival``; None: unknown, it may come any
-    time). The window closes once no learner expected before the cap is still awaited: waiting
-    longer would delay the merge and add nothing to it.
+    (``window_steps``, see ``grace_window_steps``):
+    ``grace = min(grace_max_s, gamma * max(0, window * step_time - (time_to_quorum + time_to_sync)))``.
+    If every live learner has reported there is nothing to wait for.
     """
     if num_pending < quorum or quorum_t is None:
         return False, 0.0
@@ -122,26 +116,8 @@ def ready_to_merge(
         return True, 0.0
     time_to_quorum = quorum_t - (first_pending_t if first_pending_t is not None else quorum_t)
     slack = window_steps * (step_time_s or 0.0) - (time_to_quorum + sync_time_s)
-    closes_t = quorum_t + min(grace_max_s, grace_gamma * max(0.0, slack))
-    if any(e is None for e in expected):
-        until_t = closes_t
-    else:
-        awaited = [give_up_t for expected_t, give_up_t in expected if expected_t <= closes_t]
-        until_t = min(closes_t, max(awaited, default=quorum_t))
-    return now_t >= until_t, max(0.0, until_t - quorum_t)
-
-
-def predicted_arrival(
-    *, last_arrival_t: float | None, step_time_s: float | None, sync_every: int, poll_s: float,
-) -> tuple[float, float] | None:
-    """When a learner's next contribution of a fragment is expected by the syncer's clock, and
-    until when to wait for it; None when there is nothing to go by. A learner sends each
-    fragment once every ``sync_every`` of its steps, so one cycle after its last arrival; one
-    that is more than a quarter cycle late (and a poll) is paused, slowed down or gone."""
-    if last_arrival_t is None or not step_time_s or step_time_s <= 0:
-        return None
-    t = last_arrival_t + sync_every * step_time_s
-    return t, t + max(2.0, sync_every / 4) * step_time_s + poll_s
+    grace = min(grace_max_s, grace_gamma * max(0.0, slack))
+    return now_t - quorum_t >= grace, grace
 
 
 def grace_window_steps(config: RunConfig) -> int:
@@ -191,7 +167,6 @@ class Syncer:
                              trust=self.trust)
         self.sync_time_s = 0.0  # EMA of merge + commit time
         self.step_time_s: float | None = None
-        self.learner_step_s: dict[str, float] = {}  # live learners' own step times (heartbeats)
         self.live_learners: set[str] = set()
         self.known_learners: set[str] = set()
         self.num_merges = 0
@@ -258,9 +233,7 @@ class Syncer:
         self.known_learners = {b.record["learner_id"] for b in beats}
         live = [b for b in beats if b.record["state"] == "running" and b.age_s <= lease_s]
         self.live_learners = {b.record["learner_id"] for b in live}
-        self.learner_step_s = {b.record["learner_id"]: float(b.record["step_time_s"]) for b in live
-                               if b.record.get("step_time_s")}
-        times = list(self.learner_step_s.values())
+        times = [b.record["step_time_s"] for b in live if b.record.get("step_time_s")]
         self.step_time_s = statistics.median(times) if times else None
 
     def _known(self, learner_id: str) -> bool:
@@ -385,10 +358,8 @@ class Syncer:
                 state.closed.append(got)
             elif got is not None:
                 state.closed.extend(add_pending(state.pending.setdefault(learner_id, []), got))
-                now_t = self.opts.clock()
-                state.arrivals[learner_id] = now_t
                 if state.first_pending_t is None:
-                    state.first_pending_t, state.first_sender = now_t, learner_id
+                    state.first_pending_t = self.opts.clock()
 
     def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | dict[str, Any]:
         """A base newer than our version means someone else committed: check the fence (a
@@ -466,15 +437,11 @@ class Syncer:
         all_live = bool(self.live_learners) and self.live_learners <= set(state.pending)
         if self.config.mode == "lockstep" and not all_live:  # K = M: Streaming DiLoCo waits for everyone
             return False
-        expected = [predicted_arrival(last_arrival_t=state.arrivals.get(lid), step_time_s=self.learner_step_s.get(lid),
-                                      sync_every=self.config.sync_every, poll_s=self.opts.poll_s)
-                    for lid in sorted(self.live_learners - set(state.pending))]
         go, grace = ready_to_merge(
             num_pending=len(state.pending), quorum=quorum, now_t=now_t, first_pending_t=state.first_pending_t,
-            quorum_t=state.quorum_t, step_time_s=self.learner_step_s.get(state.first_sender, self.step_time_s),
-            window_steps=grace_window_steps(self.config), sync_time_s=self.sync_time_s,
-            grace_gamma=self.config.grace_gamma, grace_max_s=self.config.grace_max_s, all_live_reported=all_live,
-            expected=expected,
+            quorum_t=state.quorum_t, step_time_s=self.step_time_s, window_steps=grace_window_steps(self.config),
+            sync_time_s=self.sync_time_s, grace_gamma=self.config.grace_gamma,
+            grace_max_s=self.config.grace_max_s, all_live_reported=all_live,
         )
         if not go:
             return False
@@ -589,7 +556,7 @@ class Syncer:
         state.pending.clear()
         state.closed.clear()
         state.seen = {k for k in state.seen if _above_high_water(k, high_water)}
-        state.first_pending_t = state.quorum_t = state.first_sender = None
+        state.first_pending_t = state.quorum_t = None
         state.last_quorum_size, state.last_grace_s = quorum_size, grace_s
         self.num_merges += 1
         if new.version % self.config.checkpoint_every == 0:

@@ -241,43 +241,6 @@ def test_the_grace_window_spans_what_the_first_sender_can_absorb(await_own):
         assert first["grace_s"] == pytest.approx(1.0)
 
 
-def test_the_grace_window_waits_only_for_learners_expected_before_it_closes():
-    """K = 1, H = 24, gamma 0.5, [L8]: learner a at 1 s per step (a contribution every 24 s), b
-    at 1.5 s (every 36 s). The window (0.5 * 23 of the first sender's steps: 11.5 s after a's,
-    17.25 s after b's) waits for a learner only while one is expected before it closes, from its
-    last arrival and its heartbeat's step time; with nothing to go by it waits to the end."""
-    store = open_store(f"memory://predict-{uuid.uuid4().hex}")
-    make_run(store, num_fragments=1, sync_every=24, overlap_steps=2, quorum=1, grace_gamma=0.5, grace_max_s=30.0,
-             await_own_merge=True, heartbeat_s=1000.0, lease_s=10_000.0)
-    beat(store, "a", step_time_s=1.0)
-    beat(store, "b", step_time_s=1.5)
-    clock = _FakeClock()
-    s = Syncer(store, options=SyncerOptions(syncer_id="p", gc=False, clock=clock, poll_s=0.2))
-    assert s.acquire()
-    s.restore()
-    s._refresh_learners()
-    sends = {0: "a", 20: "b", 24: "a", 48: "a", 56: "b", 72: "a", 102: "a"}  # b pauses after 56 s
-    seqs = {"a": 0, "b": 0}
-    merged = []  # (time, learners)
-    for t in range(110):
-        clock.t = float(t)
-        if t in sends:
-            lid = sends[t]
-            seqs[lid] += 1
-            contribution(store, 0, lid, seqs[lid], base_version=s.states[0].version)
-        s.poll_contributions()
-        if s.maybe_merge(s.states[0]):
-            v = s.states[0].version
-            merged.append((t, sorted(c["learner_id"] for c in ledger.read_manifest(store, 0, v)["contributions"])))
-    assert merged == [
-        (12, ["a"]),  # b has not sent yet: nothing to go by, so the whole window (11.5 s)
-        (24, ["a", "b"]),  # b's window (17.25 s) waits for a, due at 0 + 24 s
-        (56, ["a", "b"]),  # b is due at 20 + 36 = 56 s, inside a's window (48 + 11.5 s)
-        (72, ["a"]),  # b is due at 92 s, after the window: merged at once
-        (102, ["a"]),  # b was due at 92 s: more than 6 of its steps (a quarter cycle) late, not awaited
-    ]
-
-
 def test_non_finite_update_commits_nothing_and_refuses_the_culprit_V3(run_store):
     """[V3] a finite contribution so large that the outer step overflows fp32: nothing is
     committed and the contribution is quarantined (no ledger entry: the report is its record)."""
