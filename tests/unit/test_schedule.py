@@ -3,7 +3,7 @@
 import pytest
 
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.schedule import FragmentCounters, fragments_due
+from ddiloco_cli.schedule import FragmentCounters, aligned_offset, fragments_due
 
 
 @pytest.mark.parametrize("P,H", [(24, 24), (4, 24), (1, 1), (3, 7), (30, 24), (8, 100), (5, 5)])
@@ -54,3 +54,20 @@ def test_counters():
     c.on_step(5)
     c.reset(0, since=(3, 160))  # keeps what was counted after the snapshot
     assert c.snapshot(0) == (1, 5)
+
+
+def test_aligned_offset_follows_the_circular_mean_of_the_running_phases():
+    """The offset puts a learner's next step on the others' phase, averaged on the cycle (23.6
+    and 0.4 of H = 24 average to 0, not to 12); nobody to follow, or phases that cancel, give 0."""
+    H = 24
+    assert aligned_offset(0, [10.3], sync_every=H) == 10
+    assert aligned_offset(5, [10.3], sync_every=H) == 5
+    assert aligned_offset(30, [10.3], sync_every=H) == 4  # (10 - 30) % 24
+    assert aligned_offset(0, [23.6, 0.4], sync_every=H) == 0
+    assert aligned_offset(0, [23.6, 0.4, 48.0], sync_every=H) == 0
+    assert aligned_offset(0, [2.0, 4.0], sync_every=H) == 3
+    assert aligned_offset(7, [], sync_every=H) == 0
+    assert aligned_offset(7, [2.0, 14.0], sync_every=H) == 0  # opposite phases: no mean
+    for own in range(H):  # the shifted schedule sends fragment p when a learner at that phase does
+        o = aligned_offset(own, [9.0], sync_every=H)
+        assert (own + 1 + o) % H == 10 % H
