@@ -90,8 +90,10 @@ def _largest_bounded_scale_bits(qmax: int) -> int:
     return lo << 16
 
 
-# |scale| * qmax is finite (the sign bit masked off) exactly when |scale| is at most this
-_BOUNDED_SCALE_BITS = {codec: _largest_bounded_scale_bits(q) for codec, q in QMAX.items()}
+@functools.lru_cache(maxsize=None)
+def _bounded_scale_bits(qmax: int) -> int:
+    """|scale| * qmax is finite (the sign bit masked off) exactly when |scale| is at most this."""
+    return _largest_bounded_scale_bits(qmax)
 
 
 def _raw_nbytes(codec: str, n: int, block: int) -> int:
@@ -121,7 +123,7 @@ QUANTIZE_CHUNK_ELEMS = 1 << 18  # x, its codes and their values stay in cache be
 
 
 def _quantize(x: torch.Tensor, codec: str, block: int, *, minus: torch.Tensor | None = None,
-              sink: Sink | None = None) -> list:
+              sink: Sink | None = None, qmax: int | None = None) -> list:
     """fp32 flat contiguous tensor x (less ``minus``, one like it, when given) -> raw
     (uncompressed) frame, as a list of buffers to be concatenated. ``sink``, when given, gets
     every range's decoded values while they are in cache: bit for bit what a decoder of the
@@ -145,14 +147,15 @@ def _quantize(x: torch.Tensor, codec: str, block: int, *, minus: torch.Tensor | 
     for start in range(0, n, step):
         stop = min(n, start + step)
         xs = x[start:stop] if diff is None else torch.sub(x[start:stop], minus[start:stop], out=diff[: stop - start])
-        sc, body = _quantize_chunk(xs, codec, block, sink=None if sink is None else functools.partial(sink, start, stop))
+        sc, body = _quantize_chunk(xs, codec, block, sink=None if sink is None else functools.partial(sink, start, stop),
+                                   qmax=qmax)
         scales.append(sc)
         bodies.append(body)
     return scales + bodies
 
 
 def _quantize_together(xs: list[torch.Tensor], codec: str, block: int, *,
-                       sinks: list[Sink | None]) -> list[list]:
+                       sinks: list[Sink | None], qmax: int | None = None) -> list[list]:
     """``_quantize`` of several flat fp32 tensors (int8/int4) in one pass over one buffer:
     a fragment of many small tensors then costs one set of torch calls, not one per
     tensor. Each tensor starts a block of the buffer, zero-padded to whole blocks as the
@@ -181,7 +184,8 @@ def _quantize_together(xs: list[torch.Tensor], codec: str, block: int, *,
     for lo in range(0, total, step):
         hi = min(total, lo + step)
         sc, body = _quantize_chunk(flat[lo:hi], codec, block,
-                                   sink=None if all(k is None for k in sinks) else functools.partial(dispatch, lo, hi))
+                                   sink=None if all(k is None for k in sinks) else functools.partial(dispatch, lo, hi),
+                                   qmax=qmax)
         scales.append(sc)
         bodies.append(body)
     scale_buf = np.concatenate(scales) if scales else np.empty(0, dtype=np.int16)
@@ -193,12 +197,13 @@ def _quantize_together(xs: list[torch.Tensor], codec: str, block: int, *,
 
 
 def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *,
-                    sink: Callable[[np.ndarray, bool], None] | None) -> tuple[np.ndarray, np.ndarray]:
-    """(bf16 scales as int16, codes) of x. The arithmetic is numpy's on x's memory (a numpy
-    call costs ~1 us where a torch call costs several, and a contribution makes ~30 of them
-    per chunk): the same IEEE fp32 operations, so the same bytes."""
+                    sink: Callable[[np.ndarray, bool], None] | None, qmax: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(bf16 scales as int16, codes) of x, |q| <= qmax (default: the codec's QMAX). The
+    arithmetic is numpy's on x's memory (a numpy call costs ~1 us where a torch call costs
+    several, and a contribution makes ~30 of them per chunk): the same IEEE fp32 operations,
+    so the same bytes."""
     n = x.numel()
-    qmax = QMAX[codec]
+    qmax = QMAX[codec] if qmax is None else qmax
     xb, _ = _full_blocks(x, block)
     absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_()).numpy()  # (aminmax over a row is 10x slower)
     bits = _bf16_scale_bits_up(absmax, qmax)
@@ -217,7 +222,7 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *,
         q -= np.float32(offset)
         q *= scale[:, None]  # padding of a partial last block included: sliced off below
         # |q| <= qmax: finite when every |scale| * qmax is (NaN scales lie above the bound too)
-        bounded = int(np.bitwise_and(bits, 0x7FFFFFFF).max()) <= _BOUNDED_SCALE_BITS[codec]
+        bounded = int(np.bitwise_and(bits, 0x7FFFFFFF).max()) <= _bounded_scale_bits(qmax)
         sink(q.reshape(-1)[:n], bounded)
     scale_buf = (bits >> 16).astype(np.int16)  # the bf16 of each scale: its top 16 bits, exactly
     if codec == "int8":
@@ -245,9 +250,21 @@ def _dequantize(raw: bytes, codec: str, n: int, block: int) -> torch.Tensor:
 # --- encode / decode ----------------------------------------------------------------
 
 
-def _check_codec(codec: str, block_size: int | None) -> int:
+def check_qmax(codec: str, qmax: int | None) -> None:
+    """An encoder's bound on |q| must be one the codec can hold: 1..QMAX (int4: 7, int8: 127);
+    other codecs have none."""
+    if qmax is None:
+        return
+    if codec not in QMAX:
+        raise UsageError(f"--codec-qmax applies to int4 and int8 only, not to codec {codec!r}")
+    if isinstance(qmax, bool) or not isinstance(qmax, int) or not 1 <= qmax <= QMAX[codec]:
+        raise UsageError(f"--codec-qmax for {codec} must be an integer in [1, {QMAX[codec]}], got {qmax!r}")
+
+
+def _check_codec(codec: str, block_size: int | None, qmax: int | None = None) -> int:
     if codec not in CODECS:
         raise UsageError(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
+    check_qmax(codec, qmax)
     if codec in QMAX:
         block = DEFAULT_BLOCK_SIZE[codec] if block_size is None else int(block_size)
         if block < 1:
@@ -263,10 +280,13 @@ def encode_tensors(
     block_size: int | None = None,
     zstd_level: int = 1,
     metadata: dict | None = None,
+    qmax: int | None = None,
 ) -> bytes:
     """Encode float tensors (any device/dtype; values are taken as fp32) into one
-    payload. `metadata` must be JSON-serialisable; it comes back from decode."""
-    return _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata)
+    payload. `metadata` must be JSON-serialisable; it comes back from decode. ``qmax``
+    (int4/int8) bounds the codes the encoder writes (default: the codec's full range); the
+    frame is an ordinary one of the codec, read the same way whatever the bound."""
+    return _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata, qmax=qmax)
 
 
 def encode_with_residual(
@@ -276,6 +296,7 @@ def encode_with_residual(
     block_size: int | None = None,
     zstd_level: int = 1,
     metadata: dict | None = None,
+    qmax: int | None = None,
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """``encode_tensors`` plus what the payload does not carry: ``t - decode(payload)`` per
     key (fp32 CPU; zeros under codec none), for a sender's error feedback. The encoder
@@ -293,7 +314,7 @@ def encode_with_residual(
         return sink
 
     payload = _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
-                      sink_for=left_out)
+                      sink_for=left_out, qmax=qmax)
     return payload, residual
 
 
@@ -305,20 +326,21 @@ def _flat32(t: torch.Tensor) -> torch.Tensor:
 def _encode(
     tensors: Mapping[str, torch.Tensor], *, codec: str, block_size: int | None, zstd_level: int, metadata: dict | None,
     minus: Mapping[str, torch.Tensor] | None = None, sink_for: Callable[[str], Sink] | None = None,
+    qmax: int | None = None,
 ) -> bytes:
     """The payload of ``tensors``, less ``minus`` where it has the key (then the header's dtype
     is float32). ``sink_for(key)``, when given, makes the sink that gets the decoded values of
     tensor ``key`` as they are made."""
-    block = _check_codec(codec, block_size)
+    block = _check_codec(codec, block_size, qmax)
     cctx = _compressor(zstd_level)
     frames: list[tuple[str, bytes]] = []
     info: dict[str, Any] = {}
     keys = list(tensors)
     sinks = [None if sink_for is None else sink_for(key) for key in keys]
     if codec in QMAX and not minus and len(keys) > 1:  # a learner's fragment: its tensors in one pass
-        quantized = _quantize_together([_flat32(tensors[k]) for k in keys], codec, block, sinks=sinks)
+        quantized = _quantize_together([_flat32(tensors[k]) for k in keys], codec, block, sinks=sinks, qmax=qmax)
     else:
-        quantized = [_quantize(_flat32(tensors[k]), codec, block, sink=sink,
+        quantized = [_quantize(_flat32(tensors[k]), codec, block, sink=sink, qmax=qmax,
                                minus=None if minus is None or k not in minus else _flat32(minus[k]))
                      for k, sink in zip(keys, sinks)]
     for key, raw in zip(keys, quantized):
@@ -592,6 +614,7 @@ def encode_published_delta(
     block_size: int | None = None,
     zstd_level: int = 1,
     metadata: dict | None = None,
+    qmax: int | None = None,
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Encode new_value - prev_published; return (payload, new published value).
 
@@ -623,7 +646,7 @@ def encode_published_delta(
         return sink
 
     payload = _encode(value, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
-                      minus=prev_published, sink_for=into_published)
+                      minus=prev_published, sink_for=into_published, qmax=qmax)
     return payload, published
 
 

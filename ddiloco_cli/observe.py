@@ -255,7 +255,7 @@ def inspect_run(store: Store) -> dict[str, Any]:
     run_summary = None
     if scan.run is not None:
         keys = ("run_id", "task", "mode", "num_fragments", "sync_every", "overlap_steps", "quorum", "alpha", "merge",
-                "outer_lr", "outer_momentum", "codec", "codec_block", "publish_codec", "keyframe_every",
+                "outer_lr", "outer_momentum", "codec", "codec_block", "codec_qmax", "publish_codec", "keyframe_every",
                 "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
         run_summary: dict[str, Any] = {k: getattr(scan.run, k) for k in keys}
         run_summary["num_params"] = scan.plan.total_numel() if scan.plan else None

@@ -214,7 +214,8 @@ def replay(*, config: RunConfig, fragment: int, reader: FragmentReader,
             value, fragment=fragment, grads=grads, weights=[effective_weight(e) for e in used],
             lr=float(m.get("outer_lr", config.outer_lr)), method=config.merge, publish_codec=config.publish_codec,
             block_size=config.codec_block, keyframe_every=config.keyframe_every,
-            cycle=manifest_cycle(m), share=float(m.get("outer_share", 1.0)), per_cycle=per_cycle(config))
+            cycle=manifest_cycle(m), share=float(m.get("outer_share", 1.0)), per_cycle=per_cycle(config),
+            publish_qmax=config.publish_qmax)
         recorded = {e["kind"]: e["sha256"] for e in m["payloads"]}
         mine = {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}
         if recorded != mine:

@@ -116,6 +116,7 @@ class RunConfig:
     batch_size: int = _f(16, "batch-size", _I, kind=int, lo=1, hi=_MAX_INT, json_key="inner.batch_size")
     codec: str = _f("int4", "codec", _C, kind=str, choices=Codec)
     codec_block: int | None = _f(None, "codec-block", _C, kind=int, lo=2, hi=2**24, optional=True)
+    codec_qmax: int | None = _f(None, "codec-qmax", _C, kind=int, lo=1, hi=127, optional=True)
     publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True)
     keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT)
     error_feedback: bool = _f(True, "error-feedback", _C, kind=bool)
@@ -139,6 +140,12 @@ class RunConfig:
             object.__setattr__(self, "publish_codec", self.codec)
         if self.codec_block is None:
             object.__setattr__(self, "codec_block", codec.DEFAULT_BLOCK_SIZE.get(self.codec, 64))
+        if self.codec_qmax is None:
+            object.__setattr__(self, "codec_qmax", codec.QMAX.get(self.codec))
+        try:
+            codec.check_qmax(self.codec, self.codec_qmax)
+        except UsageError as exc:
+            raise _bad("codec-qmax", str(exc).removeprefix("--codec-qmax ")) from None
         if self.mode == "lockstep":  # Streaming DiLoCo: every learner in every merge (the syncer waits for all
             # live ones), a plain mean, overwrite on receive, no lr scaling, exact published values
             for name, value in (("merge", "mean"), ("keep_overlap_progress", False), ("outer_lr_scaling", "none"),
@@ -152,6 +159,12 @@ class RunConfig:
         if self.lease_s <= self.heartbeat_s:
             raise _bad("lease", f"the lease ({self.lease_s:g} s) must be longer than the heartbeat interval "
                                 f"({self.heartbeat_s:g} s)")
+
+    @property
+    def publish_qmax(self) -> int | None:
+        """The bound on the codes of published deltas: ``codec_qmax`` when they use the run's
+        codec, else that codec's full range (None)."""
+        return self.codec_qmax if self.publish_codec == self.codec else None
 
     # ----------------------------------------------------------- run.json
     def to_record(self, *, run_id: str, created_s: float | None = None) -> dict[str, Any]:
@@ -374,7 +387,8 @@ def default_config_toml() -> str:
                 continue
             value = defaults[f.name].default
             if value is None:
-                note = "the run's codec" if f.name == "publish_codec" else "64 for int4, 256 for int8"
+                note = {"publish_codec": "the run's codec", "codec_qmax": "the codec's largest code: 7 for int4, 127 for int8"
+                        }.get(f.name, "64 for int4, 256 for int8")
                 lines.append(f"# {flag(f)} =   (default: {note})")
             else:
                 lines.append(f"{flag(f)} = {_toml_value(value)}")

@@ -512,7 +512,8 @@ class Syncer:
                     cur, fragment=p, grads=grads, weights=[c.weight * c.discount for c in contributions], lr=lr,
                     method=self.config.merge, publish_codec=self.config.publish_codec,
                     block_size=self.config.codec_block, keyframe_every=self.config.keyframe_every,
-                    cycle=cur.cycle + advance, share=share, per_cycle=per_cycle(self.config))
+                    cycle=cur.cycle + advance, share=share, per_cycle=per_cycle(self.config),
+                    publish_qmax=self.config.publish_qmax)
         except NonFiniteUpdate as exc:
             culprit = max(contributions, key=lambda c: c.norm)
             self.intake.quarantine(culprit.key, f"{exc}; it had the largest outer gradient")

@@ -84,7 +84,7 @@ def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, metho
 def outer_update(
     value: FragmentValue, *, fragment: int, grads: Sequence[Tensors], weights: Sequence[float], lr: float,
     method: str, publish_codec: str, block_size: int, keyframe_every: int, cycle: float, share: float,
-    per_cycle: bool,
+    per_cycle: bool, publish_qmax: int | None = None,
 ) -> tuple[FragmentValue, EncodedVersion]:
     """The next version of ``value`` from the contributions' outer gradients; ``cycle`` is the
     new staleness clock, ``share`` the part of a cycle this merge is (per_cycle). Pure:
@@ -119,7 +119,7 @@ def outer_update(
             accum = {}
     encoded = encode_version(fragment=fragment, version=value.version + 1, new_value=raw,
                              prev_published=value.published, publish_codec=publish_codec,
-                             block_size=block_size, keyframe_every=keyframe_every)
+                             block_size=block_size, keyframe_every=keyframe_every, qmax=publish_qmax)
     for k, t in encoded.published.items():
         if not all_finite(t) or not all_finite(raw[k]):
             raise NonFiniteUpdate(f"fragment {fragment}: the new value of {k!r} is not finite")

@@ -78,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--codec-block", type=int, default=None, help="default: the run's (64 for int4)")
+    ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (7 for int4: every code)")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
     ap.add_argument("--grace-max", type=float, default=None, help="default: the run's")
     ap.add_argument("--chaos-mean-s", type=float, default=40.0, help="mean seconds between kills, per learner")
@@ -104,7 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def init_flags(args, *, arm: str) -> dict:
     M = args.learners
     flags = dict(task=args.task, fragments=args.fragments, sync_every=args.sync_every,
-                 overlap_steps=args.overlap_steps, codec=args.codec, codec_block=args.codec_block, inner_lr=args.inner_lr,
+                 overlap_steps=args.overlap_steps, codec=args.codec, codec_block=args.codec_block,
+                 codec_qmax=args.codec_qmax, inner_lr=args.inner_lr,
                  warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, total_steps=args.steps_per_learner,
                  batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
@@ -207,7 +209,7 @@ def main(argv=None) -> dict:
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_conv_")
     args.step_s = benchlib.measure_step_s(task, batch_size=B)  # paces the mixed arm's slow learners
     print(f"M={M} N={N} B={B} P={args.fragments} H={args.sync_every} tau={args.overlap_steps} "
-          f"inner_lr={args.inner_lr} outer_lr={args.outer_lr} momentum={args.outer_momentum} codec={args.codec}{'/' + str(args.codec_block) if args.codec_block else ''} "
+          f"inner_lr={args.inner_lr} outer_lr={args.outer_lr} momentum={args.outer_momentum} codec={args.codec}{'/' + str(args.codec_block) if args.codec_block else ''}{' qmax ' + str(args.codec_qmax) if args.codec_qmax else ''} "
           f"task={args.task}; tokens per arm = M*N*B*T; {benchlib.load_text()}", file=sys.stderr)
     inner = {"lr": args.inner_lr, "betas": [0.9, 0.95], "weight_decay": 0.1, "warmup_steps": args.warmup_steps,
              "lr_schedule": args.lr_schedule, "total_steps": N, "grad_clip": 1.0, "batch_size": B}

@@ -63,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overlap-steps", type=int, default=2, help="tau")
     ap.add_argument("--codec", default="int4", help="upload codec")
     ap.add_argument("--codec-block", type=int, default=None, help="default: the run's (64 for int4)")
+    ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (7 for int4: every code)")
     ap.add_argument("--publish-codec", default=None, help="default: the run's (= --codec)")
     ap.add_argument("--keyframe-every", type=int, default=None, help="default: the run's")
     ap.add_argument("--grace-gamma", type=float, default=None, help="default: the run's")
@@ -136,7 +137,7 @@ def run_traffic(args, *, workdir: str) -> dict:
     step_s = benchlib.measure_step_s(task, batch_size=batch_size)
     flags = dict(task=task_path, fragments=args.fragments, sync_every=args.sync_every,
                  overlap_steps=args.overlap_steps, codec=args.codec, codec_block=args.codec_block,
-                 publish_codec=args.publish_codec,
+                 codec_qmax=args.codec_qmax, publish_codec=args.publish_codec,
                  keyframe_every=args.keyframe_every, grace_gamma=args.grace_gamma, grace_max=args.grace_max,
                  total_steps=args.steps, batch_size=batch_size, heartbeat=1, lease=6)
     samples: dict[str, dict[float, dict]] = {lid: {} for lid in ids}
@@ -189,7 +190,7 @@ def run_traffic(args, *, workdir: str) -> dict:
                                           / (num_params / P))
     return {
         "settings": {k: v for k, v in vars(args).items() if k != "json_path"},
-        "run": {k: run[k] for k in ("num_fragments", "sync_every", "overlap_steps", "codec", "codec_block", "publish_codec",
+        "run": {k: run.get(k) for k in ("num_fragments", "sync_every", "overlap_steps", "codec", "codec_block", "codec_qmax", "publish_codec",
                                     "keyframe_every", "quorum", "grace_gamma", "grace_max_s")},
         "num_params": num_params, "step_s_unpaced": step_s, "train_s": train_s,
         "dp_bytes_per_step": dp_Bps, "learners": learners,
@@ -212,7 +213,7 @@ def print_report(out: dict) -> None:
           f"{m['keyframe_payloads']} keyframes of {m['mean_keyframe_bytes']:.0f} B; contributions "
           f"{m['contribution_bytes_per_param']:.3f} B/param")
     print(f"settings: M={s['learners']} (odd ones {s['slowdown']:g}x slower) P={out['run']['num_fragments']} "
-          f"H={out['run']['sync_every']} tau={out['run']['overlap_steps']} codec={out['run']['codec']}/{out['run']['codec_block']} "
+          f"H={out['run']['sync_every']} tau={out['run']['overlap_steps']} codec={out['run']['codec']}/{out['run']['codec_block']} qmax={out['run']['codec_qmax']} "
           f"publish={out['run']['publish_codec']} keyframe_every={out['run']['keyframe_every']} "
           f"steps={s['steps']} (window from {s['skip_steps']}); {s['task']} GPT {out['num_params']:,} params, "
           f"{out['step_s_unpaced'] * 1e3:.0f} ms/step unpaced; {out['train_s']:.0f} s; {benchlib.load_text()}")

@@ -192,6 +192,7 @@ class DiLoCoSync:
             self.schedule_offset = self.island.agree([self._aligned_offset(trust) if io else 0])[0]
         if io:
             self._uploader = Uploader(self.store, codec_name=self.config.codec, block_size=self.config.codec_block,
+                                      qmax=self.config.codec_qmax,
                                       maxsize=self.opts.upload_queue, stats=self.stats,
                                       num_workers=self.opts.upload_workers, newest_wins=not self.lockstep,
                                       signer=signer, on_residual=self._keep_residual if self.error_feedback else None)

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import ddiloco_cli.codec as C
+from ddiloco_cli import quantized
+from ddiloco_cli.errors import UsageError
 
 SHAPES = [(5, 7), (0,), (1,), (64,), (130,), (3, 1, 3)]
 
@@ -59,7 +61,7 @@ def _scale_bits_reference(absmax: np.ndarray, qmax: int) -> np.ndarray:
     return ((bits + 0xFFFF) & ~0xFFFF).clip(max=0x7F7F0000).astype(np.int32)
 
 
-@pytest.mark.parametrize("qmax", [7, 127])
+@pytest.mark.parametrize("qmax", [3, 7, 127])
 def test_scale_rounding_in_int32_gives_the_bits_of_the_int64_form(qmax):
     """Every fp32 bit pattern's top half (signs, subnormals, Inf, NaN with any payload) with
     low halves that round differently; and the bound the sinks get from the bits is the
@@ -72,5 +74,31 @@ def test_scale_rounding_in_int32_gives_the_bits_of_the_int64_form(qmax):
             assert np.array_equal(C._bf16_scale_bits_up(absmax, qmax), _scale_bits_reference(absmax, qmax)), low
         scales = top.view(np.int32)
         finite = np.isfinite(scales.view(np.float32) * np.float32(qmax))
-    codec = {7: "int4", 127: "int8"}[qmax]
-    assert np.array_equal(np.bitwise_and(scales, 0x7FFFFFFF) <= C._BOUNDED_SCALE_BITS[codec], finite)
+    assert np.array_equal(np.bitwise_and(scales, 0x7FFFFFFF) <= C._bounded_scale_bits(qmax), finite)
+
+
+@pytest.mark.parametrize("codec_name,qmax", [("int4", 3), ("int4", 1), ("int8", 15)])
+def test_a_bounded_encoder_writes_only_codes_within_its_bound(codec_name, qmax):
+    """``qmax`` bounds the codes an encoder writes; the frame is an ordinary one of its codec
+    (the plain decoder reads it), the residual is exactly what it leaves out, and a smaller bound
+    gives fewer bytes after zstd."""
+    g = torch.Generator().manual_seed(3)
+    x = {"w": torch.randn(37, 129, generator=g), "b": torch.randn(131, generator=g)}
+    data, residual = C.encode_with_residual(x, codec=codec_name, block_size=64, qmax=qmax)
+    full = C.encode_tensors(x, codec=codec_name, block_size=64)
+    assert len(data) < len(full)
+    decoded, _ = C.decode_tensors(data, keep_codes=True)
+    for k, t in x.items():
+        src = decoded.sources[k]
+        q = np.empty(src.numel, dtype=np.float32)
+        quantized.q_values(src.codes, codec_name, src.numel, out=q)
+        assert float(np.abs(q).max()) == qmax  # the bound is reached (each block's absmax) and kept
+        assert torch.equal(residual[k], t - decoded[k])  # what the payload does not carry, exactly
+    assert C.decode_tensors(C.encode_tensors(x, codec=codec_name, block_size=64, qmax=None))[0]["w"].shape == (37, 129)
+
+
+@pytest.mark.parametrize("codec_name,qmax", [("int4", 0), ("int4", 8), ("int8", 128), ("none", 3), ("bf16", 3),
+                                             ("int4", 2.5), ("int4", True)])
+def test_a_bound_outside_the_codec_is_a_usage_error(codec_name, qmax):
+    with pytest.raises(UsageError, match="codec-qmax"):
+        C.encode_tensors({"w": torch.ones(4)}, codec=codec_name, qmax=qmax)

@@ -31,8 +31,25 @@ def test_run_config_round_trips_through_run_json():
         back.quorum = 5  # frozen: validated once, never changed
 
 
+def test_codec_qmax_defaults_to_the_codecs_range_and_binds_only_its_own_codec():
+    """--codec-qmax: the codec's full range by default (also for a run.json written before the
+    setting existed); it bounds published deltas only when they use the run's codec."""
+    assert [RunConfig(codec=c).codec_qmax for c in ("int4", "int8", "none", "bf16")] == [7, 127, None, None]
+    record = RunConfig().to_record(run_id="r")
+    del record["codec_qmax"]
+    assert RunConfig.from_record(record).codec_qmax == 7
+    bounded = RunConfig(codec_qmax=3)
+    assert (bounded.codec_qmax, bounded.publish_qmax) == (3, 3)
+    assert RunConfig(codec_qmax=3, publish_codec="int8").publish_qmax is None
+    assert RunConfig.from_record(json.loads(records.dumps(bounded.to_record(run_id="r")))).codec_qmax == 3
+    for bad in ({"codec": "none", "codec_qmax": 3}, {"codec": "int8", "codec_qmax": 128}):
+        with pytest.raises(UsageError, match="--codec-qmax"):
+            RunConfig(**bad)
+
+
 @pytest.mark.parametrize("field,value", [("inner_lr", float("nan")), ("outer_lr", float("inf")), ("gc_grace_s", -5.0),
-                                         ("quorum", 0), ("codec", "int3"), ("keep_overlap_progress", 1)])
+                                         ("quorum", 0), ("codec", "int3"), ("keep_overlap_progress", 1),
+                                         ("codec_qmax", 8), ("codec_qmax", 0)])
 def test_run_config_refuses_bad_values(field, value):
     with pytest.raises(UsageError):
         RunConfig(**{field: value})
@@ -58,7 +75,7 @@ def test_every_setting_is_an_init_flag_and_a_config_key():
     for f in hyperparameters():
         param = by_name[setting_key(f)]  # init reads its settings back by these names
         assert f"--{flag(f)}" in param.opts
-        if f.name not in ("codec_block", "publish_codec"):  # None by default: commented out
+        if f.name not in ("codec_block", "codec_qmax", "publish_codec"):  # None by default: commented out
             assert flag(f) in printed, f.name
 
 
