@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
-from ddiloco_cli.quantized import PER_BYTE, Q_OF_WORD, Quantized, Source, chunk_elems, shape_of, sources
+from ddiloco_cli.quantized import PER_BYTE, Quantized, Source, chunk_elems, q8_into, shape_of, sources
 
 # Below this norm of the weighted mean of unit vectors, ||sum w phi(v)|| / sum w, RDA returns
 # the weighted mean instead: as the directions cancel, RDA would keep the full mean norm in a
@@ -160,7 +160,7 @@ def _trivial(items: list[Item], shape: tuple[int, ...]) -> torch.Tensor | None:
 # the whole vector per term; an int4/int8 contribution is read from its codes, without a
 # full-size fp32 copy. Each value gets the same operations in the same order whatever the
 # ranges (a term is rounded, then added).
-MERGE_CHUNK_ELEMS = 1 << 17
+MERGE_CHUNK_ELEMS = 1 << 16
 # A factor in this range is a normal fp32 number with room to spare: a term v * f then neither
 # overflows nor loses bits (|v / d * f| <= 1 for a unit vector times a weight in [0, 1]).
 _ONE_MULTIPLY = (2.0 ** -100, 2.0 ** 100)
@@ -176,11 +176,11 @@ class _Dest:
         self.t = t
         self._views: dict = {}
 
-    def items(self, dtype: np.dtype) -> np.ndarray:
-        """The range as a numpy array of ``dtype`` items (a table's rows)."""
-        v = self._views.get(dtype)
+    def flat(self) -> np.ndarray:
+        """The range as a flat fp32 numpy array."""
+        v = self._views.get(None)
         if v is None:
-            v = self._views[dtype] = self.t.numpy().view(dtype)
+            v = self._views[None] = self.t.numpy()
         return v
 
     def blocks(self, block: int) -> torch.Tensor:
@@ -195,31 +195,46 @@ class _Dest:
 Term = Callable[[int, int, _Dest], torch.Tensor]  # (start, stop, destination) -> the term's values there
 
 
-def _codes_term(v: Quantized, scale: torch.Tensor, step: int) -> Term | None:
-    """q * scale of each block of v, for ranges [start, stop) of ``step`` elements (the last may
-    be shorter): the ops of ``Quantized.values`` (a word table, then one multiply per block),
-    on views made once. None when a range would not be whole 2-byte words of codes."""
-    words_elems = 2 * PER_BYTE[v.codec]
-    if step % words_elems or v.numel % words_elems:
-        return None
-    table, words, block = Q_OF_WORD[v.codec], v.codes.view(np.uint16), v.block
-    per_block = scale[:, None]
+class _CodesScratch:
+    """One range's q as int8 (and as a tensor) and the unpacking's temporary, shared by every term
+    of a merge (the terms of a range run one after another): ~100 KB that stay in cache."""
+
+    __slots__ = ("q8", "q8_t", "tmp")
+
+    def __init__(self, step: int):
+        self.q8 = np.empty(step, dtype=np.int8)
+        self.q8_t = torch.from_numpy(self.q8)
+        self.tmp = np.empty(step // 2 + 1, dtype=np.uint16)
+
+
+def _codes_term(v: Quantized, scale: np.ndarray, scratch: _CodesScratch) -> Term | None:
+    """q * scale of each block of v, for ranges [start, stop) that start on a block (and an even
+    element): the products of ``Quantized.values`` (fp32 q times the block's fp32 scale, one
+    rounding), as the range's q unpacked to int8 (``quantized.q8_into``: integer operations, no
+    table lookups), converted into the range (exact), then one in-place multiply by the scales
+    (torch's vectorised kernels; a table's lookups cost ~2 ns a value)."""
+    block, per_byte, codec = v.block, PER_BYTE[v.codec], v.codec
+    scale_t = torch.from_numpy(scale)
+    per_block = scale_t[:, None]
+    codes = v.codes
 
     def term(start: int, stop: int, dest: _Dest) -> torch.Tensor:
-        table.take(words[start // words_elems : stop // words_elems], out=dest.items(table.dtype), mode="clip")
-        b0 = start // block
-        blocks = dest.blocks(block)
-        k = blocks.shape[0]
+        m, b0 = stop - start, start // block
+        q8_into(codes[start // per_byte : -(-stop // per_byte)], codec, m, out=scratch.q8, tmp=scratch.tmp)
+        t = dest.t
+        t.copy_(scratch.q8_t[:m])
+        rows = dest.blocks(block)
+        k = rows.shape[0]
         if k:
-            blocks.mul_(per_block[b0 : b0 + k])
-        if k * block < stop - start:  # the tensor's partial last block
-            dest.t[k * block :].mul_(scale[b0 + k])
-        return dest.t
+            rows.mul_(per_block[b0 : b0 + k])
+        if k * block < m:  # the tensor's partial last block
+            t[k * block :].mul_(scale_t[b0 + k])
+        return t
 
     return term
 
 
-def _term(v: Source, d: float | None, f: float, step: int) -> Term:
+def _term(v: Source, d: float | None, f: float, scratch: _CodesScratch) -> Term:
     """(v / d) * f, d None for 1, as computed for the range [start, stop): one multiply by the
     factor c = f / d (for codes: by each block's scale times c, so q * (scale * c)), or, when c
     is not safely inside fp32's range, a division by d, then a multiply by f."""
@@ -229,11 +244,11 @@ def _term(v: Source, d: float | None, f: float, step: int) -> Term:
             # fl32(scale * c), the product in fp64 (numpy: a few small ops, not several torch calls)
             with np.errstate(over="ignore"):
                 scaled = (v.scale.numpy().astype(np.float64) * c).astype(np.float32)
-            scale = torch.from_numpy(scaled)
             if np.isfinite(scaled).all():  # a huge scale over zero codes could overflow: then the general way
-                fast = _codes_term(v, scale, step)
+                fast = _codes_term(v, scaled, scratch)
                 if fast is not None:
                     return fast
+                scale = torch.from_numpy(scaled)
                 return lambda start, stop, dest: v.values(start, stop, out=dest.t, scale=scale)
         else:
             return lambda start, stop, dest: torch.mul(v[start:stop], c, out=dest.t)
@@ -255,7 +270,8 @@ def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float
     n = _numel(items[0][1])
     blocks = [v.block for _, v, _ in items if isinstance(v, Quantized)]
     step = chunk_elems(math.lcm(1, *blocks), elems=MERGE_CHUNK_ELEMS)
-    terms = [_term(v, d, f, step) for (_, v, _), (d, f) in zip(items, factors) if f]
+    codes = _CodesScratch(min(step, n + n % 2))
+    terms = [_term(v, d, f, codes) for (_, v, _), (d, f) in zip(items, factors) if f]
     if not terms:
         return torch.zeros(n, dtype=torch.float32)
     acc = torch.empty(n, dtype=torch.float32)
@@ -266,8 +282,9 @@ def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float
         part = _Dest(acc[start:stop])
         t = whole if stop - start == scratch.numel() else _Dest(scratch[: stop - start])
         terms[0](start, stop, part)
+        into = part.flat()
         for term in terms[1:]:
-            part.t.add_(term(start, stop, t))
+            np.add(into, term(start, stop, t).numpy(), out=into)
     return acc
 
 

@@ -64,6 +64,28 @@ def _sq_of_word(codec: str) -> np.ndarray:
 _SQ_OF_WORD = {"int4": _sq_of_word("int4"), "int8": _sq_of_word("int8")}
 
 
+def q8_into(codes: np.ndarray, codec: str, n: int, *, out: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """q of n elements as int8 (exact), written into out[:n] and returned, from the bytes holding
+    their codes, by vectorised integer operations (no table lookups); ``tmp``: uint16 scratch of
+    at least ceil(n / 2) items (int4). int4: each byte b spread to the 16-bit word
+    (b | b << 4) & 0x0F0F (low byte the low nibble, high byte the high one, written in this
+    machine's order), then 8 subtracted from each byte (modulo 256: the int8 of nibble - 8);
+    int8: q + 128 with its top bit flipped is q."""
+    if codec == "int8":
+        return np.bitwise_xor(codes[:n], np.uint8(0x80), out=out[:n].view(np.uint8)).view(np.int8)
+    nbytes = -(-n // 2)
+    w, t = out[: 2 * nbytes].view(np.uint16), tmp[:nbytes]
+    np.copyto(w, codes[:nbytes], casting="unsafe")  # the byte, zero-extended
+    np.left_shift(w, np.uint16(4), out=t)
+    w |= t
+    w &= np.uint16(0x0F0F)
+    if not np.little_endian:  # the low nibble's byte first in memory
+        w.byteswap(inplace=True)
+    u = out[: 2 * nbytes].view(np.uint8)
+    u -= np.uint8(8)
+    return out[:n]
+
+
 def chunk_elems(block: int, *, elems: int = 1 << 20) -> int:
     """Elements per chunk: about ``elems``, a multiple of the block size and even, so chunks
     start on a block and on a byte of int4 codes (chunked output equals one-shot output)."""

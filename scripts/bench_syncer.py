@@ -163,6 +163,43 @@ CPU_PARTS = (
 )
 
 
+class PayloadDigest:
+    """sha256 over the kind and sha256 of every payload the syncer publishes (delta and full), in
+    commit order: the published bytes of a run as one value. The contributions are made from a
+    fixed seed and a delta or full payload carries no nonce or time, so two trees that publish
+    the same bytes print the same digest (``--digest``; checkpoints carry a nonce: left out)."""
+
+    def __init__(self) -> None:
+        self.entries: list[str] = []
+
+    def install(self) -> None:
+        from ddiloco_cli import update
+
+        if getattr(update.encode_version, "_digest", None) is self:
+            return
+        inner = getattr(update.encode_version, "__wrapped__", update.encode_version)
+
+        def encode_version(**kwargs):
+            enc = inner(**kwargs)
+            self.entries.extend(f"{e['kind']}:{e['sha256']}" for _, _, e in enc.payloads)
+            return enc
+
+        encode_version.__wrapped__ = inner  # type: ignore[attr-defined]
+        encode_version._digest = self  # type: ignore[attr-defined]
+        update.encode_version = encode_version
+
+    def take(self) -> tuple[int, str]:
+        """(payloads, digest) since the last take."""
+        import hashlib
+
+        out = len(self.entries), hashlib.sha256(";".join(self.entries).encode()).hexdigest()
+        self.entries = []
+        return out
+
+
+DIGEST = PayloadDigest()
+
+
 def _part_labels() -> list[str]:
     """The labels of CPU_PARTS, each once, in order."""
     return list(dict.fromkeys(label for label, _, _ in CPU_PARTS))
@@ -240,7 +277,7 @@ def _run_url(*, codec: str, m: int, root: str, store_kind: str) -> str:
 
 def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, store_kind: str,
                  num_fragments: int, profile: bool = False, fragment: int = 0, url: str | None = None,
-                 decode_threads: int | None = None, zstd_level: int = 1) -> dict[str, Any]:
+                 decode_threads: int | None = None, zstd_level: int = 1, digest: bool = False) -> dict[str, Any]:
     """Time `rounds` merges of `fragment` with M contributions each, by a syncer that owns
     only that fragment (`ddiloco sync --fragments <fragment>`). `url`: a run made by
     `_make_run` (and its heartbeats) that other shards share; None: make one here."""
@@ -258,6 +295,9 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         run = ledger.read_run(store)
         plan = ledger.read_plan(store, run_id=run["run_id"])
     _instrument_cpu()
+    if digest:
+        DIGEST.install()
+        DIGEST.take()
     timed_store = TimedStore(open_store(url), REGIONS)
     syncer = Syncer(timed_store, options=SyncerOptions(fragments=[fragment], syncer_id=f"bench-{fragment}", gc=False))
     if decode_threads is not None:
@@ -320,6 +360,7 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
         "contribution_bytes": bytes_in / (rounds * m),
         "minor_faults_per_merge": faults / rounds,
         "sys_cpu_s_per_merge": sys_s / rounds,
+        **(dict(zip(("published_payloads", "published_digest"), DIGEST.take())) if digest else {}),
         "split_s_per_merge": split,
         "cpu_split_s_per_merge": cpu_split,
     }
@@ -392,6 +433,10 @@ def main() -> None:
                          "K <= --fragments keeps the fragment size")
     ap.add_argument("--shard-of", default=None, help=argparse.SUPPRESS)  # internal: one shard's process
     ap.add_argument("--fragment", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--digest", action="store_true",
+                    help="print a sha256 over the published payloads of each config (warm-up included): the "
+                         "same for two trees that publish the same bytes (a fixed seed; run both with the same "
+                         "--rounds/--warmup)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -423,7 +468,8 @@ def main() -> None:
                 for m in (int(x) for x in args.ms.split(",")):
                     res = bench_config(codec=c, m=m, rounds=args.rounds, warmup=args.warmup, root=root,
                                        store_kind=args.store, num_fragments=args.fragments,
-                                       decode_threads=args.decode_threads, zstd_level=args.contribution_zstd_level)
+                                       decode_threads=args.decode_threads, zstd_level=args.contribution_zstd_level,
+                                       digest=args.digest)
                     results.append(res)
                     print(f"  {c:5s} M={m}: {res['param_contribs_per_s']:.3g} param-contribs/s "
                           f"({res['s_per_merge_mean'] * 1e3:.0f} ms/merge)", file=sys.stderr, flush=True)
@@ -468,6 +514,10 @@ def main() -> None:
         print(f"{r['codec']:5s} {r['m']:>2d} {r['cpu_s_per_merge_mean'] * 1e3:>7.1f} "
               f"{r['sys_cpu_s_per_merge'] * 1e3:>6.1f} {r['minor_faults_per_merge']:>6.0f} | "
               + " ".join(f"{cs.get(c, 0.0) * 1e3:>8.1f}" for c in parts))
+    if args.digest:
+        print("\nPublished payloads (delta and full, warm-up included), sha256 over their sha256s:")
+        for r in results:
+            print(f"{r['codec']:5s} {r['m']:>2d}: {r['published_payloads']} payloads {r['published_digest']}")
     target = 2e8
     int4 = [r for r in results if r["codec"] == "int4"]
     if int4:

@@ -29,7 +29,7 @@ def _run(script: str, *args: str, timeout_s: float = 120) -> str:
 def test_bench_syncer_smoke(tmp_path):
     out = tmp_path / "syncer.json"
     text = _run("bench_syncer.py", "--width", "64", "--layers", "4", "--rounds", "1", "--warmup", "0",
-                "--codecs", "int4,none", "--ms", "1,2", "--json", str(out))
+                "--codecs", "int4,none", "--ms", "1,2", "--digest", "--json", str(out))
     assert "param-contrib" in text.lower() or "p-c/" in text
     rep = json.loads(out.read_text())
     assert rep["fragment_numel"] == 64 * 64 * 2  # 4 layers over 2 fragments
@@ -42,6 +42,7 @@ def test_bench_syncer_smoke(tmp_path):
         assert {"decode", "norm", "sha256", "merge", "publish", "io", "other"} <= set(r["cpu_split_s_per_merge"])
         assert r["cpu_split_s_per_merge"]["decode"] > 0
         assert (r["cpu_split_s_per_merge"]["publish"] > 0) == (r["codec"] == "int4")  # no delta with codec none
+        assert r["published_payloads"] >= 1 and len(r["published_digest"]) == 64
 
 
 def test_bench_overhead_smoke(tmp_path):

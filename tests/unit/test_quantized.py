@@ -6,6 +6,7 @@ import math
 import shutil
 import struct
 
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -149,8 +150,8 @@ def test_merge_of_codes_in_many_ranges_equals_one_range(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(40, 50), (1000,), (12, 1000)])  # (1000,): a partial last block
 def test_merge_of_int4_codes_by_word_views_equals_by_values(monkeypatch, shape):
-    """The merge reads int4 codes of whole ranges by its own views (``_codes_term``); the same
-    bits as ``Quantized.values`` of each range, in one range or many."""
+    """The merge reads int4 codes as q8 times the scales (``_codes_term``); the same bits as
+    ``Quantized.values`` of each range, in one range or many."""
     import ddiloco_cli.merge as M
 
     g = torch.Generator().manual_seed(4)
@@ -205,3 +206,20 @@ def test_a_replay_merges_int4_contributions_as_the_syncer_did(tmp_path):
         assert step(s, 0)
     payloads = [{e["kind"]: st.get(e["key"]) for e in ledger.read_manifest(st, 0, 6)["payloads"]} for st in (store, other)]
     assert payloads[0] == payloads[1]
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1001, 4096])
+def test_q8_of_the_codes_equals_the_table(codec, n):
+    """``q8_into`` (integer unpacking, for the merge) gives the q of ``q_values`` (the table),
+    every byte value included, odd counts too."""
+    from ddiloco_cli.quantized import PER_BYTE, q8_into, q_values
+
+    rng = np.random.default_rng(n)
+    codes = rng.integers(0, 256, size=-(-n // PER_BYTE[codec]), dtype=np.uint8)
+    codes[: min(256, codes.size)] = np.arange(min(256, codes.size), dtype=np.uint8)
+    want = np.empty(n + 1, dtype=np.float32)
+    q_values(codes, codec, n, out=want)
+    got = q8_into(codes, codec, n, out=np.empty(n + 1, dtype=np.int8), tmp=np.empty(n, dtype=np.uint16))
+    assert got.dtype == np.int8 and got.size == n
+    assert np.array_equal(got.astype(np.float32), want[:n])
