@@ -535,6 +535,17 @@ def test_take_newest_receives_whatever_is_newest_at_t_plus_tau():
         assert sync.base[0][0] == 1
 
 
+class _Later(StoreWrapper):
+    """The store's clock ``by_s`` ahead: every object it holds looks that much older."""
+
+    def __init__(self, inner, *, by_s: float):
+        super().__init__(inner)
+        self.by_s = by_s
+
+    def now(self) -> float:
+        return self.inner.now() + self.by_s
+
+
 def _running_beat(store, learner_id: str, *, step: int, step_time_s: float, **fields) -> None:
     run = ledger.read_run(store)
     rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id=learner_id, state="running", step=step,
@@ -567,8 +578,8 @@ def test_a_decoupled_learner_starts_its_send_schedule_in_phase_with_the_running_
         # P = 2 of H = 8: fragment 0 at schedule step 0, fragment 1 at 4; shifted by 7: steps 1 and 5
         assert [i + 1 for i, d in enumerate(due) if d] == [1, 5]
         assert sync._heartbeat_record()["schedule_offset"] == 7
-    store2 = _run(num_fragments=2, sync_every=8, overlap_steps=1)
-    _running_beat(store2, "a", step=13, step_time_s=0.01)  # 2 s old would be 200 steps: no phase to go by
+    store2 = _Later(_run(num_fragments=2, sync_every=8, overlap_steps=1), by_s=10.0)
+    _running_beat(store2, "a", step=13, step_time_s=1.0)  # 10 s old: 10 steps > H / 2, no phase to go by
     with DiLoCoSync(store2, model, learner_id="n") as sync:
         assert sync.schedule_offset == 0
     store3 = _run(num_fragments=2, sync_every=8, overlap_steps=1, mode="lockstep")
