@@ -166,7 +166,7 @@ def profile_threads(out_dir: str) -> Callable[[], None]:
 
 # (module, attribute) of the functions ``--timers`` times: inclusive thread CPU per call, by thread
 TIMED = (
-    ("ddiloco_cli.learner.receiver", "Receiver._fetch"), ("ddiloco_cli.ledger", "read_latest_hint"),
+    ("ddiloco_cli.learner.receiver", "Receiver._fetch"), ("ddiloco_cli.learner.receiver", "Receiver._newest"),
     ("ddiloco_cli.ledger", "latest_version"), ("ddiloco_cli.ledger", "read_manifest"),
     ("ddiloco_cli.published", "FragmentReader.read"), ("ddiloco_cli.published", "FragmentReader._payload"),
     ("ddiloco_cli.codec", "decode_tensors"), ("ddiloco_cli.codec", "apply_published_delta"),
@@ -174,7 +174,8 @@ TIMED = (
     ("ddiloco_cli.store.retry", "RetryingStore.get"), ("ddiloco_cli.learner.sync", "DiLoCoSync._send"),
     ("ddiloco_cli.learner.session", "SessionWriter.beat"), ("ddiloco_cli.learner.receiver", "Receiver._manifests_since"),
     ("ddiloco_cli.quantized", "Quantized.dense"), ("ddiloco_cli.codec", "_quantize"),
-    ("ddiloco_cli.codec", "_quantize_together"), ("ddiloco_cli.records", "sha256_hex"),
+    ("ddiloco_cli.codec", "_quantize_together"), ("ddiloco_cli.codec", "_quantize_flat"),
+    ("ddiloco_cli.records", "sha256_hex"), ("ddiloco_cli.ledger", "read_latest_hint"),
 )
 
 

@@ -95,9 +95,14 @@ class Receiver(threading.Thread):
     polled about once it is the oldest); when one of the younger ones does have a version
     (several syncers, one of them behind), the younger ones go back to every
     ``BACKLOG_SLOWDOWN`` intervals. A fragment is polled at once when registered with
-    nothing older waiting, else when it is due. A poll is one GET of the fragment's
-    ``latest`` hint; every ``LIST_EVERY``-th poll of a fragment LISTs its manifests
-    instead, in case the hint is stale or lost."""
+    nothing older waiting, else when it is due. A poll GETs the manifest of the version
+    after the one held, and the ones after it until one is missing (``_newest``): a poll
+    that finds nothing is one GET of a missing object (on a local store one failed
+    ``open``, no parse), and the manifests a poll finds are the ones the delta chain and
+    the refusal scan read next (the reader keeps them). Every ``LIST_EVERY``-th poll of a
+    fragment LISTs its manifests instead, in case the versions after the one held were
+    garbage-collected. The ``latest`` hint is not read: it would cost a GET and a parse
+    on every poll, and one more manifest GET on every poll that finds a version."""
 
     LIST_EVERY = 8
     BACKLOG_SLOWDOWN = 4
@@ -212,13 +217,11 @@ class Receiver(threading.Thread):
         self.num_polls += 1
         with self.lock:
             self.polls[p] = n = self.polls.get(p, 0) + 1
-        latest = ledger.read_latest_hint(self.store, p) if n % self.LIST_EVERY else None
-        if latest is None:
-            latest = ledger.latest_version(self.store, p)
+        reader = self.readers[p]
+        latest = self._newest(p, reader, have[0]) if n % self.LIST_EVERY else ledger.latest_version(self.store, p)
         if latest is None or latest <= have[0]:
             return False
         self.num_downloads += 1
-        reader = self.readers[p]
         before = reader.bytes_down
         value = reader.read(latest, have=have)
         refused = refusals(self._manifests_since(reader, have[0], latest), self.learner_id)
@@ -233,6 +236,20 @@ class Receiver(threading.Thread):
             if p in self.wanted:
                 self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment)
         return True
+
+    def _newest(self, p: int, reader: FragmentReader, have: int) -> int | None:
+        """The newest version of p above ``have`` whose manifest GETs (each read, validated and
+        kept by the reader), or None when the next one is missing. Versions are contiguous
+        [Commit], so the first missing manifest ends the scan; after MAX_SCAN found, a LIST
+        says how far they go."""
+        v = have
+        while v - have < MAX_SCAN:
+            try:
+                reader.manifest(v + 1)
+            except NotFound:
+                return v if v > have else None
+            v += 1
+        return ledger.latest_version(self.store, p)
 
     @staticmethod
     def _manifests_since(reader: FragmentReader, have: int, latest: int) -> list[dict[str, Any]]:

@@ -2,17 +2,25 @@
 
 Create-only writes: write the bytes to a temp file in the destination
 directory, fsync, then ``os.link`` it to the final name, and fsync the
-directory. ``link`` fails with ``FileExistsError`` if the name exists,
+directory (a contribution: neither fsync, see below). ``link`` fails with ``FileExistsError`` if the name exists,
 atomically, so exactly one writer wins and the final name only ever points at
 a complete file. Overwrites use ``os.replace`` of a complete temp file, so
 readers never see a torn object.
 
-A learner's contribution skips the directory fsync (a learner writes one per
-step): a host crash can then lose its name, never leave it torn, and a lost
-contribution is one the protocol tolerates (a learner crash loses its unsent
-ones too; a replay that needs one that is gone continues as PROTOCOL [M4]
-says). A journaling filesystem commits the link with the next fsync in the
-bucket anyway (the syncer's manifest that uses it, at the latest).
+A learner's contribution skips both fsyncs (a learner writes one per step; the
+two cost a third of its create): it is ephemeral, and the protocol tolerates
+losing one (a learner crash loses its unsent ones too; the learner's next
+contribution on the same base carries its progress; a replay that needs one
+that is gone or differs from the ledger's sha256 continues as PROTOCOL [M4]
+says). A host crash (power loss, kernel panic; a process crash is not one: the
+kernel still writes its page cache out) may then lose its name, or leave it
+torn under its name: empty, cut short, or with blocks of zeros. No reader
+merges such a file: the decoder checks the safetensors header and offsets
+against the file's length and every tensor's zstd frame (content size and
+checksum) before it uses a byte (PROTOCOL.md, "Store requirements": [S9]),
+so the syncer quarantines it as invalid. Everything else (the ledger's
+manifests, published payloads, checkpoints, epochs, run.json) keeps both
+fsyncs.
 
 Temp files start with ``.tmp-`` and are never listed; a write that fails
 removes its own, and ``remove_stale_temp`` removes those of writers that died.
@@ -76,8 +84,8 @@ class LocalStore:
                                        "permissions") from exc
             raise
 
-    def _write_temp(self, path: str, data: bytes) -> str:
-        """A complete, fsynced temp file beside ``path``; on any failure none is left."""
+    def _write_temp(self, path: str, data: bytes, *, durable: bool = True) -> str:
+        """A complete temp file beside ``path``, fsynced when ``durable``; on any failure none is left."""
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         try:
@@ -89,7 +97,8 @@ class LocalStore:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         except BaseException:
             _discard(tmp)
             raise
@@ -102,12 +111,13 @@ class LocalStore:
         return self._os(lambda: self._create(key, path, data), what=f"create {key}")
 
     def _create(self, key: str, path: str, data: bytes) -> bool:
-        tmp = self._write_temp(path, data)
+        durable = not key.startswith(CONTRIBUTION_ROOT)  # see the module docstring
+        tmp = self._write_temp(path, data, durable=durable)
         try:
             while True:
                 try:
                     os.link(tmp, path)
-                    if not key.startswith(CONTRIBUTION_ROOT):  # see the module docstring
+                    if durable:
                         _fsync_dir(os.path.dirname(path))
                     return True
                 except FileExistsError:

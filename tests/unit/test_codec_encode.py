@@ -102,3 +102,51 @@ def test_a_bounded_encoder_writes_only_codes_within_its_bound(codec_name, qmax):
 def test_a_bound_outside_the_codec_is_a_usage_error(codec_name, qmax):
     with pytest.raises(UsageError, match="codec-qmax"):
         C.encode_tensors({"w": torch.ones(4)}, codec=codec_name, qmax=qmax)
+
+
+def _edge_tensors() -> list[dict[str, torch.Tensor]]:
+    """Payloads whose blocks are zeros of either sign, subnormal (scales whose inverse overflows),
+    huge, non-finite, empty, of odd sizes, and tensors that are not flat fp32 (a view, bf16, one
+    that requires grad)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for scale in (1e-3, 1.0, 1e-40, 1e36):
+        out.append({"w": scale * torch.randn(40, 64, generator=g), "b": scale * torch.randn(63, generator=g)})
+    out.append({"z": torch.zeros(128), "nz": -torch.zeros(128), "mixed": torch.tensor([0.0, -0.0] * 64),
+                "huge": torch.full((64,), 3e38), "empty": torch.zeros(0, 4)})
+    nonfinite = torch.randn(300, generator=g)
+    nonfinite[[3, 100, 250]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    out.append({"x": nonfinite})
+    out.append({"t": torch.randn(64, 30, generator=g).t(), "h": torch.randn(129, generator=g).to(torch.bfloat16),
+                "g": torch.randn(77, generator=g).requires_grad_()})
+    out.append({"one": torch.randn(256 * 64, generator=g)})  # one tensor of whole blocks: read in place
+    return out
+
+
+@pytest.mark.parametrize("codec,block", [("int4", 64), ("int4", 3), ("int4", 1), ("int8", 7), ("int8", 256)])
+@pytest.mark.parametrize("chunk", [None, 20])
+@pytest.mark.parametrize("qmax", [None, 3])
+def test_the_learner_quantiser_gives_the_bytes_of_the_sink_quantiser(codec, block, chunk, qmax, monkeypatch):
+    """``encode_tensors`` and ``encode_with_residual`` (``_quantize_flat``) make the bytes of the
+    quantiser the syncer's published deltas use (``_quantize``/``_quantize_together`` with sinks),
+    and a residual that is what the decoder leaves out, bit for bit, wherever the input is finite
+    (subnormal blocks too, whose codes the decoder reads as q = code - offset)."""
+    if chunk is not None:
+        monkeypatch.setattr(C, "QUANTIZE_CHUNK_ELEMS", chunk)
+    for i, tensors in enumerate(_edge_tensors()):
+        meta = {"case": i}
+        with np.errstate(all="ignore"):
+            reference = C._encode(tensors, codec=codec, block_size=block, zstd_level=1, metadata=meta, qmax=qmax,
+                                  sink_for=lambda key: (lambda start, stop, values, bounded: None))
+            assert C.encode_tensors(tensors, codec=codec, block_size=block, metadata=meta, qmax=qmax) == reference, i
+            payload, residual = C.encode_with_residual(tensors, codec=codec, block_size=block, metadata=meta,
+                                                       qmax=qmax)
+        assert payload == reference, i
+        assert list(residual) == list(tensors)
+        if i == 5:
+            continue  # non-finite values: the decoder refuses the payload
+        decoded, _ = C.decode_tensors(payload, expected={k: tuple(t.shape) for k, t in tensors.items()})
+        for key, t in tensors.items():
+            r = residual[key]
+            assert r.dtype == torch.float32 and r.shape == t.shape and not r.requires_grad, (i, key)
+            assert torch.equal(t.detach().float() - decoded[key], r), (i, key)

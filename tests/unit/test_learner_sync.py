@@ -20,6 +20,7 @@ from ddiloco_cli.learner.island import move_model
 from ddiloco_cli.learner.receiver import Receiver
 from ddiloco_cli.learner.session import SessionWriter, heartbeat_bytes
 from ddiloco_cli.learner.stats import LearnerStats
+from ddiloco_cli.published import FragmentReader
 from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import StoreWrapper
@@ -278,22 +279,23 @@ def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_
     """Versions come in the order of the sends: the oldest wanted fragment is polled every
     step time, younger ones 4x less often, and up to 8x less often again while their polls
     find nothing (one that finds a version brings them back); a fragment registered with
-    nothing older waiting is polled at once (one GET of its latest hint), else when due; the
+    nothing older waiting is polled at once (one GET: of the manifest after the version it holds), else when due; the
     line is the order of the sends (``order``), and one the loop blocks on (lock-step) goes
     first."""
     store = _run(num_fragments=3)
     counting = _Counting(store)
     with DiLoCoSync(store, load_task(TINY).build_model(), learner_id="r") as sync:
-        readers = sync.readers
+        readers = {p: FragmentReader(counting, run_id=sync.run_id, plan=sync.plan, fragment=p) for p in sync.readers}
     step_s = 1.0
     receiver = Receiver(counting, readers, learner_id="r", min_poll_s=0.0, stats=LearnerStats(), pace_s=lambda: step_s)
     receiver.start()
     try:
         receiver.want(0, (0, {}), order=10)  # nothing older: polled at once, by the thread
         deadline = time.monotonic() + 60
-        while counting.calls[("get", layout.latest_hint_key(0))] < 1 and time.monotonic() < deadline:
+        while counting.calls[("get", layout.manifest_key(0, 1))] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert counting.calls[("get", layout.latest_hint_key(0))] == 1
+        assert counting.calls[("get", layout.manifest_key(0, 1))] == 1
+        assert not any(key == layout.latest_hint_key(0) for _, key in counting.calls)  # the hint is not read
     finally:
         receiver.close()
     # the schedule itself, on a clock of our own (the thread is stopped)
