@@ -39,9 +39,10 @@ workers=${DDILOCO_TEST_WORKERS:-$(nproc)}
 if [ -z "${DDILOCO_TEST_WORKERS:-}" ] && [ "$workers" -gt 4 ]; then
   workers=4
 fi
-# worksteal: a worker that runs out takes tests from the end of the other's queue (tests/conftest.py
-# puts the long ones first)
-pytest_cmd=(python -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal)
+# load with chunks of one: a worker takes the next test when it is free; tests/conftest.py puts the
+# longest first, so the long runs spread over the workers and the run ends on short tests (worksteal
+# split the list in halves up front: one worker got every long run and ran them one after another)
+pytest_cmd=(python -m pytest -q -p no:cacheprovider -n "$workers" --dist load --maxschedchunk 1)
 
 if [ "$under_load" = 0 ]; then
   exec "${pytest_cmd[@]}" ${part[@]+"${part[@]}"} "$@"

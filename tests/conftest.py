@@ -49,6 +49,61 @@ def pytest_configure(config: pytest.Config) -> None:
 
 MISPLACED = pytest.StashKey[bool]()
 
+# Seconds a test takes, roughly (`scripts/test.sh --durations=60`, 2 workers): only the order they give
+# matters. The suite runs longest first, each worker taking the next test when it is free
+# (scripts/test.sh: --dist load --maxschedchunk 1), so the last tests to start are the short ones and
+# no worker idles while the other runs a long one. A test not named here counts as DEFAULT_S by kind.
+# Keys: the test's name, with its parameters or without (then for all of them).
+EXPECTED_S = {
+    "test_signed_run_with_real_processes_A1_A2": 200,
+    "test_survives_kill9_of_learner_and_syncer": 182,
+    "test_syncer_kill9_at_random_points_loses_nothing_and_replays_bit_exactly": 155,
+    "test_yaml_run_scripts_train_against_a_local_bucket_and_rejoin_under_the_same_id": 120,
+    "test_fsdp2_island_matches_a_ddp_island": 107,
+    "test_second_live_session_is_refused_and_a_woken_zombie_stops": 91,
+    "test_bench_requests_smoke": 90,
+    "test_learner_under_the_policy_needs_no_other_write_A7": 90,
+    "test_training_through_injected_faults_loses_and_corrupts_nothing": 81,
+    "test_hf_trainer_example": 74,
+    "test_stale_syncer_is_fenced_after_takeover_F1_F2_F3": 68,
+    "test_kill_9_mid_init_then_resume_or_clean": 65,
+    "test_bench_overhead_smoke": 60,
+    "test_thawed_syncer_writes_nothing_and_exits_F5": 57,
+    "test_exactly_one_winner_per_round_and_no_torn_reads[s3]": 54,
+    "test_island_of_two_ranks_trains_and_contributes": 49,
+    "test_bench_traffic_smoke": 44,
+    "test_learn_wait_for_run_starts_when_the_run_appears": 39,
+    "test_own_loop_example": 39,
+    "test_status_check_fails_when_the_syncer_is_killed": 37,
+    "test_learner_warns_within_2h_steps_when_the_syncer_dies": 36,
+    "test_concurrent_builders_do_not_corrupt_token_files": 31,
+    "test_exactly_one_winner_per_round_and_no_torn_reads[gcs]": 30,
+    "test_env_vars_name_the_run_and_show_in_help": 26,
+    "test_bench_store_smoke": 22,
+    "test_bench_syncer_smoke": 17,
+    "test_monotone_in_mtbi_and_chips": 16,
+    "test_fuzz_every_reader_survives_hostile_objects_R7[syncer heartbeat]": 14,
+    "test_bench_metrics_smoke": 13,
+    "test_lockstep_learner_warns_while_it_waits_for_a_merge_that_does_not_come": 10,
+    "test_newer_protocol_epoch_says_upgrade_F4_R2[s3]": 8,
+    "test_watch_piped_from_the_cli_prints_lines": 7,
+    "test_golden_trajectory": 7,
+    "test_lockstep_m1_reproduces_classic_diloco_bit_for_bit": 6,
+    "test_bucket_url_fixture_reaches_the_emulator_from_a_subprocess": 6,
+    "test_lockstep_m2_p2_is_streaming_diloco_bit_for_bit": 6,
+    "test_exactly_one_winner_per_round_and_no_torn_reads[local]": 5,
+}
+DEFAULT_S = {"slow": 30.0, "integration": 1.5, "unit": 0.5}
+
+
+def expected_s(item: pytest.Item) -> float:
+    for key in (item.name, item.name.split("[")[0]):
+        if key in EXPECTED_S:
+            return float(EXPECTED_S[key])
+    if item.get_closest_marker("slow") is not None:
+        return DEFAULT_S["slow"]
+    return DEFAULT_S["unit" if UNIT_DIR in item.path.parents else "integration"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """tests/unit holds in-process tests only (the quick run, `scripts/test.sh unit`): a test
@@ -56,16 +111,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     starts, with a message naming it (a collection error would only crash a pytest-xdist
     worker, its message lost).
 
-    Then the long tests go first: the slow multi-process runs, the S3 ones (behind the
-    one-request-at-a-time server) first among them. With several workers (scripts/test.sh
-    runs pytest-xdist's worksteal) a worker that would otherwise start a two-minute run
-    last, while the other idles, steals short tests from the end of the queue instead.
-    The sort is stable and the same in every worker, as xdist requires."""
+    Then the longest tests go first (EXPECTED_S): with pytest-xdist's `--dist load
+    --maxschedchunk 1` (scripts/test.sh) each worker takes the next one when it is free, so
+    the long runs spread over the workers and the run ends on short tests. The sort is
+    stable (ties keep pytest's order) and the same in every worker, as xdist requires."""
     for item in items:
         if UNIT_DIR in item.path.parents and (SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
                                               or any(item.get_closest_marker(m) for m in ("s3", "gcs", "slow"))):
             item.stash[MISPLACED] = True
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("s3") is None))
+    items.sort(key=lambda item: -expected_s(item))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from support import REPO
+from support.built_run import invoke
 from support.procs import Procs, all_manifests, terminate
 
 pytestmark = pytest.mark.slow
@@ -22,8 +23,8 @@ def _run_example(tmp_path, task: str, script: str, learner_id: str, steps: int) 
     url = str(tmp_path / "bucket")
     procs = Procs(tmp_path)
     try:
-        r = procs.run("init", url, "--task", task, *RUN)
-        assert r.returncode == 0, r.stderr
+        r = invoke("init", url, "--task", task, *RUN)  # in this process: no process start
+        assert r.exit_code == 0, r.output
         syncer = procs.start("syncer", "sync", url, "--poll", "0.1")
         out = subprocess.run([sys.executable, str(EXAMPLES / script), url, "--learner-id", learner_id, "--steps", str(steps),
                               *(["--output-dir", str(tmp_path / "out")] if "hf_" in script else [])],

@@ -22,6 +22,7 @@ from ddiloco_cli.errors import FencedError
 from ddiloco_cli.fence import FencedStore
 from ddiloco_cli.store import open_store
 from ddiloco_cli.syncer import Syncer, SyncerOptions
+from support.built_run import invoke
 from support.procs import Procs, wait_for
 from support.runs import RecordingStore, beat, contribution, live_syncer, make_run, manifests, restored, step
 
@@ -193,10 +194,10 @@ def test_thawed_syncer_writes_nothing_and_exits_F5(tmp_path):
     url = str(tmp_path / "run")
     procs = Procs(tmp_path)
     try:
-        init = procs.run("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4", "--lease", "2",
-                         "--heartbeat", "0.5", "--codec", "bf16", "--total-steps", "0", "--batch-size", "4",
-                         "--checkpoint-every", "1000")
-        assert init.returncode == 0, init.stderr
+        init = invoke("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4", "--lease", "2",
+                      "--heartbeat", "0.5", "--codec", "bf16", "--total-steps", "0", "--batch-size", "4",
+                      "--checkpoint-every", "1000")  # in this process: no process start
+        assert init.exit_code == 0, init.output
         store = open_store(url)
         a = procs.start("A", "sync", url, "--syncer-id", "A", "--no-gc", "--poll", "0.05")
         wait_for(lambda: store.list(layout.epoch_key(1)), timeout_s=120, what="A to claim epoch 1", procs=procs)

@@ -12,6 +12,7 @@ import pytest
 
 from ddiloco_cli.learner.session import read_heartbeat
 from ddiloco_cli.store import open_store
+from support.built_run import invoke
 from support.procs import Procs, learner_heartbeat, terminate, versions, wait_for
 
 pytestmark = pytest.mark.slow
@@ -23,8 +24,8 @@ LEARN = ["--threads", "1", "--poll", "0.1"]
 
 
 def _init(procs: Procs, url: str) -> None:
-    r = procs.run("init", url, *INIT)
-    assert r.returncode == 0, r.stderr
+    r = invoke("init", url, *INIT)  # in this process: no process start
+    assert r.exit_code == 0, r.output
 
 
 def test_second_live_session_is_refused_and_a_woken_zombie_stops(tmp_path):

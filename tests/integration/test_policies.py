@@ -20,6 +20,7 @@ import urllib.request
 import pytest
 
 from support import REPO
+from support.built_run import invoke
 from support.procs import Procs, all_manifests, terminate, wait_for
 from support.servers import MOTO_PROC
 
@@ -132,14 +133,16 @@ def test_learner_under_the_policy_needs_no_other_write_A7(iam_s3, tmp_path, monk
     learner = Procs(tmp_path, env=iam_s3["learner-a"])
     try:
         # an s3:// run requires signatures by default: the admin admits the learner's and the syncer's keys
-        r = admin.run("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4", "--overlap-steps", "1",
-                      "--total-steps", "0", "--batch-size", "4", "--lease", "4", "--heartbeat", "1",
-                      "--admin-key", str(tmp_path / "admin.pem"))
-        assert r.returncode == 0, r.stderr
+        # (the admin's commands in this process, under the admin's credentials set above: no process starts
+        # for them; the syncer and the learner below are real processes)
+        r = invoke("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4", "--overlap-steps", "1",
+                   "--total-steps", "0", "--batch-size", "4", "--lease", "4", "--heartbeat", "1",
+                   "--admin-key", str(tmp_path / "admin.pem"))
+        assert r.exit_code == 0, r.output
         for name, role in (("learner-a", "learner"), ("syncer-1", "syncer")):
-            pub = admin.run("keys", "new", str(tmp_path / f"{name}.pem")).stdout.strip()
-            r = admin.run("admit", url, name, pub, "--role", role, "--admin-key", str(tmp_path / "admin.pem"))
-            assert r.returncode == 0, r.stderr
+            pub = invoke("keys", "new", str(tmp_path / f"{name}.pem")).stdout.strip().splitlines()[-1]
+            r = invoke("admit", url, name, pub, "--role", role, "--admin-key", str(tmp_path / "admin.pem"))
+            assert r.exit_code == 0, r.output
         admin.start("syncer", "sync", url, "--poll", "0.2", "--no-gc", "--key", str(tmp_path / "syncer-1.pem"))
         proc = learner.start("learner-a", "learn", url, "--learner-id", "learner-a", "--steps", "12", "--threads", "1",
                              "--key", str(tmp_path / "learner-a.pem"))

@@ -11,6 +11,7 @@ refuses to start, and a revoked learner's later contributions are quarantined.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.signing import SignatureError
 from ddiloco_cli.store import open_store
 from ddiloco_cli.syncer import Syncer, SyncerOptions
+from support.built_run import invoke
 from support.procs import Procs, all_manifests, terminate, wait_for
 
 TASK = "ddiloco_cli.tasks.gpt:tiny"
@@ -155,33 +157,41 @@ def test_learner_signs_what_it_writes_and_refuses_an_unadmitted_key_A1_A2_A3(key
             sync.start()
 
 
-def _admit(procs: Procs, url: str, member: str, pub: str, *extra: str) -> None:
-    r = procs.run("admit", url, member, pub, "--admin-key", f"{procs.log_dir}/admin.pem", *extra)
-    assert r.returncode == 0, r.stderr
+def _admit(url: str, member: str, pub: str, admin_key, *extra: str) -> None:
+    r = invoke("admit", url, member, pub, "--admin-key", str(admin_key), *extra)
+    assert r.exit_code == 0, r.output
 
 
 @pytest.mark.slow
 def test_signed_run_with_real_processes_A1_A2(tmp_path):
+    # the admin's commands (keys, init, admit, inspect) run in this process, as in
+    # tests/unit/test_signing.py: each would be a process start (a torch import) that the
+    # run's processes wait for; the learners and the syncer, the subject here, are real processes
     url = str(tmp_path / "bucket")
     procs = Procs(tmp_path)
     pubs = {}
     for name in ("a", "b", "rogue", "syncer"):
-        r = procs.run("keys", "new", str(tmp_path / f"{name}.pem"))
-        assert r.returncode == 0, r.stderr
-        pubs[name] = r.stdout.strip()
+        r = invoke("keys", "new", str(tmp_path / f"{name}.pem"))
+        assert r.exit_code == 0, r.output
+        pubs[name] = r.stdout.strip().splitlines()[-1]
+    admin_key = tmp_path / "admin.pem"
     try:
-        r = procs.run("init", url, "--task", TASK, "-P", "2", "-H", "4", "--overlap-steps", "1", "--total-steps", "0",
-                      "--batch-size", "4", "--lease", "4", "--heartbeat", "1", "--require-signatures",
-                      "--admin-key", str(tmp_path / "admin.pem"))
-        assert r.returncode == 0, r.stderr
-        _admit(procs, url, "a", pubs["a"])
-        _admit(procs, url, "b", pubs["b"])
-        _admit(procs, url, "syncer-1", pubs["syncer"], "--role", "syncer")
+        r = invoke("init", url, "--task", TASK, "-P", "2", "-H", "4", "--overlap-steps", "1", "--total-steps", "0",
+                   "--batch-size", "4", "--lease", "4", "--heartbeat", "1", "--require-signatures",
+                   "--admin-key", str(admin_key))
+        assert r.exit_code == 0, r.output
+        _admit(url, "a", pubs["a"], admin_key)
+        _admit(url, "b", pubs["b"], admin_key)
+        _admit(url, "syncer-1", pubs["syncer"], admin_key, "--role", "syncer")
 
-        r = procs.run("learn", url, "--learner-id", "rogue", "--key", str(tmp_path / "rogue.pem"), "--steps", "4")
-        assert r.returncode == 2 and "has no key admitted" in r.stderr, r.stderr  # [A1]: refused at start
-        r = procs.run("sync", url, "--max-runtime", "1")
-        assert r.returncode == 2 and "requires signatures: pass --key" in r.stderr, r.stderr
+        # the two refusals as real processes, side by side: [A1] a learner whose key is not admitted
+        # is refused at start; a syncer without a key in a run that requires signatures
+        rogue = procs.spawn("rogue", [sys.executable, "-m", "ddiloco_cli", "learn", url, "--learner-id", "rogue",
+                                      "--key", str(tmp_path / "rogue.pem"), "--steps", "4"])
+        keyless = procs.spawn("keyless", [sys.executable, "-m", "ddiloco_cli", "sync", url, "--max-runtime", "1"])
+        assert rogue.wait(timeout=120) == 2 and "has no key admitted" in procs.log("rogue"), procs.log("rogue")
+        assert keyless.wait(timeout=120) == 2 and "requires signatures: pass --key" in procs.log("keyless"), \
+            procs.log("keyless")
 
         procs.start("syncer", "sync", url, "--poll", "0.2", "--no-gc", "--key", str(tmp_path / "syncer.pem"))
         procs.start("a", "learn", url, "--learner-id", "a", "--key", str(tmp_path / "a.pem"), "--threads", "1")
@@ -193,7 +203,7 @@ def test_signed_run_with_real_processes_A1_A2(tmp_path):
 
         wait_for(lambda: used() >= {"a", "b"}, timeout_s=180, what="merges of a and b", procs=procs)
         # revoke b by re-admitting its id with another key: b's later contributions are refused
-        _admit(procs, url, "b", pubs["rogue"])
+        _admit(url, "b", pubs["rogue"], admin_key)
         store = open_store(url)
         wait_for(lambda: any(q["key"].startswith("contributions/") and "/b/" in q["key"]
                              and "not the key admitted" in q["reason"] for q in inspect_run(store)["quarantined"]),
@@ -201,8 +211,8 @@ def test_signed_run_with_real_processes_A1_A2(tmp_path):
         before = {p: len(ms) for p, ms in all_manifests(url).items()}
         wait_for(lambda: all(len(ms) > before[p] + 1 for p, ms in all_manifests(url).items()), timeout_s=120,
                  what="a's merges continuing", procs=procs)
-        r = procs.run("inspect", url, "--json")
-        assert r.returncode == 0 and "not the key admitted" in r.stdout
+        r = invoke("inspect", url, "--json")
+        assert r.exit_code == 0 and "not the key admitted" in r.stdout
     finally:
         for p in procs.procs:
             if p.poll() is None:

@@ -11,7 +11,7 @@ import pytest
 
 from ddiloco_cli.observe import run_status
 from ddiloco_cli.store import open_store
-from support.built_run import BuiltRun, build_run
+from support.built_run import BuiltRun, build_run, invoke
 from support.procs import Procs, wait_for
 
 
@@ -39,9 +39,9 @@ def test_status_check_fails_when_the_syncer_is_killed(tmp_path):
     url = str(tmp_path / "run")
     procs = Procs(tmp_path)
     try:
-        result = procs.run("init", url, "--fragments", "2", "--sync-every", "4", "--overlap-steps", "1",
-                           "--lease", "2", "--heartbeat", "0.5")
-        assert result.returncode == 0, result.stderr
+        result = invoke("init", url, "--fragments", "2", "--sync-every", "4", "--overlap-steps", "1",
+                        "--lease", "2", "--heartbeat", "0.5")  # in this process: no process start
+        assert result.exit_code == 0, result.output
         assert procs.run("status", url, "--check").returncode == 1  # no syncer yet
         syncer = procs.start("syncer", "sync", url, "--poll", "0.05")
         # the waits read the status in this process (a `status` process per poll spent most of this

@@ -127,13 +127,20 @@ def tiny_disk(tmp_path):
 
 
 class _RetryLogged(logging.Handler):
+    """Sets ``event`` at the first retry log line, and holds the retrying thread there (the
+    line is logged between two attempts, in that thread) until ``resume`` is set: the test
+    then looks at the disk while no attempt runs (with a 0.02 s back-off, the next attempt's
+    temp file could otherwise already be there on a loaded machine)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.event = threading.Event()
+        self.resume = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "retry" in record.getMessage():
+        if "retry" in record.getMessage() and not self.event.is_set():
             self.event.set()
+            self.resume.wait(120)
 
 
 @pytest.fixture
@@ -141,7 +148,8 @@ def retry_logged():
     handler = _RetryLogged()
     logger = logging.getLogger("ddiloco_cli.store.retry")
     logger.addHandler(handler)
-    yield handler.event
+    yield handler
+    handler.resume.set()  # a failed test must not leave the writer held
     logger.removeHandler(handler)
 
 
@@ -162,9 +170,10 @@ def test_disk_full_is_retried_and_leaves_no_temp_file(tiny_disk, retry_logged):
     result: list = []
     writer = threading.Thread(target=lambda: result.append(store.put_if_absent("c/obj.bin", data)))
     writer.start()
-    assert retry_logged.wait(60), "the full disk was not retried"
-    assert _temp_files(str(tiny_disk)) == []  # each failed attempt removed its temp file
+    assert retry_logged.event.wait(60), "the full disk was not retried"
+    assert _temp_files(str(tiny_disk)) == []  # the failed attempt removed its temp file (the writer is held)
     os.unlink(filler)  # an operator frees space; the retry goes through
+    retry_logged.resume.set()
     writer.join(60)
     assert result == [True]
     assert store.get("c/obj.bin") == data

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from support.built_run import invoke
 from support.procs import Procs, learner_heartbeat, terminate, versions
 
 pytestmark = pytest.mark.slow
@@ -23,10 +24,10 @@ def test_island_of_two_ranks_trains_and_contributes(tmp_path):
     url = str(tmp_path / "bucket")
     procs = Procs(tmp_path)
     try:
-        r = procs.run("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4", "--total-steps", "0",
-                      "--lr-schedule", "constant", "--warmup-steps", "0", "--batch-size", "8", "--lease", "3",
-                      "--heartbeat", "0.5")
-        assert r.returncode == 0, r.stderr
+        r = invoke("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4", "--total-steps", "0",
+                   "--lr-schedule", "constant", "--warmup-steps", "0", "--batch-size", "8", "--lease", "3",
+                   "--heartbeat", "0.5")  # in this process: no process start
+        assert r.exit_code == 0, r.output
         syncer = procs.start("syncer", "sync", url, "--poll", "0.1")
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "ddiloco_cli", "learn",
@@ -52,10 +53,10 @@ def _lockstep_island(tmp_path, parallel: str) -> dict:
     url = str(tmp_path / f"bucket-{parallel}")
     procs = Procs(tmp_path)
     try:
-        r = procs.run("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "1", "-H", "4", "--overlap-steps", "0",
-                      "--mode", "lockstep", "--codec", "none", "--total-steps", "8", "--lr-schedule", "constant",
-                      "--warmup-steps", "0", "--batch-size", "4", "--lease", "3", "--heartbeat", "0.5")
-        assert r.returncode == 0, r.stderr
+        r = invoke("init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "1", "-H", "4", "--overlap-steps", "0",
+                   "--mode", "lockstep", "--codec", "none", "--total-steps", "8", "--lr-schedule", "constant",
+                   "--warmup-steps", "0", "--batch-size", "4", "--lease", "3", "--heartbeat", "0.5")  # in this process: no process start
+        assert r.exit_code == 0, r.output
         syncer = procs.start(f"syncer-{parallel}", "sync", url, "--poll", "0.05")
         out = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "ddiloco_cli", "learn", url,
                               "--learner-id", "island", "--threads", "1", "--parallel", parallel, "--poll", "0.05"],

@@ -3,6 +3,7 @@ launcher (scripts/benchlib.py): one way to start them."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -44,13 +45,27 @@ def terminate(proc: subprocess.Popen, *, timeout_s: float = 30) -> int:
     return proc.wait(timeout=timeout_s)
 
 
+_STORES: dict[tuple[str, str | None, str | None], object] = {}
+
+
+def store_for(url: str):
+    """The store at ``url``, opened once per URL (and endpoint) for the helpers below, which tests
+    call in their polling loops: opening an s3:// or gs:// store builds a filesystem and LISTs the
+    bucket (~0.3 s CPU with botocore). Reusing it reads nothing stale: the fsspec stores keep no
+    listings cache (ddiloco_cli/store/fsspec_store.py) and every read goes to the bucket."""
+    key = (url, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("STORAGE_EMULATOR_HOST"))
+    if key not in _STORES:
+        _STORES[key] = open_store(url)
+    return _STORES[key]
+
+
 def versions(url: str, num_fragments: int) -> list[int]:
-    store = open_store(url)
+    store = store_for(url)
     return [ledger.latest_version(store, p) or 0 for p in range(num_fragments)]
 
 
 def all_manifests(url: str) -> dict[int, list[dict]]:
-    store = open_store(url)
+    store = store_for(url)
     run = ledger.read_run(store)
     out = {}
     for p in range(int(run["num_fragments"])):
@@ -59,7 +74,7 @@ def all_manifests(url: str) -> dict[int, list[dict]]:
 
 
 def learner_heartbeat(url: str, learner_id: str) -> dict | None:
-    store = open_store(url)
+    store = store_for(url)
     try:
         return records.loads(store.get(layout.learner_heartbeat_key(learner_id)), "learner_heartbeat", where="hb")
     except Exception:  # noqa: BLE001
