@@ -174,14 +174,17 @@ def test_a_contributions_norm_from_its_codes():
     assert delta_norm(kept) == pytest.approx(exact, rel=1e-12)
 
 
-def test_a_replay_merges_int4_contributions_as_the_syncer_did(tmp_path):
+@pytest.mark.parametrize("qmax", [None, 3])
+def test_a_replay_merges_int4_contributions_as_the_syncer_did(tmp_path, qmax):
     """Syncer and replay both read contributions as codes (intake): a syncer restarted from
     checkpoint + ledger holds the same raw value, momentum and published value, and its next
     commit has the same payload bytes. Learner b trails a version (its outer gradient is
-    dense: current - base + delta), a merges on the current base (from its codes)."""
+    dense: current - base + delta), a merges on the current base (from its codes). With
+    --codec-qmax 3 every published delta's codes lie in [-3, 3], and the replay (which re-encodes
+    each version with the run's bound and checks the manifest's sha256) still matches."""
     root = tmp_path / "run"
     store = open_store(str(root))
-    make_run(store, codec="int4", publish_codec="int4", checkpoint_every=3, keyframe_every=4)
+    make_run(store, codec="int4", publish_codec="int4", checkpoint_every=3, keyframe_every=4, codec_qmax=qmax)
     beat(store, "a")
     beat(store, "b")
     live = live_syncer(store)
@@ -193,6 +196,16 @@ def test_a_replay_merges_int4_contributions_as_the_syncer_did(tmp_path):
                          codec_name="int4")
             assert step(live, p)
     assert isinstance(live.states[0].tips["a"][1], DecodedTensors)  # kept as codes
+    largest = 0.0
+    for p in (0, 1):
+        for v in ledger.list_versions(store, p)[1:]:
+            for e in ledger.read_manifest(store, p, v)["payloads"]:
+                if e["kind"] == "delta":
+                    for src in decode_tensors(store.get(e["key"]), keep_codes=True)[0].sources.values():
+                        q = np.empty(src.numel, dtype=np.float32)
+                        quantized.q_values(src.codes, "int4", src.numel, out=q)
+                        largest = max(largest, float(np.abs(q).max()))
+    assert largest == (7 if qmax is None else qmax)
     shutil.copytree(root, tmp_path / "copy")
     other = open_store(str(tmp_path / "copy"))
     again = live_syncer(other, syncer_id="again")
