@@ -339,7 +339,12 @@ class DiLoCoSync:
         learners of one speed send each fragment together and are merged at once. Advisory: an
         unreadable or foreign heartbeat is skipped, and none gives 0."""
         phases = []
-        for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
+        try:
+            beats = ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
+        except (DdilocoError, OSError) as exc:  # the store failed past its retries: start unshifted
+            log.warning("schedule offset 0: the learners' heartbeats cannot be read (%s)", exc)
+            return 0
+        for b in beats:
             rec = b.record
             step_s, offset = rec.get("step_time_s") or 0.0, rec.get("schedule_offset", 0)
             if (rec["learner_id"] == self.learner_id or rec["state"] != "running" or b.age_s > self.config.lease_s
