@@ -144,10 +144,15 @@ class Receiver(threading.Thread):
                 self.subtract[p] = subtract
             else:
                 self.subtract.pop(p, None)
-            # at once when first in line (the download then overlaps the window's last step)
+            # at once when first in line (the download then overlaps the window's last step); a
+            # fragment wanted again while its poll is pending keeps its clock: re-registered every
+            # H steps, steps shorter than the poll interval would otherwise never let it come due
             waiting = self._waiting()
             first = not waiting or waiting[0] == p
-            self.polled_t[p] = -math.inf if first else time.monotonic()
+            if first:
+                self.polled_t[p] = -math.inf
+            else:
+                self.polled_t.setdefault(p, time.monotonic())
         if first:  # else the thread's next wake-up (for the first in line, due sooner) comes first
             self.wake.set()
 

@@ -306,6 +306,9 @@ def test_receiver_polls_the_oldest_wanted_fragment_at_step_pace_the_others_less_
     t1, t2 = receiver.polled_t[1], receiver.polled_t[2]
     assert t1 >= t2 >= t0  # not at once: 0 is older and still waiting
     assert receiver._waiting() == [0, 1, 2]
+    time.sleep(0.01)
+    receiver.want(1, (0, {}), order=11)  # wanted again before its poll came due (steps shorter than
+    assert receiver.polled_t[1] == t1  # the poll interval): its clock runs on, else it never comes due
 
     def due(at: float) -> list[int]:
         got = receiver._due(at)[0]
