@@ -117,7 +117,9 @@ def test_bench_requests_smoke(tmp_path):
     learner = rep["learner_per_step"]
     # every step sends a fragment (P = H): one create-only PUT each; the heartbeat is one PUT
     assert learner["PUT contribution"] == pytest.approx(1.0, abs=0.5), learner
-    assert learner["PUT learner heartbeat"] > 0 and learner["GET latest hint"] > 0, learner
+    # a poll GETs the manifest after the version held (not the latest hint, which a learner never reads)
+    assert learner["PUT learner heartbeat"] > 0 and learner["GET manifest"] > 0, learner
+    assert "GET latest hint" not in learner, learner
     assert rep["idle_syncer_per_s"]["LIST contribution"] > 0 and "LIST contribution" in rep["serving_syncer_per_s"]
     assert rep["learner_total_per_step"] == pytest.approx(sum(learner.values()))
 
