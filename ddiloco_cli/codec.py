@@ -199,6 +199,26 @@ def _quantize_together(xs: list[torch.Tensor], codec: str, block: int, *,
 _HIGH_HALF = 1 if np.little_endian else 0  # of an int32 viewed as two int16s, the one with its top 16 bits
 
 
+def _block_codes(xt: torch.Tensor, y: np.ndarray, codes: np.ndarray, *, qmax: int,
+                 offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """The codes of the blocks ``xt`` (blocks, block; fp32, contiguous) into ``codes`` (uint8,
+    q + offset), with ``y`` (like xt, numpy) left holding x / scale + offset + 0.5, whose floor
+    is the code. Returns each block's scale as (fp32 bits as int32, fp32). The one quantiser
+    arithmetic of both encoders (``_quantize_chunk``, ``_quantize_flat``)."""
+    absmax = torch.maximum(xt.amax(dim=1), xt.amin(dim=1).neg_()).numpy()  # (aminmax over a row is 10x slower)
+    bits = _bf16_scale_bits_up(absmax, qmax)
+    scale = bits.view(np.float32)
+    inv = np.zeros_like(scale)
+    np.divide(np.float32(1.0), scale, out=inv, where=scale > 0)
+    # |x * inv| <= qmax because the scale was rounded up, so no clamp is needed;
+    # floor(y + offset + 0.5) is round-half-up of y, shifted to be non-negative.
+    np.multiply(xt.numpy(), inv[:, None], out=y)
+    y += np.float32(offset + 0.5)
+    with np.errstate(invalid="ignore"):  # a non-finite x: garbage codes (decoders refuse them)
+        np.copyto(codes, y.reshape(-1), casting="unsafe")  # y >= 0.5: the cast floors
+    return bits, scale
+
+
 def _quantize_flat(tensors: list[torch.Tensor], keys: list[str], codec: str, block: int, *,
                    residual: dict[str, torch.Tensor] | None, qmax: int | None = None) -> list[list[np.ndarray]]:
     """``_quantize_together`` (int8/int4; the same layout and bytes) with fewer numpy and torch
@@ -236,19 +256,10 @@ def _quantize_flat(tensors: list[torch.Tensor], keys: list[str], codec: str, blo
     step = chunk_elems(block, elems=QUANTIZE_CHUNK_ELEMS)
     for lo in range(0, total, step):
         hi = min(total, lo + step)
-        xt = flat[lo:hi].view(-1, block)
-        absmax = torch.maximum(xt.amax(dim=1), xt.amin(dim=1).neg_()).numpy()  # as _quantize_chunk: the same bits
-        bits = _bf16_scale_bits_up(absmax, qmax)
-        scale = bits.view(np.float32)
-        inv = np.zeros_like(scale)
-        np.divide(np.float32(1.0), scale, out=inv, where=scale > 0)
         xb = x_all[lo:hi].reshape(-1, block)
         y = y_all[lo:hi].reshape(-1, block)
-        np.multiply(xb, inv[:, None], out=y)
-        y += np.float32(offset + 0.5)  # floor(y) = round-half-up of x / scale, shifted (see _quantize_chunk)
         codes = codes_all[lo:hi]
-        with np.errstate(invalid="ignore"):  # a non-finite x: garbage codes (decoders refuse them)
-            np.copyto(codes, y.reshape(-1), casting="unsafe")  # y >= 0.5: the cast floors
+        bits, scale = _block_codes(flat[lo:hi].view(-1, block), y, codes, qmax=qmax, offset=offset)
         if residual is not None:
             np.subtract(codes, np.float32(offset), out=y.reshape(-1))  # q, exactly as the decoder reads it
             y *= scale[:, None]  # q * scale: the decoder's products
@@ -275,19 +286,11 @@ def _quantize_chunk(x: torch.Tensor, codec: str, block: int, *,
     so the same bytes."""
     n = x.numel()
     qmax = QMAX[codec] if qmax is None else qmax
-    xb, _ = _full_blocks(x, block)
-    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_()).numpy()  # (aminmax over a row is 10x slower)
-    bits = _bf16_scale_bits_up(absmax, qmax)
-    scale = bits.view(np.float32)
-    inv = np.zeros_like(scale)
-    np.divide(np.float32(1.0), scale, out=inv, where=scale > 0)
-    # |x * inv| <= qmax because the scale was rounded up, so no clamp is needed;
-    # floor(y + offset + 0.5) is round-half-up of y, shifted to be non-negative.
     offset = 8 if codec == "int4" else 128
-    y = xb.numpy() * inv[:, None]
-    y += np.float32(offset + 0.5)
-    with np.errstate(invalid="ignore"):  # a non-finite x: garbage codes (decoders refuse them)
-        codes = y.reshape(-1).astype(np.uint8)  # y >= 0.5: the cast floors
+    xb, _ = _full_blocks(x, block)
+    y = np.empty(tuple(xb.shape), dtype=np.float32)
+    codes = np.empty(xb.numel(), dtype=np.uint8)
+    bits, scale = _block_codes(xb, y, codes, qmax=qmax, offset=offset)
     if sink is not None:  # q * scale: the decoder's products (quantized.dequantize_chunk), made in y's buffer
         q = np.floor(y, out=y)
         q -= np.float32(offset)
