@@ -234,7 +234,7 @@ def _codes_term(v: Quantized, scale: np.ndarray, scratch: _CodesScratch) -> Term
     return term
 
 
-def _term(v: Source, d: float | None, f: float, scratch: _CodesScratch) -> Term:
+def _term(v: Source, d: float | None, f: float, scratch: _CodesScratch | None) -> Term:
     """(v / d) * f, d None for 1, as computed for the range [start, stop): one multiply by the
     factor c = f / d (for codes: by each block's scale times c, so q * (scale * c)), or, when c
     is not safely inside fp32's range, a division by d, then a multiply by f."""
@@ -245,7 +245,7 @@ def _term(v: Source, d: float | None, f: float, scratch: _CodesScratch) -> Term:
             with np.errstate(over="ignore"):
                 scaled = (v.scale.numpy().astype(np.float64) * c).astype(np.float32)
             if np.isfinite(scaled).all():  # a huge scale over zero codes could overflow: then the general way
-                fast = _codes_term(v, scaled, scratch)
+                fast = _codes_term(v, scaled, scratch)  # (None: the tests' way to the reference below)
                 if fast is not None:
                     return fast
                 scale = torch.from_numpy(scaled)
@@ -270,7 +270,7 @@ def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float
     n = _numel(items[0][1])
     blocks = [v.block for _, v, _ in items if isinstance(v, Quantized)]
     step = chunk_elems(math.lcm(1, *blocks), elems=MERGE_CHUNK_ELEMS)
-    codes = _CodesScratch(min(step, n + n % 2))
+    codes = _CodesScratch(min(step, n + n % 2)) if blocks else None  # only codes need it
     terms = [_term(v, d, f, codes) for (_, v, _), (d, f) in zip(items, factors) if f]
     if not terms:
         return torch.zeros(n, dtype=torch.float32)

@@ -218,7 +218,7 @@ class Receiver(threading.Thread):
     def _fetch(self, p: int, have: tuple[int, Tensors]) -> bool:
         """Poll p; when a newer version is there, download and decode it. Returns whether
         there was one."""
-        # the hint costs a GET; a LIST now and then, in case the hint is stale or lost
+        # the manifests after the one held (a GET each); a LIST now and then, in case those were collected
         self.num_polls += 1
         with self.lock:
             self.polls[p] = n = self.polls.get(p, 0) + 1
