@@ -26,6 +26,7 @@ I/O and broadcasts what it received (``island.Island``). DDP, FSDP2
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -53,6 +54,9 @@ from ddiloco_cli.store.base import Store
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+
+
+ALERT_MIN_INTERVAL_S = 10.0  # stall alerts (decoupled and lock-step) come at most this often
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ class DiLoCoSync:
         self._data_state: dict[str, Any] | None = None
         self._last_arrival_step = 0
         self._last_alert_step = 0
+        self._last_alert_t = -math.inf  # monotonic time of the last stall alert
         self._uploader: Uploader | None = None
         self._receiver: Receiver | None = None
         self._writer: SessionWriter | None = None
@@ -250,8 +255,10 @@ class DiLoCoSync:
             self._last_arrival_step = step
         elif self.opts.stall_alert and self._writer is not None:
             quiet = step - max(self._last_arrival_step, self._last_alert_step)
-            if quiet >= 2 * self.H:
-                self._last_alert_step = step
+            # every 2*H quiet steps, and never more often than alert_every_s: with short steps
+            # (12 ms, H = 4) 2*H steps are 100 ms, and every alert reads the syncers' heartbeats
+            if quiet >= 2 * self.H and time.monotonic() - self._last_alert_t >= self.alert_every_s():
+                self._last_alert_step, self._last_alert_t = step, time.monotonic()
                 self._writer.alert_stalled(step=step, since_step=self._last_arrival_step)
         self._update_stop()
         return received
@@ -412,13 +419,17 @@ class DiLoCoSync:
         with torch.no_grad():
             torch._foreach_add_(views, adds)
 
+    def alert_every_s(self) -> float:
+        """The least time between two stall alerts: the time 2*H steps take, at least
+        ALERT_MIN_INTERVAL_S (each alert reads the syncers' heartbeats and writes a log line)."""
+        return max(ALERT_MIN_INTERVAL_S, 2 * self.H * self.stats.step_time_s)
+
     def _take(self, p: int, flight: InFlight) -> Ready | None:
         """Rank 0: a ready newer version of p, or None (lock-step: wait for the one
         that merged our contribution; decoupled with await_own_merge: ``_own_or_newest``)."""
         receiver = self._receiver
         t0 = time.monotonic()
-        # like decoupled mode's alert after 2*H quiet steps: the time they take (at least 10 s)
-        alert_every_s = max(10.0, 2 * self.H * self.stats.step_time_s)
+        alert_every_s = self.alert_every_s()
         next_alert = t0 + alert_every_s
         while True:
             got = receiver.take(p)

@@ -591,3 +591,21 @@ def test_a_decoupled_learner_starts_its_send_schedule_in_phase_with_the_running_
     _running_beat(store3, "a", step=13, step_time_s=30.0)
     with DiLoCoSync(store3, model, learner_id="n") as sync:
         assert sync.schedule_offset == 0
+
+
+@pytest.mark.parametrize("min_interval_s, expected", [(0.0, [8, 16, 24, 32]), (1e9, [8])])
+def test_stall_alerts_come_every_2h_quiet_steps_at_most_every_min_interval(monkeypatch, min_interval_s, expected):
+    """No syncer: the decoupled learner's first stall alert comes after 2*H quiet steps; later ones
+    every 2*H steps, but never more often than the time floor (a learner at 12 ms steps and H = 4
+    alerted every 100 ms, each alert reading the syncers' heartbeats)."""
+    from ddiloco_cli.learner import sync as sync_module
+
+    monkeypatch.setattr(sync_module, "ALERT_MIN_INTERVAL_S", min_interval_s)
+    store = _run(num_fragments=2, sync_every=4, overlap_steps=1)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="s") as sync:
+        alerts: list[int] = []
+        sync._writer.alert_stalled = lambda *, step, since_step: alerts.append(step - since_step)
+        for _ in range(35):
+            assert sync.step(num_tokens=1) == []
+    assert alerts == expected
