@@ -406,6 +406,29 @@ def bench_shards(*, codec: str, m: int, shards: int, args: argparse.Namespace, r
     }
 
 
+def machine_reference(n: int, m: int, *, reps: int = 7) -> float:
+    """This machine's memory speed in the benchmark's unit, measured in the same run: the
+    param-contributions per CPU-second of the least work any merge of M dense fp32 vectors of n
+    values does, one ``acc.add_(v, alpha=w)`` pass per vector (12 bytes moved a value, one thread,
+    no decode, no norm, no publish). Median of ``reps``. The syncer's rate divided by it says how
+    far the syncer is from memory speed, i.e. how much of its cost is computation (zstd, sha256,
+    quantising, Python) rather than moving values; and it tells a reader comparing figures from
+    two machines whether their memory differs (the same tree measured 1.46e8 and 2.6-3.6e8 p-c
+    per CPU-s on two sessions' development machines)."""
+    gen = torch.Generator().manual_seed(0)
+    vectors = [torch.randn(n, generator=gen) for _ in range(m)]
+    acc = torch.empty(n)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.thread_time()
+        acc.zero_()
+        for i, v in enumerate(vectors):
+            acc.add_(v, alpha=1.0 / (i + 1))
+        times.append(time.thread_time() - t0)
+    times = sorted(times[1:])  # the first pass pages the accumulator in
+    return n * m / times[len(times) // 2]
+
+
 def capacity(rate: float, *, params: float = 1e9, sync_every: int = 24, step_s: float = 1.0) -> float:
     """Learners one syncer core keeps up with: rate * H * step_s / params."""
     return rate * sync_every * step_s / params
@@ -518,6 +541,14 @@ def main() -> None:
         print("\nPublished payloads (delta and full, warm-up included), sha256 over their sha256s:")
         for r in results:
             print(f"{r['codec']:5s} {r['m']:>2d}: {r['published_payloads']} payloads {r['published_digest']}")
+    reference = {m: machine_reference(n, m) for m in sorted({r["m"] for r in results})}
+    print("\nThis machine's reference (the same run): a dense fp32 merge at memory speed, one add_ pass per "
+          "vector, one thread, nothing else; the syncer's rate as a fraction of it")
+    for r in results:
+        r["reference_param_contribs_per_cpu_s"] = reference[r["m"]]
+        r["fraction_of_reference"] = r["param_contribs_per_cpu_s"] / reference[r["m"]]
+        print(f"{r['codec']:5s} M={r['m']}: reference {reference[r['m']]:.3g} p-c/CPU-s; syncer "
+              f"{r['param_contribs_per_cpu_s']:.3g} = {r['fraction_of_reference']:.2f} of it")
     target = 2e8
     int4 = [r for r in results if r["codec"] == "int4"]
     if int4:
