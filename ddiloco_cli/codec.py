@@ -53,6 +53,10 @@ FORMAT_VERSION = 1
 METADATA_KEY = "ddiloco"
 CODECS = ("none", "bf16", "int8", "int4")
 DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64}
+# the bound on |code| a new run's encoders use when init is not given one: int4 at 3 (7 levels
+# of its 15) sends 29% fewer bytes each way, and both sides feed the error back (docs/design.md,
+# "Coarser codes"); a run.json without the setting means the codec's whole range (QMAX)
+DEFAULT_QMAX = {"int8": 127, "int4": 3}
 _MAX_HEADER_BYTES = 64 << 20
 _MAX_NDIM = 8
 _MAX_NUMEL = 1 << 40  # per payload, whatever the caller's bounds: 4 TB of fp32

@@ -141,7 +141,7 @@ class RunConfig:
         if self.codec_block is None:
             object.__setattr__(self, "codec_block", codec.DEFAULT_BLOCK_SIZE.get(self.codec, 64))
         if self.codec_qmax is None:
-            object.__setattr__(self, "codec_qmax", codec.QMAX.get(self.codec))
+            object.__setattr__(self, "codec_qmax", codec.DEFAULT_QMAX.get(self.codec))
         try:
             codec.check_qmax(self.codec, self.codec_qmax)
         except UsageError as exc:
@@ -194,6 +194,8 @@ class RunConfig:
                 source = source.get(part, {}) if isinstance(source, Mapping) else {}
             if isinstance(source, Mapping) and path[-1] in source:
                 values[f.name] = source[path[-1]]
+        if "codec_qmax" not in values:  # a run.json from before the setting: the codec's whole range (PROTOCOL)
+            values["codec_qmax"] = codec.QMAX.get(values.get("codec", cls.codec))
         for f in hyperparameters():
             rest.pop(_json_key(f).split(".")[0], None)
         for meta in ("format", "protocol_version", "protocol_minor", "features", "nonce"):
@@ -387,7 +389,7 @@ def default_config_toml() -> str:
                 continue
             value = defaults[f.name].default
             if value is None:
-                note = {"publish_codec": "the run's codec", "codec_qmax": "the codec's largest code: 7 for int4, 127 for int8"
+                note = {"publish_codec": "the run's codec", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)"
                         }.get(f.name, "64 for int4, 256 for int8")
                 lines.append(f"# {flag(f)} =   (default: {note})")
             else:

@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--codec-block", type=int, default=None, help="default: the run's (64 for int4)")
-    ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (7 for int4: every code)")
+    ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (3 for int4)")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
     ap.add_argument("--grace-max", type=float, default=None, help="default: the run's")
     ap.add_argument("--chaos-mean-s", type=float, default=40.0, help="mean seconds between kills, per learner")

@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overlap-steps", type=int, default=2, help="tau")
     ap.add_argument("--codec", default="int4", help="upload codec")
     ap.add_argument("--codec-block", type=int, default=None, help="default: the run's (64 for int4)")
-    ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (7 for int4: every code)")
+    ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (3 for int4)")
     ap.add_argument("--publish-codec", default=None, help="default: the run's (= --codec)")
     ap.add_argument("--keyframe-every", type=int, default=None, help="default: the run's")
     ap.add_argument("--grace-gamma", type=float, default=None, help="default: the run's")

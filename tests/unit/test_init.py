@@ -31,12 +31,18 @@ def test_run_config_round_trips_through_run_json():
         back.quorum = 5  # frozen: validated once, never changed
 
 
-def test_codec_qmax_defaults_to_the_codecs_range_and_binds_only_its_own_codec():
-    """--codec-qmax: the codec's full range by default (also for a run.json written before the
-    setting existed); it bounds published deltas only when they use the run's codec."""
-    assert [RunConfig(codec=c).codec_qmax for c in ("int4", "int8", "none", "bf16")] == [7, 127, None, None]
+def test_codec_qmax_defaults_to_3_for_int4_and_binds_only_its_own_codec():
+    """--codec-qmax: 3 for int4 and int8's full range by default, written into run.json; a
+    run.json written before the setting existed means the codec's full range; it bounds
+    published deltas only when they use the run's codec."""
+    assert [RunConfig(codec=c).codec_qmax for c in ("int4", "int8", "none", "bf16")] == [3, 127, None, None]
+    assert RunConfig().to_record(run_id="r")["codec_qmax"] == 3
+    for codec_name, full in (("int4", 7), ("int8", 127), ("none", None)):
+        record = RunConfig(codec=codec_name).to_record(run_id="r")
+        del record["codec_qmax"]
+        assert RunConfig.from_record(record).codec_qmax == full
     record = RunConfig().to_record(run_id="r")
-    del record["codec_qmax"]
+    del record["codec_qmax"], record["codec"]  # neither: int4, the default codec, over its whole range
     assert RunConfig.from_record(record).codec_qmax == 7
     bounded = RunConfig(codec_qmax=3)
     assert (bounded.codec_qmax, bounded.publish_qmax) == (3, 3)

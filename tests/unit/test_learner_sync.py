@@ -455,14 +455,16 @@ def test_error_feedback_adds_what_the_codec_dropped_to_the_next_delta_L6():
                 time.sleep(0.01)
     infos = sorted(store.list(layout.contribution_prefix(0)), key=lambda i: i.key)[:2]
     got = [codec.decode_tensors(store.get(i.key), max_numel=10**7)[0] for i in infos]
-    block = ledger.read_run(store)["codec_block"]  # the run's block, as the learner uses
+    run = ledger.read_run(store)
+    block, qmax = run["codec_block"], run["codec_qmax"]  # the run's block and bound, as the learner uses
     d1 = {k: base[k] - thetas[0][k] for k in base}
-    _, r1 = encode_with_residual(d1, codec="int4", block_size=block)
+    _, r1 = encode_with_residual(d1, codec="int4", block_size=block, qmax=qmax)
     assert any(float(r.abs().max()) > 0 for r in r1.values())
     d2 = {k: base[k] - thetas[1][k] for k in base}
     with_feedback = codec.decode_tensors(encode_with_residual({k: d2[k] + r1[k] for k in d2}, codec="int4",
-                                                              block_size=block)[0], max_numel=10**7)[0]
-    without = codec.decode_tensors(codec.encode_tensors(d2, codec="int4", block_size=block), max_numel=10**7)[0]
+                                                              block_size=block, qmax=qmax)[0], max_numel=10**7)[0]
+    without = codec.decode_tensors(codec.encode_tensors(d2, codec="int4", block_size=block, qmax=qmax),
+                                   max_numel=10**7)[0]
     assert all(torch.equal(got[1][k], with_feedback[k]) for k in d2)
     assert any(not torch.equal(got[1][k], without[k]) for k in d2)
     store = _run(codec="int4", error_feedback=False)

@@ -174,13 +174,13 @@ def test_a_contributions_norm_from_its_codes():
     assert delta_norm(kept) == pytest.approx(exact, rel=1e-12)
 
 
-@pytest.mark.parametrize("qmax", [None, 3])
+@pytest.mark.parametrize("qmax", [7, 3])
 def test_a_replay_merges_int4_contributions_as_the_syncer_did(tmp_path, qmax):
     """Syncer and replay both read contributions as codes (intake): a syncer restarted from
     checkpoint + ledger holds the same raw value, momentum and published value, and its next
     commit has the same payload bytes. Learner b trails a version (its outer gradient is
     dense: current - base + delta), a merges on the current base (from its codes). With
-    --codec-qmax 3 every published delta's codes lie in [-3, 3], and the replay (which re-encodes
+    --codec-qmax 3 (the default) every published delta's codes lie in [-3, 3] (7: [-7, 7]), and the replay (which re-encodes
     each version with the run's bound and checks the manifest's sha256) still matches."""
     root = tmp_path / "run"
     store = open_store(str(root))
@@ -205,7 +205,7 @@ def test_a_replay_merges_int4_contributions_as_the_syncer_did(tmp_path, qmax):
                         q = np.empty(src.numel, dtype=np.float32)
                         quantized.q_values(src.codes, "int4", src.numel, out=q)
                         largest = max(largest, float(np.abs(q).max()))
-    assert largest == (7 if qmax is None else qmax)
+    assert largest == qmax
     shutil.copytree(root, tmp_path / "copy")
     other = open_store(str(tmp_path / "copy"))
     again = live_syncer(other, syncer_id="again")
