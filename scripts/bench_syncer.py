@@ -222,7 +222,7 @@ def _instrument_cpu() -> None:
 
 
 # ---------------------------------------------------------------------- one config
-def _make_run(url: str, *, codec: str, m: int, num_fragments: int):
+def _make_run(url: str, *, codec: str, m: int, num_fragments: int, codec_qmax: int | None = None):
     from ddiloco_cli import ledger
     from ddiloco_cli.runinit import RunSpec, init_run
     from ddiloco_cli.store import open_store
@@ -230,7 +230,8 @@ def _make_run(url: str, *, codec: str, m: int, num_fragments: int):
     store = open_store(url)
     spec = RunSpec(task=benchlib.STACK_TASK, num_fragments=num_fragments,
                    sync_every=max(24, num_fragments), overlap_steps=2, quorum=m, codec=codec, merge="rda",
-                   grace_gamma=0.0, lease_s=3600.0, heartbeat_s=1.0, max_staleness=8)
+                   grace_gamma=0.0, lease_s=3600.0, heartbeat_s=1.0, max_staleness=8,
+                   codec_qmax=codec_qmax if codec in ("int4", "int8") else None)  # None: the run's default
     run = init_run(store, spec)
     plan = ledger.read_plan(store, run_id=run["run_id"])
     return store, run, plan
@@ -252,7 +253,8 @@ def _write_heartbeats(store, run: dict, m: int) -> None:
 def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: int, base_version: int,
                          gen: torch.Generator, zstd_level: int) -> int:
     """M contributions (noise, scale 1e-3) against base_version, compressed at ``zstd_level``
-    (a learner's is 1); returns bytes written."""
+    (a learner's is 1) and with codes bounded by the run's ``codec_qmax``, as its learners send
+    them; returns bytes written."""
     from ddiloco_cli import codec, layout, records
     from ddiloco_cli.published import expected_shapes
 
@@ -264,7 +266,7 @@ def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: 
                               base_version=base_version, c_tokens=512 * (i + 1), c_steps=24, step=seq,
                               nonce=records.new_nonce(), created_s=time.time())
         data = codec.encode_tensors(delta, codec=run["codec"], block_size=int(run["codec_block"]), metadata=header,
-                                    zstd_level=zstd_level)
+                                    zstd_level=zstd_level, qmax=run.get("codec_qmax"))
         assert store.put_if_absent(layout.contribution_key(fragment, lid, seq), data)
         nbytes += len(data)
     return nbytes
@@ -277,7 +279,8 @@ def _run_url(*, codec: str, m: int, root: str, store_kind: str) -> str:
 
 def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, store_kind: str,
                  num_fragments: int, profile: bool = False, fragment: int = 0, url: str | None = None,
-                 decode_threads: int | None = None, zstd_level: int = 1, digest: bool = False) -> dict[str, Any]:
+                 decode_threads: int | None = None, zstd_level: int = 1, digest: bool = False,
+                 codec_qmax: int | None = None) -> dict[str, Any]:
     """Time `rounds` merges of `fragment` with M contributions each, by a syncer that owns
     only that fragment (`ddiloco sync --fragments <fragment>`). `url`: a run made by
     `_make_run` (and its heartbeats) that other shards share; None: make one here."""
@@ -288,7 +291,7 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     own_run = url is None
     if own_run:
         url = _run_url(codec=codec, m=m, root=root, store_kind=store_kind)
-        store, run, plan = _make_run(url, codec=codec, m=m, num_fragments=num_fragments)
+        store, run, plan = _make_run(url, codec=codec, m=m, num_fragments=num_fragments, codec_qmax=codec_qmax)
         _write_heartbeats(store, run, m)
     else:
         store = open_store(url)
@@ -351,7 +354,8 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     if own_run and store_kind != "memory":
         shutil.rmtree(url, ignore_errors=True)
     out = {
-        "codec": codec, "m": m, "fragment": fragment, "fragment_numel": n, "rounds": rounds,
+        "codec": codec, "codec_qmax": run.get("codec_qmax"), "m": m, "fragment": fragment, "fragment_numel": n,
+        "rounds": rounds,
         "decode_threads": syncer.intake.decode_threads, "wall_s": total, "cpu_s": sum(cpu_times),
         "s_per_merge_median": sorted(times)[len(times) // 2], "s_per_merge_mean": total / rounds,
         "param_contribs_per_s": m * n * rounds / total,
@@ -378,7 +382,7 @@ def bench_shards(*, codec: str, m: int, shards: int, args: argparse.Namespace, r
     if args.store != "local":
         raise SystemExit("--shards needs --store local (processes share the run through the bucket)")
     url = _run_url(codec=codec, m=m, root=root, store_kind="local") + f"-k{shards}"
-    store, run, _ = _make_run(url, codec=codec, m=m, num_fragments=max(args.fragments, shards))
+    store, run, _ = _make_run(url, codec=codec, m=m, num_fragments=max(args.fragments, shards), codec_qmax=args.codec_qmax)
     _write_heartbeats(store, run, m)
     procs = []
     for i in range(shards):
@@ -451,6 +455,9 @@ def main() -> None:
     ap.add_argument("--contribution-zstd-level", type=int, default=1,
                     help="zstd level of the contributions written (a learner's: 1; -1 stores int4 codes without "
                          "Huffman: larger, much faster to decode)")
+    ap.add_argument("--codec-qmax", type=int, default=None,
+                    help="the runs' bound on int4/int8 codes, for contributions and published deltas (default: "
+                         "the run default, 3 for int4; 7 is int4's whole range)")
     ap.add_argument("--shards", default=None,
                     help="also run K syncer processes at once, one fragment each (e.g. 1,2): the scaling table; "
                          "K <= --fragments keeps the fragment size")
@@ -483,7 +490,8 @@ def main() -> None:
             c, m = args.profile.split(":")
             res = bench_config(codec=c, m=int(m), rounds=args.rounds, warmup=args.warmup, root=root,
                                store_kind=args.store, num_fragments=args.fragments, profile=True,
-                               decode_threads=args.decode_threads, zstd_level=args.contribution_zstd_level)
+                               decode_threads=args.decode_threads, zstd_level=args.contribution_zstd_level,
+                               codec_qmax=args.codec_qmax)
             print(res.pop("profile"))
             results.append(res)
         else:
@@ -492,7 +500,7 @@ def main() -> None:
                     res = bench_config(codec=c, m=m, rounds=args.rounds, warmup=args.warmup, root=root,
                                        store_kind=args.store, num_fragments=args.fragments,
                                        decode_threads=args.decode_threads, zstd_level=args.contribution_zstd_level,
-                                       digest=args.digest)
+                                       digest=args.digest, codec_qmax=args.codec_qmax)
                     results.append(res)
                     print(f"  {c:5s} M={m}: {res['param_contribs_per_s']:.3g} param-contribs/s "
                           f"({res['s_per_merge_mean'] * 1e3:.0f} ms/merge)", file=sys.stderr, flush=True)
@@ -506,8 +514,10 @@ def main() -> None:
     cols = [*STAGES, "other", "io"]
     n = results[0]["fragment_numel"]
     dt = results[0]["decode_threads"]
+    bounds = ", ".join(sorted({f"{r['codec']} {r['codec_qmax']}" for r in results if r.get("codec_qmax")}))
     print(f"\nSyncer throughput, one process (torch threads 1, {dt} decode threads), fragment of {n / 1e6:.2f}M params, "
-          f"store {args.store}, {args.rounds} timed merges each")
+          f"store {args.store}, {args.rounds} timed merges each; int4/int8 codes bounded by the run's codec_qmax "
+          f"({bounds or '-'})")
     print(f"load avg before {load[0]:.2f}, after {load_after[0]:.2f} (2 cores). p-c = parameter-contributions; "
           f"per CPU-s = per second of this process's CPU time, all threads (= per core; less load-dependent than wall); "
           f"M_max = learners one core keeps up with at 1B params, P = H = 24, 1 s/step (from p-c/CPU-s); "

@@ -34,6 +34,7 @@ def test_bench_syncer_smoke(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["fragment_numel"] == 64 * 64 * 2  # 4 layers over 2 fragments
     assert [(r["codec"], r["m"]) for r in rep["results"]] == [("int4", 1), ("int4", 2), ("none", 1), ("none", 2)]
+    assert [r["codec_qmax"] for r in rep["results"]] == [3, 3, None, None]  # the run's default bound, as learners send
     for r in rep["results"]:
         assert r["param_contribs_per_cpu_s"] > 0 and r["param_contribs_per_s"] > 0
         assert r["m_max_1b_h24_1s"] > 0
