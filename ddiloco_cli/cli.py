@@ -478,8 +478,8 @@ def _exit_island_rank() -> None:
     destructor and the process aborts (SIGABRT, "terminate called without an active
     exception") after a run that finished. `destroy_process_group` does not join those
     threads while the model (DDP, FSDP) still holds the group. Seen on 2 loaded cores in
-    1 run in 3 to 8 (and in CI). Everything this process owns is closed by now (the learner joined
-    its threads, the metrics writer is closed), so flush and leave."""
+    1 run in 3 to 8 (and in CI). Everything this process owns is closed by now (the
+    learner joined its threads, the metrics writer is closed), so flush and leave."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

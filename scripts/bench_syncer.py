@@ -224,6 +224,7 @@ def _instrument_cpu() -> None:
 # ---------------------------------------------------------------------- one config
 def _make_run(url: str, *, codec: str, m: int, num_fragments: int, codec_qmax: int | None = None):
     from ddiloco_cli import ledger
+    from ddiloco_cli.codec import QMAX
     from ddiloco_cli.runinit import RunSpec, init_run
     from ddiloco_cli.store import open_store
 
@@ -231,7 +232,7 @@ def _make_run(url: str, *, codec: str, m: int, num_fragments: int, codec_qmax: i
     spec = RunSpec(task=benchlib.STACK_TASK, num_fragments=num_fragments,
                    sync_every=max(24, num_fragments), overlap_steps=2, quorum=m, codec=codec, merge="rda",
                    grace_gamma=0.0, lease_s=3600.0, heartbeat_s=1.0, max_staleness=8,
-                   codec_qmax=codec_qmax if codec in ("int4", "int8") else None)  # None: the run's default
+                   codec_qmax=codec_qmax if codec in QMAX else None)  # None: the run's default
     run = init_run(store, spec)
     plan = ledger.read_plan(store, run_id=run["run_id"])
     return store, run, plan
