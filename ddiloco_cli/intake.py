@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ddiloco_cli import codec, layout, records
+from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.merge import norm, token_weight
@@ -144,12 +144,14 @@ class _Fetched:
 
 class Intake:
     """Lists, downloads and validates contributions; quarantines what fails [V1][V2].
-    ``decode_threads`` > 1 decodes several contributions at once (``load_all``)."""
+    ``decode_threads`` > 1 decodes several contributions at once (``load_all``); 1 decodes
+    inline, on the caller's thread (the deterministic simulation)."""
 
     def __init__(self, store: Store, *, config: RunConfig, plan: FragmentPlan, syncer_id: str,
                  epoch: Callable[[], int], is_known_learner: Callable[[str], bool], trust: Trust,
-                 decode_threads: int = DECODE_THREADS):
+                 decode_threads: int = DECODE_THREADS, clock: Clock = WALL):
         self.store = store
+        self.clock = clock
         self.config = config
         self.run_id = config.run_id
         self.plan = plan
@@ -182,7 +184,7 @@ class Intake:
         self.num_quarantined += 1
         log.warning("quarantined %s/%s: %s", self.store.url, key, reason)
         rec = records.make("quarantine", key=key, reason=reason, syncer_id=self.syncer_id, epoch=self.epoch(),
-                           created_s=time.time())
+                           created_s=self.clock.time())
         self.store.put_if_absent(layout.quarantine_key(key), records.dumps(rec))
 
     def load(self, p: int, info: ObjectInfo, learner_id: str, seq: int) -> Contribution | None:
