@@ -54,7 +54,7 @@ def _decoupled(world: World) -> dict[str, Any]:
         "bytes_up_per_learner": statistics.mean(ups), "bytes_down_per_learner": statistics.mean(downs),
         "goodput_tokens_per_s": world.tokens * merged["merged_token_fraction"] / max(1e-9, end_s),
         "syncer_utilisation": world.syncer.busy_s / max(1e-9, end_s),
-        "syncer_merge_s": world.syncer.merge_s,
+        "syncer_merge_s": world.syncer.total_merge_s(),
         "blocked_s_per_learner": statistics.mean(r.blocked_s for r in reports),
         "preemptions": sum(r.preemptions for r in reports),
         "sessions": sum(r.sessions for r in reports),

@@ -40,9 +40,9 @@ class World:
         self.scenario = sc = scenario
         self.loop = EventLoop()
         self.bucket = SimBucket()
-        self.admin = SimStore(self.bucket, TurnClock(self.loop), Link(1.0, 1.0, 0.0), name="admin", seed="admin",
-                              free=True)
-        init_run(self.admin, sc.run_config())
+        admin_clock = TurnClock(self.loop)
+        self.admin = SimStore(self.bucket, admin_clock, Link(1.0, 1.0, 0.0), name="admin", seed="admin", free=True)
+        init_run(self.admin, sc.run_config(), clock=admin_clock)
         run = ledger.read_run(self.admin)
         self.config = RunConfig.from_record(run, where=f"{self.admin.url}/{layout.RUN_CONFIG}")
         self.inner = run["inner"]
@@ -80,8 +80,8 @@ class World:
                 loop.at(down_t, learner.crash)
                 loop.at(back_t, self._start_learner, learner)
         for outage in sc.syncer_outages:
-            loop.at(float(outage["at_s"]), self.syncer.crash)
-            loop.at(float(outage["at_s"]) + float(outage["duration_s"]), self.syncer.start)
+            loop.at(float(outage["at_s"]), self.syncer.down)
+            loop.at(float(outage["at_s"]) + float(outage["duration_s"]), self.syncer.back)
         return horizon_s
 
     def _start_learner(self, learner: SimLearner) -> None:
@@ -95,6 +95,7 @@ class World:
         t0 = time.process_time()
         horizon_s = self.schedule()
         self.loop.run(done=self.done, limit_s=horizon_s)
+        self.loop.now = max(self.loop.now, self.bucket.last_write_t)  # the last merge lands
         if not self.done():
             log.warning("simulation cut off at %.0f s of virtual time (learners idle: %s)", self.loop.now,
                         [learner.idle for learner in self.learners])
