@@ -43,10 +43,11 @@ class CostedSyncer(Syncer):
 
 
 class SimSyncer:
-    def __init__(self, world: "World", *, link: Link, parallel: int):
-        self.world = world
+    def __init__(self, world: "World", *, link: Link, parallel: int, name: str = "primary"):
+        self.world, self.name = world, name
         self.clock = TurnClock(world.loop)
-        self.store = SimStore(world.bucket, self.clock, link, name="syncer", seed=f"{world.scenario.seed}-syncer",
+        self.store = SimStore(world.bucket, self.clock, link, name=f"syncer-{name}",
+                              seed=f"{world.scenario.seed}-syncer-{name}",
                               parallel=parallel)
         self.timer = Timer(world.loop, self.tick)
         self.syncer: CostedSyncer | None = None
@@ -63,7 +64,7 @@ class SimSyncer:
         if self.outage or self.syncer is not None:
             return
         self.clock.begin()
-        options = SyncerOptions(syncer_id=f"sim-syncer-{self.starts}", poll_s=self.world.scenario.syncer_poll_s,
+        options = SyncerOptions(syncer_id=f"sim-{self.name}-{self.starts}", poll_s=self.world.scenario.syncer_poll_s,
                                 gc=False, clock=self.clock, decode_threads=1)
         syncer = CostedSyncer(self.store, options=options)
         syncer.sim_store = self.store

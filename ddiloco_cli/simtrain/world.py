@@ -55,7 +55,10 @@ class World:
             for i, (lid, speed) in enumerate(zip(sc.learner_ids(), sc.speed_factors()))]
         syncer_link = Link.of(up_mbps=sc.syncer_gbps * 1e3, down_mbps=sc.syncer_gbps * 1e3, rtt_ms=sc.syncer_rtt_ms,
                               jitter_ms=0.0, store_latency_ms=sc.store_latency_ms)
-        self.syncer = SimSyncer(self, link=syncer_link, parallel=sc.intake_parallel)
+        # the primary (the outages hit it) and, with ``standby``, a second one waiting for its lease
+        self.syncers = [SimSyncer(self, link=syncer_link, parallel=sc.intake_parallel, name=name)
+                        for name in (["primary", "standby"] if sc.standby else ["primary"])]
+        self.syncer = self.syncers[0]
         self.tokens = 0
         self.total_steps = 0
         self.curve: list[Point] = []
@@ -73,7 +76,8 @@ class World:
         sc, loop = self.scenario, self.loop
         horizon_s = HORIZON_FACTOR * self.nominal_s() + sum(o["duration_s"] for o in sc.syncer_outages) + \
             max([float(j["at_s"]) for j in sc.joins] or [0.0])
-        loop.at(0.0, self.syncer.start)
+        for i, syncer in enumerate(self.syncers):
+            loop.at(0.0 if i == 0 else self.config.heartbeat_s, syncer.start)
         for learner in self.learners:
             loop.at(sc.join_s(learner.index), self._start_learner, learner)
             for down_t, back_t in sc.preemptions(learner.index, horizon_s):
@@ -89,7 +93,7 @@ class World:
             learner.start()
 
     def done(self) -> bool:
-        return all(learner.idle for learner in self.learners) and self.syncer.drained()
+        return all(learner.idle for learner in self.learners) and any(syncer.drained() for syncer in self.syncers)
 
     def run(self) -> None:
         t0 = time.process_time()
