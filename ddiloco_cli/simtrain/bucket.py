@@ -57,6 +57,7 @@ class SimBucket:
         self.num_requests = 0
         self.last_contribution_t = 0.0  # when the newest contribution became visible
         self.last_write_t = 0.0  # when the last write lands
+        self.crash = None  # a crash.CrashPlan: called before and after every write
 
     def visible(self, key: str, t: float) -> tuple[float, bytes] | None:
         for version in reversed(self.objects.get(key, ())):
@@ -86,6 +87,8 @@ class SimStore:
                  parallel: int = 1, free: bool = False):
         self.bucket, self.clock, self.link = bucket, clock, link
         self.url = f"sim://{name}"
+        self.name = name
+        self.in_commit = False  # the syncer's connection: inside Syncer.commit (crash points)
         self.parallel = parallel
         self.free = free  # the harness's own reads: no cost
         self._rng = random.Random(seed)
@@ -120,8 +123,13 @@ class SimStore:
             self._charge_before_write = 0.0
 
     # ------------------------------------------------------------ Store
+    def _crash_point(self, key: str, phase: str) -> None:
+        if self.bucket.crash is not None:
+            self.bucket.crash.on_write(self, key, phase)
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         check_key(key)
+        self._crash_point(key, "before")
         self._pay_pending()
         data = bytes(data)
         existing = self.bucket.peek(key)
@@ -129,13 +137,16 @@ class SimStore:
         if existing is not None:
             return existing == data
         self.bucket.write(key, data, self.clock.monotonic())
+        self._crash_point(key, "after")
         return True
 
     def put(self, key: str, data: bytes) -> None:
         check_key(key)
+        self._crash_point(key, "before")
         self._pay_pending()
         self._request(up=charged_bytes(key, data))
         self.bucket.write(key, bytes(data), self.clock.monotonic())
+        self._crash_point(key, "after")
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         check_key(key)

@@ -33,10 +33,12 @@ class CostedSyncer(Syncer):
         cost_s = self.plan.fragment_numel(state.fragment) * len(state.contributions()) / self.merge_params_per_s
         sim_store: SimStore = self.sim_store
         sim_store.charge_before_next_write(cost_s)
+        sim_store.in_commit = True
         try:
             won = super().commit(state, grace_s=grace_s)
         finally:
             sim_store.charge_before_next_write(0.0)
+            sim_store.in_commit = False
         if won:
             self.merge_s += cost_s
         return won
@@ -73,6 +75,7 @@ class SimSyncer:
             self._end_turn(syncer.config.lease_s / 2, then=self.start)
             return
         syncer.restore()
+        self.store.contributions_listed_t = -1.0  # drained only after this syncer's own first poll
         self.syncer = syncer
         self.starts += 1
         self._end_turn(0.0)

@@ -63,7 +63,7 @@ class World:
         self.total_steps = 0
         self.curve: list[Point] = []
         self._eval_every = max(1, sc.learners * sc.steps_per_learner // max(1, sc.eval_points))
-        self._next_eval = self._eval_every
+        self._next_eval = self._eval_every if sc.eval_points > 0 else float("inf")
         self.wall_s = 0.0
 
     # ------------------------------------------------------------ schedule

@@ -163,3 +163,29 @@ def test_preempted_learners_come_back_as_new_sessions_and_finish():
     r = simulate_train(_tiny(mtbf_s=6.0, downtime_s=2.0, joins=[{"learner": 1, "at_s": 3.0}]))["decoupled"]
     assert r["preemptions"] > 0 and r["sessions"] == 2 + r["preemptions"]
     assert r["ledger"]["used"] > 0 and r["ledger"]["refused"] == 0
+
+
+def test_crash_points_of_a_commit_and_a_send_lose_nothing_and_replay_bit_exactly():
+    from ddiloco_cli.simtrain.crash import Point, crash_scenario, points_of, run_point, verify
+
+    scenario = crash_scenario(1, steps=12)
+    world, plan = run_point(scenario, None)
+    assert verify(world) == []
+    points = points_of(plan)
+    assert {p.target for p in points} == {"syncer", "learner"}
+    chosen = [Point("syncer", plan.counts["syncer"] // 2, "before"), Point("syncer", plan.counts["syncer"] // 2, "after"),
+              Point("learner", 1, "after"), Point("learner", 2, "queued")]
+    for point in chosen:
+        world, crashed = run_point(scenario, point)
+        assert crashed.fired and world.loop.crashes, point
+        assert verify(world) == [], point
+
+
+def test_verify_catches_a_state_that_a_replay_does_not_reproduce():
+    from ddiloco_cli.simtrain.crash import crash_scenario, run_point, verify
+
+    world, _ = run_point(crash_scenario(2, steps=8), None)
+    state = world.syncer.syncer.states[0]
+    key = next(iter(state.current.raw))
+    state.current.raw[key] = state.current.raw[key] + 1e-3
+    assert any("differs" in problem for problem in verify(world))
