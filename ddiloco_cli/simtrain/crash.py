@@ -53,15 +53,15 @@ class CrashPlan:
         self.fired = False
         self._current: dict[str, int] = {}
 
-    def _kind(self, store: SimStore) -> str | None:
+    def _kind(self, store: SimStore, key: str) -> str | None:
         if store.name == "syncer-primary" and store.in_commit:
             return "syncer"
-        if store.name.startswith(f"{self.world.learners[0].learner_id}/up"):
+        if store.name.startswith(f"{self.world.learners[0].learner_id}/") and key.startswith(layout.CONTRIBUTION_ROOT):
             return "learner"
         return None
 
     def on_write(self, store: SimStore, key: str, phase: str) -> None:
-        kind = self._kind(store)
+        kind = self._kind(store, key)
         if kind is None:
             return
         if phase == "before":
