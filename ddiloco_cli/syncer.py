@@ -30,10 +30,11 @@ from ddiloco_cli.errors import DdilocoError, InvalidPayloadError, ProtocolError
 from ddiloco_cli.intake import DECODE_THREADS, REFUSED, USED, Contribution, Intake, add_pending, staleness_discount
 from ddiloco_cli.lease import Lease
 from ddiloco_cli.published import FragmentReader, upload_payloads
-from ddiloco_cli.replay import checkpoint_bytes, manifest_cycle, per_cycle, restore_value
+from ddiloco_cli.replay import checkpoint_bytes, manifest_cycle, restore_value
 from ddiloco_cli.runconfig import RunConfig, read_run_config
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
-from ddiloco_cli.update import FragmentValue, NonFiniteUpdate, contribution_gradient, outer_update
+from ddiloco_cli.typed_records import LedgerEntry, Manifest
+from ddiloco_cli.update import ApplyRules, Decision, FragmentValue, NonFiniteUpdate, apply_decision
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +72,11 @@ class FragmentState:
     high_water: dict[str, int]
     cycles: dict[int, float] = field(default_factory=dict)  # cycle clock by version (for staleness)
     pending: dict[str, list[Contribution]] = field(default_factory=dict)  # per learner, seq order
-    closed: list[dict[str, Any]] = field(default_factory=list)  # superseded/refused entries for the next manifest
+    closed: list[LedgerEntry] = field(default_factory=list)  # superseded/refused entries for the next manifest
     seen: set[str] = field(default_factory=set)
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
     # per learner: its last used ledger entry and (when in memory) that contribution's delta
-    tips: dict[str, tuple[dict[str, Any], Tensors | None]] = field(default_factory=dict)
+    tips: dict[str, tuple[LedgerEntry, Tensors | None]] = field(default_factory=dict)
     # published values of recent versions, newest last (outer_gradient = current: contributions' bases)
     bases: OrderedDict[int, Tensors] = field(default_factory=OrderedDict)
     first_pending_t: float | None = None
@@ -169,6 +170,7 @@ class Syncer:
         self.intake = Intake(self.store, config=self.config, plan=self.plan, syncer_id=self.syncer_id,
                              epoch=lambda: self.epoch.epoch if self.epoch else 0, is_known_learner=self._known,
                              trust=self.trust, decode_threads=options.decode_threads, clock=self.clock)
+        self.rules = ApplyRules.of(self.config)
         self.sync_time_s = 0.0  # EMA of merge + commit time
         self.step_time_s: float | None = None
         self.live_learners: set[str] = set()
@@ -286,12 +288,12 @@ class Syncer:
         state.cycles[latest] = value.cycle
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
             try:
-                entries = reader.manifest(v)["contributions"]
+                entries = Manifest.from_json(reader.manifest(v)).contributions
             except (NotFound, ProtocolError):
                 break
             for e in reversed(entries):
-                if e["used"]:
-                    state.tips.setdefault(e["learner_id"], (e, None))
+                if e.used:
+                    state.tips.setdefault(e.learner_id, (e, None))
         return state
 
     def _republish_missing(self, version: int, payloads: list[tuple[str, bytes]]) -> None:
@@ -313,7 +315,7 @@ class Syncer:
         state.cycles, state.tips = fresh.cycles, fresh.tips
         state.pending = {lid: kept for lid, cs in state.pending.items()
                          if (kept := [c for c in cs if c.seq > hw.get(lid, -1)])}
-        state.closed = [e for e in state.closed if e["seq"] > hw.get(e["learner_id"], -1)]
+        state.closed = [e for e in state.closed if e.seq > hw.get(e.learner_id, -1)]
 
     # ---------------------------------------------------------------- intake
     def poll_contributions(self) -> int:
@@ -361,14 +363,14 @@ class Syncer:
                 got = next(loads)
             if got is not None and got.base_version > state.version:
                 got = self._future_base(state, got)
-            if isinstance(got, dict):
+            if isinstance(got, LedgerEntry):
                 state.closed.append(got)
             elif got is not None:
                 state.closed.extend(add_pending(state.pending.setdefault(learner_id, []), got))
                 if state.first_pending_t is None:
                     state.first_pending_t = self.clock.monotonic()
 
-    def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | dict[str, Any]:
+    def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | LedgerEntry:
         """A base newer than our version means someone else committed: check the fence (a
         higher epoch halts us), re-read the fragment, and refuse only a base that does not exist."""
         self.check_fence()
@@ -488,13 +490,30 @@ class Syncer:
         for c in contributions:  # in seq order per learner
             tip = tips.get(c.learner_id)
             # only when its counters ran on from the tip's (a restarted session starts them again)
-            if tip is not None and tip[0]["base_version"] == c.base_version and tip[0]["seq"] < c.seq \
-                    and c.c_steps > tip[0]["c_steps"] and c.c_tokens >= tip[0]["c_tokens"]:
+            if tip is not None and tip[0].base_version == c.base_version and tip[0].seq < c.seq \
+                    and c.c_steps > tip[0].c_steps and c.c_tokens >= tip[0].c_tokens:
                 entry, delta = tip
-                c.increment_of = {k: entry[k] for k in ("seq", "key", "sha256", "c_tokens", "c_steps")}
+                c.increment_of = {"seq": entry.seq, "key": entry.key, "sha256": entry.sha256,
+                                  "c_tokens": entry.c_tokens, "c_steps": entry.c_steps}
                 if self.config.outer_gradient == "delta":
-                    c.prior_delta = delta if delta is not None else self.intake.fetch_used(state.fragment, entry)
+                    c.prior_delta = delta if delta is not None else \
+                        self.intake.fetch_used(state.fragment, entry.key, entry.sha256)
             tips[c.learner_id] = (c.entry(USED), c.delta)
+
+    def decide(self, state: FragmentState, contributions: list[Contribution], *, grace_s: float) -> Decision:
+        """What merging ``contributions`` into the next version does: their weights and
+        increments, the outer lr, the cycle advance, and the superseded/refused entries."""
+        self._link_increments(state, contributions)
+        advance = self._cycle_advance(contributions)
+        used = tuple(c.entry(USED) for c in contributions)
+        high_water = dict(state.high_water)
+        for e in used + tuple(state.closed):
+            high_water[e.learner_id] = max(high_water.get(e.learner_id, -1), e.seq)
+        return Decision(state.fragment, state.version + 1, used, tuple(state.closed),
+                        lr=self._outer_lr(sum(c.discount for c in contributions)),
+                        cycle=state.current.cycle + advance, cycle_advance=advance,
+                        share=self._outer_share(contributions), high_water=high_water,
+                        quorum_size=len({c.learner_id for c in contributions}), grace_s=grace_s)
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
         """Merge the pending contributions into the next version. Returns False when nothing
@@ -504,23 +523,10 @@ class Syncer:
         p, cur = state.fragment, state.current
         contributions = state.contributions()
         try:
-            self._link_increments(state, contributions)
-            grads = [contribution_gradient(c.delta, prior=c.prior_delta, base=self._base_value(state, c.base_version),
-                                           current=cur.published) for c in contributions]
-        except (NotFound, ProtocolError, InvalidPayloadError) as exc:  # a base read between admit and now
-            log.warning("fragment %d: a contribution's base cannot be read now (%s); merging later", p, exc)
-            return False
-        lr = self._outer_lr(sum(c.discount for c in contributions))
-        advance = self._cycle_advance(contributions)
-        share = self._outer_share(contributions)
-        try:
+            decision = self.decide(state, contributions, grace_s=grace_s)
             with self._stage("update"):
-                new, encoded = outer_update(
-                    cur, fragment=p, grads=grads, weights=[c.weight * c.discount for c in contributions], lr=lr,
-                    method=self.config.merge, publish_codec=self.config.publish_codec,
-                    block_size=self.config.codec_block, keyframe_every=self.config.keyframe_every,
-                    cycle=cur.cycle + advance, share=share, per_cycle=per_cycle(self.config),
-                    publish_qmax=self.config.publish_qmax)
+                new, encoded = apply_decision(cur, decision, rules=self.rules,
+                                              inputs=_HeldInputs(self, state, contributions))
         except NonFiniteUpdate as exc:
             culprit = max(contributions, key=lambda c: c.norm)
             self.intake.quarantine(culprit.key, f"{exc}; it had the largest outer gradient")
@@ -528,18 +534,14 @@ class Syncer:
             if not state.pending[culprit.learner_id]:
                 del state.pending[culprit.learner_id]
             return False
-        high_water = dict(state.high_water)
-        for e in [c.entry(USED) for c in contributions] + state.closed:
-            high_water[e["learner_id"]] = max(high_water.get(e["learner_id"], -1), e["seq"])
-        quorum_size = len({c.learner_id for c in contributions})
+        except (NotFound, ProtocolError, InvalidPayloadError) as exc:  # a base read between admit and now
+            log.warning("fragment %d: a contribution's base cannot be read now (%s); merging later", p, exc)
+            return False
         manifest = records.make(
-            "manifest", run_id=self.run_id, fragment=p, version=new.version, epoch=self.epoch.epoch,
-            syncer_id=self.syncer_id, nonce=records.new_nonce(), created_s=self.clock.time(),
-            numel=self.plan.fragment_numel(p), payloads=[e for _, _, e in encoded.payloads],
-            contributions=[c.entry(USED) for c in contributions] + state.closed,
-            quorum_size=quorum_size, grace_s=grace_s, outer_steps=new.outer.num_steps, high_water=high_water,
-            outer_lr=lr, cycle=new.cycle, cycle_advance=advance, outer_share=share, outer_phase=new.phase,
-        )
+            "manifest", run_id=self.run_id, epoch=self.epoch.epoch, syncer_id=self.syncer_id,
+            nonce=records.new_nonce(), created_s=self.clock.time(), numel=self.plan.fragment_numel(p),
+            payloads=[e for _, _, e in encoded.payloads], outer_steps=new.outer.num_steps, outer_phase=new.phase,
+            **decision.manifest_fields())
         if self.signer is not None:  # [A5]
             manifest = signing.sign_record(manifest, run_id=self.run_id, key=layout.manifest_key(p, new.version),
                                            signer=self.signer)
@@ -552,29 +554,34 @@ class Syncer:
             log.warning("fragment %d: version %d was committed by another syncer; reloading", p, new.version)
             self._reload(state)
             return False
+        self._committed(state, decision, new, contributions)
+        dt = self.clock.monotonic() - t0
+        self.sync_time_s = dt if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * dt
+        log.info("fragment %d -> version %d (quorum %d, grace %.2fs, cycle %.2f, %.0f ms)", p, new.version,
+                 decision.quorum_size, grace_s, new.cycle, dt * 1e3)
+        return True
+
+    def _committed(self, state: FragmentState, decision: Decision, new: FragmentValue,
+                   contributions: list[Contribution]) -> None:
+        """Move ``state`` to the version just committed."""
         if self.config.outer_gradient == "current":
-            self._remember_base(state, cur.version, cur.published)
+            self._remember_base(state, state.version, state.current.published)
         state.current = new
-        for c in contributions:
-            state.tips[c.learner_id] = (c.entry(USED), c.delta)
+        for c, e in zip(contributions, decision.used):
+            state.tips[c.learner_id] = (e, c.delta)
         state.cycles[new.version] = new.cycle
         self._trim_cycles(state)
-        state.high_water = high_water
+        state.high_water = dict(decision.high_water)
         state.norms.extend(c.norm for c in contributions)
         state.pending.clear()
         state.closed.clear()
-        state.seen = {k for k in state.seen if _above_high_water(k, high_water)}
+        state.seen = {k for k in state.seen if _above_high_water(k, state.high_water)}
         state.first_pending_t = state.quorum_t = None
-        state.last_quorum_size, state.last_grace_s = quorum_size, grace_s
+        state.last_quorum_size, state.last_grace_s = decision.quorum_size, decision.grace_s
         self.num_merges += 1
         if new.version % self.config.checkpoint_every == 0:
             with self._stage("checkpoint"):
                 self.write_checkpoint(state)
-        dt = self.clock.monotonic() - t0
-        self.sync_time_s = dt if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * dt
-        log.info("fragment %d -> version %d (quorum %d, grace %.2fs, cycle %.2f, %.0f ms)", p, new.version,
-                 quorum_size, grace_s, new.cycle, dt * 1e3)
-        return True
 
     def _trim_cycles(self, state: FragmentState) -> None:
         """Forget the clock of versions beyond the staleness bound (re-read from the manifest
@@ -671,6 +678,24 @@ class Syncer:
             "num_merges": self.num_merges, "num_quarantined": self.num_quarantined,
             "live_learners": len(self.live_learners), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
         }
+
+
+class _HeldInputs:
+    """What a committing syncer's ``apply_decision`` reads: the decoded contributions it holds
+    (by key), its cache of base values, and (delta runs) the priors ``_link_increments`` set."""
+
+    def __init__(self, syncer: "Syncer", state: FragmentState, contributions: list[Contribution]):
+        self.syncer, self.state = syncer, state
+        self.held = {c.key: c for c in contributions}
+
+    def delta(self, entry: LedgerEntry) -> Tensors:
+        return self.held[entry.key].delta
+
+    def base(self, version: int) -> Tensors:
+        return self.syncer._base_value(self.state, version)
+
+    def prior(self, entry: LedgerEntry) -> Tensors:
+        return self.held[entry.key].prior_delta
 
 
 def _above_high_water(key: str, high_water: dict[str, int]) -> bool:

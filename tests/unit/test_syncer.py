@@ -102,10 +102,10 @@ def test_supersede_only_when_the_base_is_unchanged():
     assert add_pending(pending, _c(1, 0)) == []
     assert add_pending(pending, _c(2, 1)) == []  # re-based in between: both stay
     gone = add_pending(pending, _c(3, 1))  # same base as seq 2: seq 3 carries it
-    assert [(e["seq"], e["status"], e["carried_by"]) for e in gone] == [(2, "superseded", 3)]
+    assert [(e.seq, e.status, e.carried_by) for e in gone] == [(2, "superseded", 3)]
     assert [c.seq for c in pending] == [1, 3]
     gone = add_pending(pending, _c(0, 0))  # arrives late, same base as seq 1
-    assert [(e["seq"], e["carried_by"]) for e in gone] == [(0, 1)]
+    assert [(e.seq, e.carried_by) for e in gone] == [(0, 1)]
 
 
 def test_contributions_across_a_rebase_are_both_merged(run_store):
@@ -299,7 +299,7 @@ def test_a_resend_on_a_merged_base_merges_only_the_increment():
     r = restored(run_store)  # replays version 2 from the ledger, increment included
     for k, t in s.states[0].current.raw.items():
         assert torch.equal(t, r.states[0].current.raw[k])
-    assert r.states[0].tips["a"][0]["seq"] == 2
+    assert r.states[0].tips["a"][0].seq == 2
     assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).used_tokens[0] == 192
 
 
