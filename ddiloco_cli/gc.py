@@ -9,9 +9,8 @@ on is kept: the manifests and payloads a reader needs for any recent version
 (a keyframe plus the deltas after it), and the ledger plus contributions a
 restarting syncer needs to replay from its checkpoint, and the manifests of
 the versions a pending contribution may still name as its base (their cycle
-clock is within max_staleness cycles of the latest: replay.staleness_floor), and, when outer
-gradients are measured against the current value, the bases of the contributions a replay from
-``ckpt`` merges again (replay.replay_base_floor). Older manifests and
+clock is within max_staleness cycles of the latest: replay.staleness_floor), and the bases of
+the contributions a replay from ``ckpt`` merges again (replay.replay_base_floor). Older manifests and
 payloads go; contributions go once merged (or superseded) at or before
 ``ckpt``; orphans (payloads no manifest names, quarantined inputs, older
 checkpoints, clock probes, temp files of writes that died midway) go only
@@ -107,9 +106,8 @@ def collect_garbage(store: Store, *, config: RunConfig, fragments: Iterable[int]
                                                                       plan=plan, fragment=p)), default=0)
         floor = staleness_floor(store, run_id=run_id, fragment=p, latest=latest,
                                 max_staleness=float(config.max_staleness))
-        if config.outer_gradient == "current":  # a replay reads the bases of what it merges again
-            floor = min(floor, replay_base_floor(store, run_id=run_id, fragment=p, checkpoint=newest_ckpt,
-                                                 latest=latest))
+        # a replay reads the bases of what it merges again
+        floor = min(floor, replay_base_floor(store, run_id=run_id, fragment=p, checkpoint=newest_ckpt, latest=latest))
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
                                  retain_versions=config.retain_versions,
                                  publish_codec=config.publish_codec, keyframe_every=config.keyframe_every,
