@@ -102,10 +102,10 @@ def test_supersede_only_when_the_base_is_unchanged():
     assert add_pending(pending, _c(1, 0)) == []
     assert add_pending(pending, _c(2, 1)) == []  # re-based in between: both stay
     gone = add_pending(pending, _c(3, 1))  # same base as seq 2: seq 3 carries it
-    assert [(e["seq"], e["status"], e["carried_by"]) for e in gone] == [(2, "superseded", 3)]
+    assert [(e.seq, e.status, e.carried_by) for e in gone] == [(2, "superseded", 3)]
     assert [c.seq for c in pending] == [1, 3]
     gone = add_pending(pending, _c(0, 0))  # arrives late, same base as seq 1
-    assert [(e["seq"], e["carried_by"]) for e in gone] == [(0, 1)]
+    assert [(e.seq, e.carried_by) for e in gone] == [(0, 1)]
 
 
 def test_contributions_across_a_rebase_are_both_merged(run_store):
@@ -299,7 +299,7 @@ def test_a_resend_on_a_merged_base_merges_only_the_increment():
     r = restored(run_store)  # replays version 2 from the ledger, increment included
     for k, t in s.states[0].current.raw.items():
         assert torch.equal(t, r.states[0].current.raw[k])
-    assert r.states[0].tips["a"][0]["seq"] == 2
+    assert r.states[0].tips["a"][0].seq == 2
     assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).used_tokens[0] == 192
 
 
@@ -404,9 +404,9 @@ def test_an_idle_syncer_polls_less_often_and_at_once_again_when_a_contribution_c
     for _ in range(10):
         pauses.append(s.next_poll_s(pauses[-1], idle=True))
     assert pauses[:3] == [0.01, 0.02, 0.04] and pauses[-1] == s.config.heartbeat_s == 0.5  # no learner live
-    s.step_time_s = 0.4
+    s.learners.step_time_s = 0.4
     assert s.next_poll_s(0.5, idle=True) == pytest.approx(0.1)
-    s.step_time_s = 0.001
+    s.learners.step_time_s = 0.001
     assert s.next_poll_s(0.5, idle=True) == s.opts.poll_s
     beat(run_store, "a")
     contribution(run_store, 0, "a", 1)
