@@ -47,7 +47,7 @@ class SimSyncer:
     def start(self) -> None:
         self.clock.begin()
         options = SyncerOptions(syncer_id=f"sim-syncer-{self.starts}", poll_s=self.world.scenario.syncer_poll_s,
-                                gc=False, clock=self.clock.monotonic)
+                                gc=False, clock=self.clock)
         syncer = Syncer(self.store, options=options)
         syncer.intake.decode_threads = 1  # decoded in the turn: the parallel downloads are modelled by the store
         if self._lease_held(syncer):  # stand by: look again in half a lease (Lease.acquire would sleep)
