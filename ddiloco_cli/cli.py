@@ -746,12 +746,12 @@ def simulate(
                                               help="Mean time between interruptions per chip, years")] = 1.0,
     quorum: Annotated[int, typer.Option(metavar="K", min=1, help="Quorum K (decoupled)")] = 1,
     seed: Annotated[Optional[int], typer.Option(metavar="N", min=0)] = None,
-    train: Annotated[bool, typer.Option("--train", help="Simulate a whole training run: the real syncer and "
+    train: Annotated[bool, typer.Option("--train", metavar="", help="Simulate a whole training run: the real syncer and "
                                         "learner code on a virtual clock (docs/simulation.md)")] = False,
     steps_per_learner: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="--train: inner steps "
                                                              "per learner")] = None,
     scenario: Annotated[Optional[str], typer.Option(metavar="FILE", help="--train: a scenario (TOML)")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="--train: the small scenario CI runs")] = False,
+    quick: Annotated[bool, typer.Option("--quick", metavar="", help="--train: the small scenario CI runs")] = False,
     json_file: Annotated[Optional[str], typer.Option(metavar="PATH", help="--train: also write the report "
                                                      "(JSON) here")] = None,
     json_out: JsonOut = False,
