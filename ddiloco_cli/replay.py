@@ -81,7 +81,8 @@ def per_cycle(config: RunConfig) -> bool:
 
 
 def new_outer(config: RunConfig) -> OuterOptimizer:
-    return OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum)
+    return OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum,
+                          nesterov=config.outer_momentum > 0)  # 0: plain averaged descent
 
 
 def checkpoint_bytes(value: FragmentValue, *, run_id: str, fragment: int, epoch: int) -> tuple[str, bytes]:
