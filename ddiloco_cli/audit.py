@@ -26,8 +26,9 @@ from typing import Any, Iterable
 
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import ProtocolError
-from ddiloco_cli.intake import REFUSED, SUPERSEDED, USED
 from ddiloco_cli.store.base import NotFound, Store
+from ddiloco_cli.typed_records import REFUSED, SUPERSEDED, USED, LedgerEntry, Manifest
+from ddiloco_cli.update import Decision
 
 
 @dataclass
@@ -40,11 +41,6 @@ class LedgerAudit:
     def to_json(self) -> dict[str, Any]:
         return {"counts": self.counts, "used_tokens": {str(p): t for p, t in self.used_tokens.items()},
                 "problems": self.problems}
-
-
-def entry_status(entry: dict[str, Any]) -> str:
-    """The entry's status; manifests written before ``status`` existed say it with ``used``."""
-    return entry.get("status") or (USED if entry["used"] else SUPERSEDED)
 
 
 def audit_ledger(store: Store, *, run_id: str, fragments: Iterable[int]) -> LedgerAudit:
@@ -64,32 +60,34 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
         return
     entries: dict[str, list[int]] = {}
     by_seq: set[tuple[str, int]] = set()
-    supersedes: list[tuple[int, dict[str, Any]]] = []
+    supersedes: list[tuple[int, LedgerEntry]] = []
     first_hw: dict[str, int] = {}
     last_hw: dict[str, int] = {}
     out.used_tokens.setdefault(p, 0)
-    used_by_version: dict[int, list[dict[str, Any]]] = {}
+    used_by_version: dict[int, tuple[LedgerEntry, ...]] = {}
     for v in versions:
-        try:
-            m = ledger.read_manifest(store, p, v, run_id=run_id)
+        try:  # the same reading of a manifest's decision a replay applies
+            decision = Decision.from_manifest(Manifest.from_json(ledger.read_manifest(store, p, v, run_id=run_id)),
+                                              default_lr=0.0)
         except (NotFound, ProtocolError) as exc:
             out.problems.append(f"{layout.manifest_key(p, v)}: cannot audit its ledger ({exc})")
             return
         if v == versions[0]:
-            first_hw = m["high_water"] if v > 0 else {}
-        last_hw = m["high_water"]
-        for e in m["contributions"]:
-            status = entry_status(e)
-            entries.setdefault(e["key"], []).append(v)
-            by_seq.add((e["learner_id"], e["seq"]))
+            first_hw = dict(decision.high_water) if v > 0 else {}
+        last_hw = dict(decision.high_water)
+        if decision.used:
+            used_by_version[v] = decision.used
+        for e in decision.used + decision.closed:
+            status = e.final_status
+            entries.setdefault(e.key, []).append(v)
+            by_seq.add((e.learner_id, e.seq))
             if status in out.counts:
                 out.counts[status] += 1
             if status == USED:
-                out.used_tokens[p] += int(e.get("merged_tokens", e["c_tokens"]))
-                used_by_version.setdefault(v, []).append(e)
-            elif status == REFUSED and not e.get("reason"):
-                out.problems.append(f"{layout.manifest_key(p, v)}: {e['key']} is refused without a reason")
-            elif status == SUPERSEDED and "carried_by" in e:
+                out.used_tokens[p] += e.tokens_merged
+            elif status == REFUSED and not e.reason:
+                out.problems.append(f"{layout.manifest_key(p, v)}: {e.key} is refused without a reason")
+            elif status == SUPERSEDED and e.carried_by is not None:
                 supersedes.append((v, e))
     needed: list[tuple[int, str]] = []  # (version, key) a replay from the newest checkpoint reads
     listed = {}
@@ -104,11 +102,11 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
     for v, used in sorted(used_by_version.items()):
         if v <= replay_from:
             continue
-        needed += [(v, e["key"]) for e in used]
+        needed += [(v, e.key) for e in used]
         if not needs_bases:  # outer_gradient = delta: a replay subtracts the earlier delta an entry increments
-            needed += [(v, e["increment_of"]["key"]) for e in used if "increment_of" in e]
+            needed += [(v, e.increment_of["key"]) for e in used if e.increment_of is not None]
             continue
-        for b in sorted({int(e["base_version"]) for e in used} - present):
+        for b in sorted({int(e.base_version) for e in used} - present):
             out.problems.append(f"{layout.manifest_key(p, b)}: the base of a contribution used by version {v} "
                                 f"and gone, but a restarting syncer replays that merge from checkpoint "
                                 f"{replay_from} against it")
@@ -121,10 +119,10 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
         if len(vs) > 1:
             out.problems.append(f"{key}: in {len(vs)} ledger entries (versions {vs}) of fragment {p}")
     for v, e in supersedes:
-        carrier = (e["learner_id"], e["carried_by"])
-        pending = e["carried_by"] > last_hw.get(e["learner_id"], -1)
+        carrier = (e.learner_id, e.carried_by)
+        pending = e.carried_by > last_hw.get(e.learner_id, -1)
         if carrier not in by_seq and not pending:
-            out.problems.append(f"{layout.manifest_key(p, v)}: {e['key']} is superseded by seq {e['carried_by']}, "
+            out.problems.append(f"{layout.manifest_key(p, v)}: {e.key} is superseded by seq {e.carried_by}, "
                                 f"which is not in the ledger")
     for key, (_, learner_id, seq) in sorted(listed.items()):
         if key in entries:

@@ -5,7 +5,7 @@ standby claimed a higher epoch for its fragments. ``FencedStore`` wraps the
 store a syncer writes through. Before every write of any kind (``put``,
 ``put_if_absent``, ``delete``) it checks the fence: is there an epoch above its
 own whose fragments overlap its own? It checks at most every ``interval_s``
-(monotonic clock) and always right before creating a manifest. Once fenced it
+(the injected clock's monotonic time) and always right before creating a manifest. Once fenced it
 raises ``FencedError`` for every later write without touching the bucket, so a
 fenced syncer writes nothing: no quarantine report, heartbeat, checkpoint or
 manifest.
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 from ddiloco_cli import layout, ledger
+from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import FencedError
 from ddiloco_cli.records import NewerProtocolError
 from ddiloco_cli.signing import Trust
@@ -44,8 +44,9 @@ class FencedStore(StoreWrapper):
     Reads pass through unchecked."""
 
     def __init__(self, inner: Store, *, run_id: str, epoch: ledger.Epoch, interval_s: float,
-                 trust: Trust | None = None):
+                 trust: Trust | None = None, clock: Clock = WALL):
         super().__init__(inner)
+        self.clock = clock
         self.trust = trust  # in a run that requires signatures, an unsigned epoch fences nobody
         self.run_id = run_id
         self.epoch = epoch
@@ -76,7 +77,7 @@ class FencedStore(StoreWrapper):
                 continue
             self._fence(f"epoch {n} ({other.syncer_id}) took over fragments {sorted(other.fragments & mine.fragments)}; "
                         f"this syncer (epoch {mine.epoch}) stops")
-        self._checked_t = time.monotonic()
+        self._checked_t = self.clock.monotonic()
 
     @property
     def fenced(self) -> bool:
@@ -91,7 +92,7 @@ class FencedStore(StoreWrapper):
         if self._fenced is not None:
             raise self._fenced
         kind = layout.key_kind(key)
-        if (kind is not None and kind[0] == "manifests") or time.monotonic() - self._checked_t >= self.interval_s:
+        if (kind is not None and kind[0] == "manifests") or self.clock.monotonic() - self._checked_t >= self.interval_s:
             self.check_fence()
 
     # ------------------------------------------------------------ the writes

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ddiloco_cli import codec, layout, records
+from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.merge import norm, token_weight
@@ -38,12 +38,14 @@ from ddiloco_cli.quantized import DecodedTensors, sources
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
+from ddiloco_cli.typed_records import REFUSED, SUPERSEDED, USED, LedgerEntry
+
+__all__ = ["REFUSED", "SUPERSEDED", "USED", "Contribution", "Intake", "add_pending", "staleness_discount"]
 
 log = logging.getLogger(__name__)
 
 Tensors = Mapping[str, torch.Tensor]  # a DecodedTensors for contributions: int4/int8 ones stay as their codes
 
-USED, SUPERSEDED, REFUSED = "used", "superseded", "refused"
 DECODE_THREADS = min(4, os.cpu_count() or 1)  # contributions decoded at once by one syncer
 
 
@@ -79,25 +81,15 @@ class Contribution:
     def weight(self) -> float:
         return token_weight(max(0, self.merged_tokens), max(0, self.merged_steps))
 
-    def entry(self, status: str, *, reason: str = "", carried_by: int | None = None) -> dict[str, Any]:
+    def entry(self, status: str, *, reason: str = "", carried_by: int | None = None) -> LedgerEntry:
         """Its ledger entry. A used one carries everything a replay needs."""
-        e = {"learner_id": self.learner_id, "seq": self.seq, "key": self.key, "sha256": self.sha256,
-             "size": self.size, "base_version": self.base_version, "c_tokens": self.c_tokens,
-             "c_steps": self.c_steps, "weight": self.weight, "used": status == USED, "status": status}
-        if status == USED:
-            e.update(staleness=self.staleness, discount=self.discount, merged_tokens=self.merged_tokens)
-            if self.increment_of is not None:
-                e["increment_of"] = self.increment_of
-        if reason:
-            e["reason"] = reason
-        if carried_by is not None:
-            e["carried_by"] = carried_by
-        return e
-
-
-def effective_weight(entry: dict[str, Any]) -> float:
-    """The merge weight of a used ledger entry: token weight times staleness discount."""
-    return float(entry["weight"]) * float(entry.get("discount", 1.0))
+        used = status == USED
+        return LedgerEntry(
+            self.learner_id, self.seq, self.key, self.size, used, sha256=self.sha256, base_version=self.base_version,
+            c_tokens=self.c_tokens, c_steps=self.c_steps, weight=self.weight, status=status,
+            staleness=self.staleness if used else None, discount=self.discount if used else None,
+            merged_tokens=self.merged_tokens if used else None, increment_of=self.increment_of if used else None,
+            reason=reason or None, carried_by=carried_by)
 
 
 def staleness_discount(staleness_cycles: float) -> float:
@@ -112,7 +104,7 @@ def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(sum(norm(t) ** 2 for t in sources(delta).values()))
 
 
-def add_pending(pending: list[Contribution], new: Contribution) -> list[dict[str, Any]]:
+def add_pending(pending: list[Contribution], new: Contribution) -> list[LedgerEntry]:
     """Insert ``new`` into one learner's pending list (kept in seq order) and return the
     ledger entries of the contributions it supersedes: of two neighbours on the same base
     the newer carries the older's progress (the learner's counters and delta both run from
@@ -144,12 +136,14 @@ class _Fetched:
 
 class Intake:
     """Lists, downloads and validates contributions; quarantines what fails [V1][V2].
-    ``decode_threads`` > 1 decodes several contributions at once (``load_all``)."""
+    ``decode_threads`` > 1 decodes several contributions at once (``load_all``); 1 decodes
+    inline, on the caller's thread (the deterministic simulation)."""
 
     def __init__(self, store: Store, *, config: RunConfig, plan: FragmentPlan, syncer_id: str,
                  epoch: Callable[[], int], is_known_learner: Callable[[str], bool], trust: Trust,
-                 decode_threads: int = DECODE_THREADS):
+                 decode_threads: int = DECODE_THREADS, clock: Clock = WALL):
         self.store = store
+        self.clock = clock
         self.config = config
         self.run_id = config.run_id
         self.plan = plan
@@ -182,7 +176,7 @@ class Intake:
         self.num_quarantined += 1
         log.warning("quarantined %s/%s: %s", self.store.url, key, reason)
         rec = records.make("quarantine", key=key, reason=reason, syncer_id=self.syncer_id, epoch=self.epoch(),
-                           created_s=time.time())
+                           created_s=self.clock.time())
         self.store.put_if_absent(layout.quarantine_key(key), records.dumps(rec))
 
     def load(self, p: int, info: ObjectInfo, learner_id: str, seq: int) -> Contribution | None:
@@ -265,11 +259,10 @@ class Intake:
             raise InvalidPayloadError(f"{where}: block size {tensors.block_size}, but the run's is "
                                       f"{self.config.codec_block}")
 
-    def fetch_used(self, p: int, entry: dict[str, Any]) -> Tensors:
-        """The tensors of a used ledger entry, checked against its sha256 (replay)."""
-        key = entry["key"]
+    def fetch_used(self, p: int, key: str, sha256: str) -> Tensors:
+        """The tensors of the contribution a used ledger entry names, checked against its sha256."""
         data = self.store.get(key)
-        if records.sha256_hex(data) != entry["sha256"]:
+        if records.sha256_hex(data) != sha256:
             raise InvalidPayloadError(f"{self.store.url}/{key}: sha256 differs from the ledger")
         tensors, _ = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
                                           max_numel=self.plan.fragment_numel(p), where=key, keep_codes=True)

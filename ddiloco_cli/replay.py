@@ -2,9 +2,8 @@
 
 A checkpoint (PROTOCOL.md "Outer-optimizer checkpoints") holds, as of version V,
 the Nesterov momentum buffers (tensor keys as in the plan) and the raw,
-unquantised value (keys prefixed ``raw/``). The replay applies ``outer_update``
-(the same function a commit uses) to every manifest after V, over its used
-ledger entries, and checks that the payloads it re-encodes have the sha256 the
+unquantised value (keys prefixed ``raw/``). The replay applies ``update.apply_decision``
+(the same function a commit uses) to the decision every manifest after V records, and checks that the payloads it re-encodes have the sha256 the
 manifest recorded: the restored state is then the committing syncer's, bit for
 bit, residual included [M4].
 """
@@ -20,16 +19,17 @@ import torch
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
-from ddiloco_cli.intake import effective_weight
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, expected_shapes
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, Store
-from ddiloco_cli.update import FragmentValue, contribution_gradient, outer_update
+from ddiloco_cli.typed_records import LedgerEntry, Manifest
+from ddiloco_cli.update import ApplyRules, Decision, FragmentValue, apply_decision
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+Fetch = Callable[[int, str, str], Tensors]  # (fragment, key, sha256) -> a used contribution's tensors
 RAW_PREFIX = "raw/"  # plan keys never contain "/" (they are parameter names and row ranges)
 ACCUM_PREFIX = "accum/"
 REPLAY_BASES = 64  # published values a replay keeps for contributions' bases (older ones are re-read)
@@ -142,7 +142,7 @@ def load_checkpoint(store: Store, *, config: RunConfig, plan: FragmentPlan, frag
 
 
 def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragment: int, reader: FragmentReader,
-                  fetch: Callable[[int, dict[str, Any]], Tensors], latest: int,
+                  fetch: Fetch, latest: int,
                   republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
     """The outer state of ``fragment`` at version ``latest``: checkpoint + replay. A
     checkpoint whose version's published value cannot be read (a payload deleted or
@@ -184,44 +184,51 @@ def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragme
                              math.floor(manifest_phase(m)))
 
 
-def replay(*, config: RunConfig, fragment: int, reader: FragmentReader,
-           fetch: Callable[[int, dict[str, Any]], Tensors], start: FragmentValue, latest: int,
-           republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
-    """Apply ``outer_update`` for every version after ``start`` up to ``latest``, from the
-    ledger; each version's re-encoded payloads go to ``republish`` once they are proven
-    identical to the manifest's. Raises ProtocolError when they differ."""
+class _LedgerInputs:
+    """What a replay's ``apply_decision`` reads: contributions fetched by key and checked
+    against the ledger's sha256, and the published values of their bases (recent ones kept)."""
+
+    def __init__(self, *, fragment: int, reader: FragmentReader, fetch: Fetch):
+        self.fragment, self.reader, self.fetch = fragment, reader, fetch
+        self.bases: dict[int, Tensors] = {}  # published values of versions replayed so far
+
+    def delta(self, entry: LedgerEntry) -> Tensors:
+        return self.fetch(self.fragment, entry.key, entry.sha256)
+
+    def prior(self, entry: LedgerEntry) -> Tensors:
+        return self.fetch(self.fragment, entry.increment_of["key"], entry.increment_of["sha256"])
+
+    def base(self, version: int) -> Tensors:
+        if version not in self.bases:
+            self.bases[version] = self.reader.read(version)
+        return self.bases[version]
+
+    def replayed(self, value: FragmentValue) -> None:
+        self.bases[value.version] = value.published
+        if len(self.bases) > REPLAY_BASES:
+            del self.bases[min(self.bases)]
+
+
+def replay(*, config: RunConfig, fragment: int, reader: FragmentReader, fetch: Fetch, start: FragmentValue,
+           latest: int, republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
+    """``apply_decision`` of every version after ``start`` up to ``latest``, each decision
+    read from its manifest; each version's re-encoded payloads go to ``republish`` once they
+    are proven identical to the manifest's. Raises ProtocolError when they differ."""
     value = start
-    bases: dict[int, Tensors] = {}  # published values of versions replayed so far (outer_gradient = current)
+    rules = ApplyRules.of(config)
+    inputs = _LedgerInputs(fragment=fragment, reader=reader, fetch=fetch)
     for v in range(start.version + 1, latest + 1):
-        m = reader.manifest(v)
-        used = [e for e in m["contributions"] if e["used"]]
-        if not used:
+        m = Manifest.from_json(reader.manifest(v))
+        decision = Decision.from_manifest(m, default_lr=config.outer_lr)
+        if not decision.used:
             raise ProtocolError(f"version {v} of fragment {fragment} merged nothing: not a syncer commit")
-        grads = []
-        for e in used:
-            # "increment_of" (delta runs): only what the earlier merge of the same base did not take
-            prior = fetch(fragment, e["increment_of"]) if "increment_of" in e and config.outer_gradient == "delta" \
-                else None
-            base = None
-            if config.outer_gradient == "current" and e["base_version"] != value.version:
-                b = int(e["base_version"])
-                base = bases[b] if b in bases else bases.setdefault(b, reader.read(b))
-            grads.append(contribution_gradient(fetch(fragment, e), prior=prior, base=base, current=value.published))
-        if config.outer_gradient == "current":
-            bases[value.version] = value.published
-            if len(bases) > REPLAY_BASES:
-                del bases[min(bases)]
-        value, encoded = outer_update(
-            value, fragment=fragment, grads=grads, weights=[effective_weight(e) for e in used],
-            lr=float(m.get("outer_lr", config.outer_lr)), method=config.merge, publish_codec=config.publish_codec,
-            block_size=config.codec_block, keyframe_every=config.keyframe_every,
-            cycle=manifest_cycle(m), share=float(m.get("outer_share", 1.0)), per_cycle=per_cycle(config),
-            publish_qmax=config.publish_qmax)
-        recorded = {e["kind"]: e["sha256"] for e in m["payloads"]}
-        mine = {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}
-        if recorded != mine:
+        previous = value
+        value, encoded = apply_decision(previous, decision, rules=rules, inputs=inputs)
+        if rules.outer_gradient == "current":
+            inputs.replayed(previous)
+        if m.payload_sha256() != {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}:
             raise ProtocolError(f"replaying version {v} of fragment {fragment} does not reproduce its payloads")
         if republish is not None:  # under the names the manifest recorded (a re-encode draws a new nonce)
-            names = {e["kind"]: e["key"] for e in m["payloads"]}
+            names = {e["kind"]: e["key"] for e in m.payloads}
             republish(v, [(names[entry["kind"]], data) for _, data, entry in encoded.payloads])
     return value

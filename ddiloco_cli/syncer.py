@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import statistics
-import time
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,14 +25,16 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ddiloco_cli import heap, layout, ledger, records, signing
+from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import DdilocoError, InvalidPayloadError, ProtocolError
-from ddiloco_cli.intake import REFUSED, USED, Contribution, Intake, add_pending, staleness_discount
+from ddiloco_cli.intake import DECODE_THREADS, REFUSED, USED, Contribution, Intake, add_pending, staleness_discount
 from ddiloco_cli.lease import Lease
 from ddiloco_cli.published import FragmentReader, upload_payloads
-from ddiloco_cli.replay import checkpoint_bytes, manifest_cycle, per_cycle, restore_value
+from ddiloco_cli.replay import checkpoint_bytes, manifest_cycle, restore_value
 from ddiloco_cli.runconfig import RunConfig, read_run_config
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
-from ddiloco_cli.update import FragmentValue, NonFiniteUpdate, contribution_gradient, outer_update
+from ddiloco_cli.typed_records import LedgerEntry, Manifest
+from ddiloco_cli.update import ApplyRules, Decision, FragmentValue, NonFiniteUpdate, apply_decision
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,10 @@ class SyncerOptions:
     gc_every_s: float = 30.0
     max_versions: int | None = None  # stop after committing this many versions (tests, benchmarks)
     max_runtime_s: float | None = None
-    clock: Callable[[], float] = time.monotonic  # times the grace window (a fake clock in simulations)
+    # every time the syncer reads or waits on (grace window, lease, fence, heartbeats, record
+    # times): a clock.VirtualClock in the deterministic simulation
+    clock: Clock = WALL
+    decode_threads: int = DECODE_THREADS  # 1: contributions decode inline (no thread pool)
     key_path: str | None = None  # signing key admitted with role syncer (runs that require signatures)
 
 
@@ -68,11 +72,11 @@ class FragmentState:
     high_water: dict[str, int]
     cycles: dict[int, float] = field(default_factory=dict)  # cycle clock by version (for staleness)
     pending: dict[str, list[Contribution]] = field(default_factory=dict)  # per learner, seq order
-    closed: list[dict[str, Any]] = field(default_factory=list)  # superseded/refused entries for the next manifest
+    closed: list[LedgerEntry] = field(default_factory=list)  # superseded/refused entries for the next manifest
     seen: set[str] = field(default_factory=set)
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
     # per learner: its last used ledger entry and (when in memory) that contribution's delta
-    tips: dict[str, tuple[dict[str, Any], Tensors | None]] = field(default_factory=dict)
+    tips: dict[str, tuple[LedgerEntry, Tensors | None]] = field(default_factory=dict)
     # published values of recent versions, newest last (outer_gradient = current: contributions' bases)
     bases: OrderedDict[int, Tensors] = field(default_factory=OrderedDict)
     first_pending_t: float | None = None
@@ -142,6 +146,7 @@ def grace_window_steps(config: RunConfig) -> int:
 class Syncer:
     def __init__(self, store: Store, *, options: SyncerOptions, on_progress: Callable[[dict], None] | None = None):
         self.opts = options
+        self.clock = options.clock
         heap.keep_freed_memory()  # fragment-sized temporaries reuse the heap, not fresh page-faulting mmaps
         self.config = read_run_config(store)
         self.run_id = self.config.run_id
@@ -153,10 +158,10 @@ class Syncer:
             raise ProtocolError(f"fragments {bad} do not exist in this run (it has {self.plan.num_fragments})")
         self.syncer_id = options.syncer_id or f"{socket.gethostname()}-{os.getpid()}"
         # signed runs [A2][A3][A5]: what this syncer accepts, and the key it signs epochs and manifests with
-        self.trust = signing.Trust(store, run=self.config)
+        self.trust = signing.Trust(store, run=self.config, clock=self.clock)
         self.signer = signing.signer_for_run(store, run=self.config, key_path=options.key_path, member_id=None, role="syncer")
         self.lease = Lease(store, config=self.config, syncer_id=self.syncer_id, fragments=self.fragments, trust=self.trust,
-                           signer=self.signer)
+                           signer=self.signer, clock=self.clock)
         self.store = store  # fenced by acquire (the one place it is wrapped): every write checks the lease
         self.on_progress = on_progress
         self.states: dict[int, FragmentState] = {}
@@ -164,7 +169,8 @@ class Syncer:
                         for p in self.fragments}
         self.intake = Intake(self.store, config=self.config, plan=self.plan, syncer_id=self.syncer_id,
                              epoch=lambda: self.epoch.epoch if self.epoch else 0, is_known_learner=self._known,
-                             trust=self.trust)
+                             trust=self.trust, decode_threads=options.decode_threads, clock=self.clock)
+        self.rules = ApplyRules.of(self.config)
         self.sync_time_s = 0.0  # EMA of merge + commit time
         self.step_time_s: float | None = None
         self.live_learners: set[str] = set()
@@ -172,18 +178,20 @@ class Syncer:
         self.num_merges = 0
         self.bytes_out = 0
         self.unavailable: dict[int, str] = {}  # fragments whose committed state cannot be read: why
-        self._last_restore_t = time.monotonic()
-        self.stage_s: dict[str, float] = {}  # wall seconds per stage, cumulative (bench_syncer reads it)
-        self._last_learners_t = 0.0
-        self._last_gc_t = time.monotonic()
+        self._last_restore_t = self.clock.monotonic()
+        self.stage_s: dict[str, float] = {}  # seconds per stage on the clock, cumulative (bench_syncer reads it)
+        self._last_learners_t = -float("inf")
+        self._last_gc_t = self.clock.monotonic()
+        self.committed = 0  # versions committed by tick (max_versions)
+        self._pause_s = options.poll_s  # tick's answer: the pause before the next poll
 
     @contextmanager
     def _stage(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0 = self.clock.monotonic()
         try:
             yield
         finally:
-            self.stage_s[name] = self.stage_s.get(name, 0.0) + time.perf_counter() - t0
+            self.stage_s[name] = self.stage_s.get(name, 0.0) + self.clock.monotonic() - t0
 
     # ----------------------------------------------------------------- lease
     @property
@@ -202,9 +210,10 @@ class Syncer:
     def bytes_in(self) -> int:
         return self.intake.bytes_in
 
-    def acquire(self, *, stop: Callable[[], bool] = lambda: False) -> bool:
-        """Stand by until the fragments' lease is free or expired, then claim the next epoch."""
-        if not self.lease.acquire(stop=stop):
+    def acquire(self, *, stop: Callable[[], bool] = lambda: False, wait: bool = True) -> bool:
+        """Stand by until the fragments' lease is free or expired, then claim the next epoch.
+        ``wait=False``: one look only (False while another syncer holds the lease)."""
+        if not self.lease.acquire(stop=stop, wait=wait):
             return False
         self.store = self.lease.guard(self.store)
         self.intake.store = self.store
@@ -226,7 +235,7 @@ class Syncer:
 
     def _refresh_learners(self) -> None:
         """Which learners are live, and their median step time (for the grace window)."""
-        self._last_learners_t = time.monotonic()
+        self._last_learners_t = self.clock.monotonic()
         beats = [b for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
                  if self.trust.admits(b.record, key=b.key, role="learner", member_id=b.record["learner_id"])]  # [A3]
         lease_s = self.config.lease_s
@@ -279,12 +288,12 @@ class Syncer:
         state.cycles[latest] = value.cycle
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
             try:
-                entries = reader.manifest(v)["contributions"]
+                entries = Manifest.from_json(reader.manifest(v)).contributions
             except (NotFound, ProtocolError):
                 break
             for e in reversed(entries):
-                if e["used"]:
-                    state.tips.setdefault(e["learner_id"], (e, None))
+                if e.used:
+                    state.tips.setdefault(e.learner_id, (e, None))
         return state
 
     def _republish_missing(self, version: int, payloads: list[tuple[str, bytes]]) -> None:
@@ -306,7 +315,7 @@ class Syncer:
         state.cycles, state.tips = fresh.cycles, fresh.tips
         state.pending = {lid: kept for lid, cs in state.pending.items()
                          if (kept := [c for c in cs if c.seq > hw.get(lid, -1)])}
-        state.closed = [e for e in state.closed if e["seq"] > hw.get(e["learner_id"], -1)]
+        state.closed = [e for e in state.closed if e.seq > hw.get(e.learner_id, -1)]
 
     # ---------------------------------------------------------------- intake
     def poll_contributions(self) -> int:
@@ -354,14 +363,14 @@ class Syncer:
                 got = next(loads)
             if got is not None and got.base_version > state.version:
                 got = self._future_base(state, got)
-            if isinstance(got, dict):
+            if isinstance(got, LedgerEntry):
                 state.closed.append(got)
             elif got is not None:
                 state.closed.extend(add_pending(state.pending.setdefault(learner_id, []), got))
                 if state.first_pending_t is None:
-                    state.first_pending_t = self.opts.clock()
+                    state.first_pending_t = self.clock.monotonic()
 
-    def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | dict[str, Any]:
+    def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | LedgerEntry:
         """A base newer than our version means someone else committed: check the fence (a
         higher epoch halts us), re-read the fragment, and refuse only a base that does not exist."""
         self.check_fence()
@@ -430,7 +439,7 @@ class Syncer:
                 state.pending[lid] = kept
             else:
                 del state.pending[lid]
-        now_t = self.opts.clock()
+        now_t = self.clock.monotonic()
         quorum = self.config.quorum
         if len(state.pending) >= quorum and state.quorum_t is None:
             state.quorum_t = now_t
@@ -481,39 +490,43 @@ class Syncer:
         for c in contributions:  # in seq order per learner
             tip = tips.get(c.learner_id)
             # only when its counters ran on from the tip's (a restarted session starts them again)
-            if tip is not None and tip[0]["base_version"] == c.base_version and tip[0]["seq"] < c.seq \
-                    and c.c_steps > tip[0]["c_steps"] and c.c_tokens >= tip[0]["c_tokens"]:
+            if tip is not None and tip[0].base_version == c.base_version and tip[0].seq < c.seq \
+                    and c.c_steps > tip[0].c_steps and c.c_tokens >= tip[0].c_tokens:
                 entry, delta = tip
-                c.increment_of = {k: entry[k] for k in ("seq", "key", "sha256", "c_tokens", "c_steps")}
+                c.increment_of = {"seq": entry.seq, "key": entry.key, "sha256": entry.sha256,
+                                  "c_tokens": entry.c_tokens, "c_steps": entry.c_steps}
                 if self.config.outer_gradient == "delta":
-                    c.prior_delta = delta if delta is not None else self.intake.fetch_used(state.fragment, entry)
+                    c.prior_delta = delta if delta is not None else \
+                        self.intake.fetch_used(state.fragment, entry.key, entry.sha256)
             tips[c.learner_id] = (c.entry(USED), c.delta)
+
+    def decide(self, state: FragmentState, contributions: list[Contribution], *, grace_s: float) -> Decision:
+        """What merging ``contributions`` into the next version does: their weights and
+        increments, the outer lr, the cycle advance, and the superseded/refused entries."""
+        self._link_increments(state, contributions)
+        advance = self._cycle_advance(contributions)
+        used = tuple(c.entry(USED) for c in contributions)
+        high_water = dict(state.high_water)
+        for e in used + tuple(state.closed):
+            high_water[e.learner_id] = max(high_water.get(e.learner_id, -1), e.seq)
+        return Decision(state.fragment, state.version + 1, used, tuple(state.closed),
+                        lr=self._outer_lr(sum(c.discount for c in contributions)),
+                        cycle=state.current.cycle + advance, cycle_advance=advance,
+                        share=self._outer_share(contributions), high_water=high_water,
+                        quorum_size=len({c.learner_id for c in contributions}), grace_s=grace_s)
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
         """Merge the pending contributions into the next version. Returns False when nothing
         was committed: another syncer committed that version first (state reloaded), or the
         update was not finite (the culprit is refused and quarantined)."""
-        t0 = self.opts.clock()
+        t0 = self.clock.monotonic()
         p, cur = state.fragment, state.current
         contributions = state.contributions()
         try:
-            self._link_increments(state, contributions)
-            grads = [contribution_gradient(c.delta, prior=c.prior_delta, base=self._base_value(state, c.base_version),
-                                           current=cur.published) for c in contributions]
-        except (NotFound, ProtocolError, InvalidPayloadError) as exc:  # a base read between admit and now
-            log.warning("fragment %d: a contribution's base cannot be read now (%s); merging later", p, exc)
-            return False
-        lr = self._outer_lr(sum(c.discount for c in contributions))
-        advance = self._cycle_advance(contributions)
-        share = self._outer_share(contributions)
-        try:
+            decision = self.decide(state, contributions, grace_s=grace_s)
             with self._stage("update"):
-                new, encoded = outer_update(
-                    cur, fragment=p, grads=grads, weights=[c.weight * c.discount for c in contributions], lr=lr,
-                    method=self.config.merge, publish_codec=self.config.publish_codec,
-                    block_size=self.config.codec_block, keyframe_every=self.config.keyframe_every,
-                    cycle=cur.cycle + advance, share=share, per_cycle=per_cycle(self.config),
-                    publish_qmax=self.config.publish_qmax)
+                new, encoded = apply_decision(cur, decision, rules=self.rules,
+                                              inputs=_HeldInputs(self, state, contributions))
         except NonFiniteUpdate as exc:
             culprit = max(contributions, key=lambda c: c.norm)
             self.intake.quarantine(culprit.key, f"{exc}; it had the largest outer gradient")
@@ -521,18 +534,14 @@ class Syncer:
             if not state.pending[culprit.learner_id]:
                 del state.pending[culprit.learner_id]
             return False
-        high_water = dict(state.high_water)
-        for e in [c.entry(USED) for c in contributions] + state.closed:
-            high_water[e["learner_id"]] = max(high_water.get(e["learner_id"], -1), e["seq"])
-        quorum_size = len({c.learner_id for c in contributions})
+        except (NotFound, ProtocolError, InvalidPayloadError) as exc:  # a base read between admit and now
+            log.warning("fragment %d: a contribution's base cannot be read now (%s); merging later", p, exc)
+            return False
         manifest = records.make(
-            "manifest", run_id=self.run_id, fragment=p, version=new.version, epoch=self.epoch.epoch,
-            syncer_id=self.syncer_id, nonce=records.new_nonce(), created_s=time.time(),
-            numel=self.plan.fragment_numel(p), payloads=[e for _, _, e in encoded.payloads],
-            contributions=[c.entry(USED) for c in contributions] + state.closed,
-            quorum_size=quorum_size, grace_s=grace_s, outer_steps=new.outer.num_steps, high_water=high_water,
-            outer_lr=lr, cycle=new.cycle, cycle_advance=advance, outer_share=share, outer_phase=new.phase,
-        )
+            "manifest", run_id=self.run_id, epoch=self.epoch.epoch, syncer_id=self.syncer_id,
+            nonce=records.new_nonce(), created_s=self.clock.time(), numel=self.plan.fragment_numel(p),
+            payloads=[e for _, _, e in encoded.payloads], outer_steps=new.outer.num_steps, outer_phase=new.phase,
+            **decision.manifest_fields())
         if self.signer is not None:  # [A5]
             manifest = signing.sign_record(manifest, run_id=self.run_id, key=layout.manifest_key(p, new.version),
                                            signer=self.signer)
@@ -545,29 +554,34 @@ class Syncer:
             log.warning("fragment %d: version %d was committed by another syncer; reloading", p, new.version)
             self._reload(state)
             return False
+        self._committed(state, decision, new, contributions)
+        dt = self.clock.monotonic() - t0
+        self.sync_time_s = dt if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * dt
+        log.info("fragment %d -> version %d (quorum %d, grace %.2fs, cycle %.2f, %.0f ms)", p, new.version,
+                 decision.quorum_size, grace_s, new.cycle, dt * 1e3)
+        return True
+
+    def _committed(self, state: FragmentState, decision: Decision, new: FragmentValue,
+                   contributions: list[Contribution]) -> None:
+        """Move ``state`` to the version just committed."""
         if self.config.outer_gradient == "current":
-            self._remember_base(state, cur.version, cur.published)
+            self._remember_base(state, state.version, state.current.published)
         state.current = new
-        for c in contributions:
-            state.tips[c.learner_id] = (c.entry(USED), c.delta)
+        for c, e in zip(contributions, decision.used):
+            state.tips[c.learner_id] = (e, c.delta)
         state.cycles[new.version] = new.cycle
         self._trim_cycles(state)
-        state.high_water = high_water
+        state.high_water = dict(decision.high_water)
         state.norms.extend(c.norm for c in contributions)
         state.pending.clear()
         state.closed.clear()
-        state.seen = {k for k in state.seen if _above_high_water(k, high_water)}
+        state.seen = {k for k in state.seen if _above_high_water(k, state.high_water)}
         state.first_pending_t = state.quorum_t = None
-        state.last_quorum_size, state.last_grace_s = quorum_size, grace_s
+        state.last_quorum_size, state.last_grace_s = decision.quorum_size, decision.grace_s
         self.num_merges += 1
         if new.version % self.config.checkpoint_every == 0:
             with self._stage("checkpoint"):
                 self.write_checkpoint(state)
-        dt = self.opts.clock() - t0
-        self.sync_time_s = dt if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * dt
-        log.info("fragment %d -> version %d (quorum %d, grace %.2fs, cycle %.2f, %.0f ms)", p, new.version,
-                 quorum_size, grace_s, new.cycle, dt * 1e3)
-        return True
 
     def _trim_cycles(self, state: FragmentState) -> None:
         """Forget the clock of versions beyond the staleness bound (re-read from the manifest
@@ -583,48 +597,25 @@ class Syncer:
 
     # ------------------------------------------------------------------ loop
     def serve(self, *, stop: Callable[[], bool] = lambda: False) -> str:
-        """Claim, restore and serve until stopped, fenced or a limit is reached.
+        """Claim, restore and serve until stopped, fenced or a limit is reached: the production
+        driver, ``tick`` then ``clock.sleep`` for as long as it says.
 
         Returns why it ended: "stopped", "limit". Raises FencedError when fenced.
         """
-        t_start = time.monotonic()
+        t_start = self.clock.monotonic()
 
         def out_of_time() -> bool:  # --max-runtime bounds standing by too
-            return self.opts.max_runtime_s is not None and time.monotonic() - t_start > self.opts.max_runtime_s
+            return self.opts.max_runtime_s is not None and self.clock.monotonic() - t_start > self.opts.max_runtime_s
 
         if not self.acquire(stop=lambda: stop() or out_of_time()):
             return "limit" if out_of_time() else "stopped"
-        self.check_fence()
-        self.restore()
-        self.heartbeat(force=True)
-        committed = 0
-        pause_s = self.opts.poll_s
+        self.start()
         try:
             while not stop():
-                if self.lease.fence_due():
-                    self.check_fence()
-                self.heartbeat()
-                if time.monotonic() - self._last_learners_t > self.config.heartbeat_s:
-                    self._refresh_learners()
-                fresh = self.poll_contributions()
-                for state in list(self.states.values()):
-                    if self.maybe_merge(state):
-                        committed += 1
-                if self.unavailable and time.monotonic() - self._last_restore_t > RESTORE_RETRY_S:
-                    self._last_restore_t = time.monotonic()
-                    for p in sorted(self.unavailable):
-                        self._try_restore(p)
-                if self.on_progress is not None:
-                    self.on_progress(self.progress())
-                if self.opts.max_versions is not None and committed >= self.opts.max_versions:
+                pause_s = self.tick()
+                if self.done() or out_of_time():
                     return "limit"
-                if out_of_time():
-                    return "limit"
-                if self.opts.gc and time.monotonic() - self._last_gc_t > self.opts.gc_every_s:
-                    self._collect_garbage()
-                idle = fresh == 0 and not any(state.pending for state in self.states.values())
-                pause_s = self.next_poll_s(pause_s, idle=idle)
-                time.sleep(pause_s)
+                self.clock.sleep(pause_s)
             return "stopped"
         finally:
             try:
@@ -632,10 +623,46 @@ class Syncer:
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
                 log.debug("final heartbeat failed: %s", exc)
 
+    def start(self) -> None:
+        """After ``acquire``: check the fence, restore every fragment and announce it."""
+        self.check_fence()
+        self.restore()
+        self.heartbeat(force=True)
+
+    def done(self) -> bool:
+        """Whether ``max_versions`` versions have been committed."""
+        return self.opts.max_versions is not None and self.committed >= self.opts.max_versions
+
+    def tick(self) -> float:
+        """One round of work after ``acquire`` and ``restore``: fence and heartbeat when due, one
+        poll of the bucket, a merge of every fragment that is ready, retries and GC when due.
+        Returns the seconds until it next wants to run. Raises FencedError when fenced."""
+        now = self.clock.monotonic()
+        if self.lease.fence_due():
+            self.check_fence()
+        self.heartbeat()
+        if now - self._last_learners_t > self.config.heartbeat_s:
+            self._refresh_learners()
+        fresh = self.poll_contributions()
+        for state in list(self.states.values()):
+            if self.maybe_merge(state):
+                self.committed += 1
+        if self.unavailable and self.clock.monotonic() - self._last_restore_t > RESTORE_RETRY_S:
+            self._last_restore_t = self.clock.monotonic()
+            for p in sorted(self.unavailable):
+                self._try_restore(p)
+        if self.on_progress is not None:
+            self.on_progress(self.progress())
+        if self.opts.gc and self.clock.monotonic() - self._last_gc_t > self.opts.gc_every_s:
+            self._collect_garbage()
+        idle = fresh == 0 and not any(state.pending for state in self.states.values())
+        self._pause_s = self.next_poll_s(self._pause_s, idle=idle)
+        return self._pause_s
+
     def _collect_garbage(self) -> None:
         from ddiloco_cli.gc import collect_garbage
 
-        self._last_gc_t = time.monotonic()
+        self._last_gc_t = self.clock.monotonic()
         try:
             collect_garbage(self.store, config=self.config, fragments=self.fragments)
         except Exception as exc:  # noqa: BLE001 - GC must never stop serving
@@ -651,6 +678,24 @@ class Syncer:
             "num_merges": self.num_merges, "num_quarantined": self.num_quarantined,
             "live_learners": len(self.live_learners), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
         }
+
+
+class _HeldInputs:
+    """What a committing syncer's ``apply_decision`` reads: the decoded contributions it holds
+    (by key), its cache of base values, and (delta runs) the priors ``_link_increments`` set."""
+
+    def __init__(self, syncer: "Syncer", state: FragmentState, contributions: list[Contribution]):
+        self.syncer, self.state = syncer, state
+        self.held = {c.key: c for c in contributions}
+
+    def delta(self, entry: LedgerEntry) -> Tensors:
+        return self.held[entry.key].delta
+
+    def base(self, version: int) -> Tensors:
+        return self.syncer._base_value(self.state, version)
+
+    def prior(self, entry: LedgerEntry) -> Tensors:
+        return self.held[entry.key].prior_delta
 
 
 def _above_high_water(key: str, high_water: dict[str, int]) -> bool:

@@ -1,8 +1,13 @@
 """One outer update of a fragment: the only place a new version's value is computed.
 
-Both the serving syncer (commit) and a restarting one (ledger replay) call
-``outer_update``, so a replay reproduces a commit by construction, down to the
-payload bytes (the replay checks their sha256 against the manifest).
+The syncer *decides* first (``Decision``: which contributions, their effective weights,
+the outer lr, the cycle advance, what is superseded or refused and why); the decision is
+the new manifest's ledger. Then ``apply_decision`` computes the new value, momentum and
+published payload from the previous ``FragmentValue`` and the decision alone (plus the
+run's fixed ``ApplyRules`` and the decoded contributions, ``Inputs``). The serving syncer
+(commit) and a restarting one (ledger replay, ``Decision.from_manifest``) both call it, so
+a replay reproduces a commit by construction, down to the payload bytes (the replay still
+checks their sha256 against the manifest, as a guard).
 
 The update (PROTOCOL.md "Merge semantics"):
 
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
@@ -31,6 +36,7 @@ from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.merge import all_finite, is_embedding_key, merge_outer_gradients
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import EncodedVersion, encode_version
+from ddiloco_cli.typed_records import LedgerEntry, Manifest
 
 Tensors = dict[str, torch.Tensor]
 
@@ -124,3 +130,100 @@ def outer_update(
         if not all_finite(t) or not all_finite(raw[k]):
             raise NonFiniteUpdate(f"fragment {fragment}: the new value of {k!r} is not finite")
     return FragmentValue(value.version + 1, encoded.published, raw, outer, cycle, accum, phase), encoded
+
+
+# ------------------------------------------------------------------ decide, then apply
+@dataclass(frozen=True)
+class Decision:
+    """What one merge does, decided by the syncer before any tensor moves; the ledger and
+    outer fields of the manifest it commits (``manifest_fields``), and all ``apply_decision``
+    needs besides the previous value. ``used`` entries carry their effective weight
+    (``LedgerEntry.effective_weight``) and, for a resend on a merged base, ``increment_of``."""
+
+    fragment: int
+    version: int  # the version it makes
+    used: tuple[LedgerEntry, ...]
+    closed: tuple[LedgerEntry, ...] = ()  # superseded / refused, with reasons
+    lr: float = 0.0
+    cycle: float = 0.0  # the fragment's cycle clock at ``version``
+    cycle_advance: float = 0.0
+    share: float = 1.0  # the part of a cycle this merge is (per-cycle momentum)
+    high_water: Mapping[str, int] = field(default_factory=dict)
+    quorum_size: int = 0
+    grace_s: float = 0.0
+
+    @property
+    def weights(self) -> list[float]:
+        return [e.effective_weight for e in self.used]
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, *, default_lr: float) -> "Decision":
+        """The decision a committed manifest records (replay and audit). Manifests of older
+        writers lack the outer fields: ``default_lr`` (the run's outer lr), share 1, one
+        cycle per version."""
+        return cls(m.fragment, m.version, m.used, tuple(e for e in m.contributions if not e.used),
+                   lr=float(default_lr if m.outer_lr is None else m.outer_lr), cycle=m.cycle_clock,
+                   cycle_advance=float(m.cycle_advance or 0.0),
+                   share=float(1.0 if m.outer_share is None else m.outer_share), high_water=dict(m.high_water),
+                   quorum_size=int(m.quorum_size or 0), grace_s=float(m.grace_s or 0.0))
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """The manifest's fields this decision fills (the rest: who committed, payloads)."""
+        return dict(fragment=self.fragment, version=self.version,
+                    contributions=[e.to_json() for e in self.used + self.closed], quorum_size=self.quorum_size,
+                    grace_s=self.grace_s, high_water=dict(self.high_water), outer_lr=self.lr, cycle=self.cycle,
+                    cycle_advance=self.cycle_advance, outer_share=self.share)
+
+
+@dataclass(frozen=True)
+class ApplyRules:
+    """The run's fixed settings an update applies (run.json; the same for every version)."""
+
+    merge: str
+    outer_gradient: str
+    per_cycle: bool
+    publish_codec: str
+    block_size: int
+    keyframe_every: int
+    publish_qmax: int | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> "ApplyRules":
+        return cls(merge=config.merge, outer_gradient=config.outer_gradient,
+                   per_cycle=config.outer_lr_scaling == "cycle", publish_codec=config.publish_codec,
+                   block_size=config.codec_block, keyframe_every=config.keyframe_every,
+                   publish_qmax=config.publish_qmax)
+
+
+class Inputs(Protocol):
+    """The tensors an update reads: held in memory by a committing syncer, fetched from the
+    bucket (sha256-checked) by a replay."""
+
+    def delta(self, entry: LedgerEntry) -> Tensors:
+        """The decoded contribution of a used entry."""
+
+    def base(self, version: int) -> Tensors:
+        """The published value of ``version`` (a contribution's base, outer_gradient = current)."""
+
+    def prior(self, entry: LedgerEntry) -> Tensors:
+        """The delta of the contribution ``entry.increment_of`` names (outer_gradient = delta)."""
+
+
+def apply_decision(previous: FragmentValue, decision: Decision, *, rules: ApplyRules,
+                   inputs: Inputs) -> tuple[FragmentValue, EncodedVersion]:
+    """The next version from ``previous`` and ``decision``: each used contribution's outer
+    gradient (``contribution_gradient``), then ``outer_update``. Pure but for ``inputs``'
+    reads; raises NonFiniteUpdate, or whatever ``inputs`` raises when a tensor cannot be read."""
+    assert decision.version == previous.version + 1, (decision.version, previous.version)
+    grads = []
+    for e in decision.used:
+        prior = base = None
+        if rules.outer_gradient == "current" and e.base_version != previous.version:
+            base = inputs.base(int(e.base_version))
+        elif rules.outer_gradient == "delta" and e.increment_of is not None:
+            prior = inputs.prior(e)
+        grads.append(contribution_gradient(inputs.delta(e), prior=prior, base=base, current=previous.published))
+    return outer_update(previous, fragment=decision.fragment, grads=grads, weights=decision.weights,
+                        lr=decision.lr, method=rules.merge, publish_codec=rules.publish_codec,
+                        block_size=rules.block_size, keyframe_every=rules.keyframe_every, cycle=decision.cycle,
+                        share=decision.share, per_cycle=rules.per_cycle, publish_qmax=rules.publish_qmax)

@@ -14,6 +14,7 @@ import torch
 
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.audit import audit_ledger
+from ddiloco_cli.clock import VirtualClock
 from ddiloco_cli.intake import Contribution, add_pending
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.store import open_store
@@ -101,10 +102,10 @@ def test_supersede_only_when_the_base_is_unchanged():
     assert add_pending(pending, _c(1, 0)) == []
     assert add_pending(pending, _c(2, 1)) == []  # re-based in between: both stay
     gone = add_pending(pending, _c(3, 1))  # same base as seq 2: seq 3 carries it
-    assert [(e["seq"], e["status"], e["carried_by"]) for e in gone] == [(2, "superseded", 3)]
+    assert [(e.seq, e.status, e.carried_by) for e in gone] == [(2, "superseded", 3)]
     assert [c.seq for c in pending] == [1, 3]
     gone = add_pending(pending, _c(0, 0))  # arrives late, same base as seq 1
-    assert [(e["seq"], e["carried_by"]) for e in gone] == [(0, 1)]
+    assert [(e.seq, e.carried_by) for e in gone] == [(0, 1)]
 
 
 def test_contributions_across_a_rebase_are_both_merged(run_store):
@@ -147,14 +148,6 @@ def test_audit_finds_lost_and_duplicated_contributions(run_store):
     assert any("in 2 ledger entries" in p for p in problems)
 
 
-class _FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @pytest.mark.parametrize("num_learners", [16])
 def test_out_of_phase_schedule_loses_nothing(num_learners):
     """Schedule simulation with the real intake, ready_to_merge and commit: M learners, half at
@@ -170,7 +163,7 @@ def test_out_of_phase_schedule_loses_nothing(num_learners):
     step_s = {lid: 1.0 if i % 2 == 0 else 1.5 for i, lid in enumerate(learners)}
     for lid in learners:
         beat(store, lid)
-    clock = _FakeClock()
+    clock = VirtualClock()
     s = Syncer(store, options=SyncerOptions(syncer_id="sim", gc=False, clock=clock))
     assert s.acquire()
     s.restore()
@@ -183,7 +176,7 @@ def test_out_of_phase_schedule_loses_nothing(num_learners):
     sent = 0
     while events:
         t, kind, lid = heapq.heappop(events)
-        clock.t = t
+        clock.advance_to(t)
         if kind == 0:  # send, then receive tau steps later
             seq += 1
             contribution(store, 0, lid, seq, base_version=holds[lid], c_tokens=H * 8, c_steps=H)
@@ -196,7 +189,7 @@ def test_out_of_phase_schedule_loses_nothing(num_learners):
         s.poll_contributions()
         s.maybe_merge(s.states[0])
     for _ in range(50):  # drain: the grace window runs out on the fake clock
-        clock.t += 1.0
+        clock.advance(1.0)
         s.poll_contributions()
         s.maybe_merge(s.states[0])
     audit = audit_ledger(store, run_id=s.run_id, fragments=[0])
@@ -218,7 +211,7 @@ def test_the_grace_window_spans_what_the_first_sender_can_absorb(await_own):
              await_own_merge=await_own, heartbeat_s=1000.0, lease_s=10_000.0)
     for lid in ("a", "b"):
         beat(store, lid, step_time_s=1.0)
-    clock = _FakeClock()
+    clock = VirtualClock()
     s = Syncer(store, options=SyncerOptions(syncer_id="g", gc=False, clock=clock))
     assert s.acquire()
     s.restore()
@@ -226,12 +219,12 @@ def test_the_grace_window_spans_what_the_first_sender_can_absorb(await_own):
     contribution(store, 0, "a", 1)
     merged_at = None
     for t in range(12):  # a's contribution waits; b reports at t = 8 s
-        clock.t = float(t)
+        clock.advance_to(float(t))
         if t == 8:
             contribution(store, 0, "b", 1)
         s.poll_contributions()
         if s.maybe_merge(s.states[0]) and merged_at is None:
-            merged_at = clock.t
+            merged_at = clock.monotonic()
     first = ledger.read_manifest(store, 0, 1)
     merged = sorted(c["learner_id"] for c in first["contributions"])
     if await_own:
@@ -306,7 +299,7 @@ def test_a_resend_on_a_merged_base_merges_only_the_increment():
     r = restored(run_store)  # replays version 2 from the ledger, increment included
     for k, t in s.states[0].current.raw.items():
         assert torch.equal(t, r.states[0].current.raw[k])
-    assert r.states[0].tips["a"][0]["seq"] == 2
+    assert r.states[0].tips["a"][0].seq == 2
     assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).used_tokens[0] == 192
 
 
