@@ -276,4 +276,4 @@ def sources(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, Source]:
 
 
 def shape_of(src: Source) -> tuple[int, ...]:
-    return src.shape if isinstance(src, Quantized) else tuple(src.shape)
+    return src.shape if isinstance(src, Quantized) else tuple(src.shape)  # (a SparseTensor's is a tuple too)
