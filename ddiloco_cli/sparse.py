@@ -81,29 +81,40 @@ The decompressed frame's size for a tensor of n elements."""
 # --- encoding ----------------------------------------------------------------------------
 
 
+_ROWS_AT_ONCE_ELEMS = 1 << 17  # the rows selected together: their magnitudes and mask stay in cache
+
+
 def _top_positions(rows: np.ndarray, k: int) -> np.ndarray:
     """The flat positions (in ``rows``, (rows, width) fp32) of each row's k largest magnitudes,
     ascending, as (rows, k) int64; NaN counts as the largest. Ties at the threshold go to the
-    earliest columns. One copy of the magnitudes (as int32 bits, whose order is theirs) is
-    partitioned in place for each row's k-th largest, then overwritten with them again for the
-    comparison: no other full-size temporary than the mask."""
+    earliest columns. A few rows at a time, in one reused buffer that stays in cache: their
+    magnitudes (as int32 bits, whose order is theirs) are partitioned in place for each row's
+    k-th largest, then written again for the comparison."""
     nrows, width = rows.shape
     if k == width:
         return np.arange(nrows * width, dtype=np.int64).reshape(nrows, width)
-    a = np.abs(rows)
-    bits = a.view(np.int32)
-    bits.partition(width - k, axis=1)
-    thr = bits[:, width - k : width - k + 1].copy()  # each row's k-th largest
-    np.abs(rows, out=a)
-    mask = bits >= thr
-    flat = np.flatnonzero(mask)
-    if flat.size != nrows * k:  # ties at the threshold (rare): keep the earliest
-        above = bits > thr
-        need = k - np.count_nonzero(above, axis=1)
-        eq = bits == thr
-        mask = above | (eq & (np.cumsum(eq, axis=1) <= need[:, None]))
+    step = max(1, min(nrows, _ROWS_AT_ONCE_ELEMS // width))
+    buf = np.empty((step, width), dtype=np.float32)
+    mask_buf = np.empty((step, width), dtype=bool)
+    out = np.empty((nrows, k), dtype=np.int64)
+    for r0 in range(0, nrows, step):
+        r1 = min(nrows, r0 + step)
+        part, a, mask = rows[r0:r1], buf[: r1 - r0], mask_buf[: r1 - r0]
+        bits = a.view(np.int32)
+        np.abs(part, out=a)
+        bits.partition(width - k, axis=1)
+        thr = bits[:, width - k : width - k + 1].copy()  # each row's k-th largest
+        np.abs(part, out=a)
+        np.greater_equal(bits, thr, out=mask)
         flat = np.flatnonzero(mask)
-    return flat.reshape(nrows, k)
+        if flat.size != (r1 - r0) * k:  # ties at the threshold (rare): keep the earliest
+            above = bits > thr
+            need = k - np.count_nonzero(above, axis=1)
+            eq = bits == thr
+            flat = np.flatnonzero(above | (eq & (np.cumsum(eq, axis=1) <= need[:, None])))
+        out[r0:r1] = flat.reshape(-1, k)
+        out[r0:r1] += r0 * width
+    return out
 
 
 def _round_bf16(x: np.ndarray) -> np.ndarray:
