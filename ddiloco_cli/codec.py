@@ -436,7 +436,9 @@ def _sparse_frame(t: torch.Tensor, chunk: int, k: int, *, sink: Sink | None, res
         r = x.clone() if minus is None else x
         r.numpy()[enc.index] -= enc.value
         residual[key] = r.view(t.shape)
-    if sink is not None:
+    if sink is not None and hasattr(sink, "sparse"):  # only the sent values (a published delta)
+        sink.sparse(enc.index, enc.value, enc.bounded)
+    elif sink is not None:
         decoded = np.zeros(x.numel(), dtype=np.float32)
         decoded[enc.index] = enc.value
         sink(0, x.numel(), decoded, enc.bounded)
@@ -702,6 +704,12 @@ def encode_published_delta(
             else:  # what _add computes on a reader's decode: base + decoded
                 np.add(base[start:stop], decoded, out=flat[start:stop])
 
+        def sparse_sink(index: np.ndarray, sent: np.ndarray, bounded: bool) -> None:
+            if not bounded and not np.isfinite(sent).all():
+                raise InvalidPayloadError(f"own published delta: tensor {key!r} has non-finite values")
+            _sparse_sum(base, index, sent, out=flat)  # as apply_published_delta: only the sent values change
+
+        sink.sparse = sparse_sink  # type: ignore[attr-defined]
         return sink
 
     payload = _encode(value, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
@@ -729,6 +737,11 @@ def apply_published_delta(
             raw = _decompressed(comp, raw_n, where=where, key=key)
             p = prev_published.get(key)
             summed = _sum_with(p, raw, codec, tuple(shape), block) if codec in QMAX and n else None
+            if codec == "sparse":
+                st = sparse.decode(raw, tuple(shape), block, topk, where=f"{where}: tensor {key!r}")
+                out_flat = np.empty(n, dtype=np.float32)
+                _sparse_sum(None if p is None else _flat32(p).numpy(), st.index, st.value, out=out_flat)
+                summed = torch.from_numpy(out_flat).view(tuple(shape))
             if summed is None:  # the general way: decode (values checked), then add
                 t = _decoded(raw, codec, tuple(shape), block, keep_codes=False, where=f"{where}: tensor {key!r}",
                              topk=topk)
@@ -737,6 +750,17 @@ def apply_published_delta(
     except records.PARSE_ERRORS as exc:  # as decode_tensors
         raise InvalidPayloadError(f"{where}: cannot decode ({type(exc).__name__}: {records.one_line(exc)})") from None
     return out
+
+
+def _sparse_sum(base: np.ndarray | None, index: np.ndarray, sent: np.ndarray, *, out: np.ndarray) -> None:
+    """out = base (zeros when None) with base[i] + sent at the sent positions i: one fp32 addition
+    each, the same on the syncer (its new published value) and on every reader."""
+    if base is None:
+        out[:] = 0.0
+        out[index] = sent
+    else:
+        out[:] = base
+        out[index] += sent
 
 
 # the largest bf16 magnitude (bits & 0x7FFF) whose product with the largest |q| a frame can hold

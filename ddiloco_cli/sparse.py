@@ -107,11 +107,14 @@ def _top_positions(rows: np.ndarray, k: int) -> np.ndarray:
         np.abs(part, out=a)
         np.greater_equal(bits, thr, out=mask)
         flat = np.flatnonzero(mask)
-        if flat.size != (r1 - r0) * k:  # ties at the threshold (rare): keep the earliest
-            above = bits > thr
+        if flat.size != (r1 - r0) * k:  # ties at the threshold: keep the earliest, in the rows with more than k
+            tied = np.flatnonzero(np.count_nonzero(mask, axis=1) > k)
+            sub, t = bits[tied], thr[tied]
+            above = sub > t
+            eq = sub == t
             need = k - np.count_nonzero(above, axis=1)
-            eq = bits == thr
-            flat = np.flatnonzero(above | (eq & (np.cumsum(eq, axis=1) <= need[:, None])))
+            mask[tied] = above | (eq & (np.cumsum(eq, axis=1) <= need[:, None]))
+            flat = np.flatnonzero(mask)
         out[r0:r1] = flat.reshape(-1, k)
         out[r0:r1] += r0 * width
     return out
