@@ -30,17 +30,17 @@ import torch
 
 from ddiloco_cli import codec, layout, records
 from ddiloco_cli.clock import WALL, Clock
-from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.merge import norm, token_weight
 from ddiloco_cli.published import expected_shapes
 from ddiloco_cli.quantized import DecodedTensors, sources
 from ddiloco_cli.runconfig import RunConfig
-from ddiloco_cli.signing import Trust
+from ddiloco_cli.judge import Judge
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
 from ddiloco_cli.typed_records import REFUSED, SUPERSEDED, USED, LedgerEntry
 
-__all__ = ["REFUSED", "SUPERSEDED", "USED", "Contribution", "Intake", "add_pending", "staleness_discount"]
+__all__ = ["REFUSED", "SUPERSEDED", "USED", "Contribution", "Intake", "add_pending"]
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,6 @@ class Contribution:
             reason=reason or None, carried_by=carried_by)
 
 
-def staleness_discount(staleness_cycles: float) -> float:
-    """1 up to 2 cycles (a contribution normally trails by about one cycle: the others
-    trained while it did; a learner 1.5x slower by about 1.5), then 2 / staleness."""
-    return 1.0 if staleness_cycles <= 2.0 else 2.0 / staleness_cycles
-
-
 def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm of a whole delta (every tensor): ``merge.norm`` per tensor, so an int4/int8
     contribution's comes from its codes, without dequantising it."""
@@ -140,7 +134,7 @@ class Intake:
     inline, on the caller's thread (the deterministic simulation)."""
 
     def __init__(self, store: Store, *, config: RunConfig, plan: FragmentPlan, syncer_id: str,
-                 epoch: Callable[[], int], is_known_learner: Callable[[str], bool], trust: Trust,
+                 epoch: Callable[[], int], judge: Judge,
                  decode_threads: int = DECODE_THREADS, clock: Clock = WALL):
         self.store = store
         self.clock = clock
@@ -149,8 +143,7 @@ class Intake:
         self.plan = plan
         self.syncer_id = syncer_id
         self.epoch = epoch
-        self.is_known_learner = is_known_learner
-        self.trust = trust
+        self.judge = judge
         self.bad_keys: set[str] = set()
         self.num_quarantined = 0
         self.bytes_in = 0
@@ -221,45 +214,23 @@ class Intake:
         return _Fetched(data, tensors, header, delta_norm(tensors))
 
     def _validate(self, p: int, info: ObjectInfo, learner_id: str, seq: int, got: _Fetched) -> Contribution | None:
+        """The contribution, or None: gone, or judged invalid (then quarantined)."""
         key = info.key
-        where = f"{self.store.url}/{key}"
         if got.data is None:
             if got.error is not None:
                 self.quarantine(key, str(got.error))
             return None
         data = got.data
         self.bytes_in += len(data)
-        try:
-            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)  # [A2]
-            if got.error is not None:  # the signature is checked first: a forged payload is reported as such
-                raise got.error
-            header = got.header
-            records.validate(header, "contribution", where=where)
-            if header["run_id"] != self.run_id:
-                raise InvalidPayloadError(f"{where}: belongs to run {header['run_id']}, not this run")
-            if (header["fragment"], header["learner_id"], header["seq"]) != (p, learner_id, seq):
-                raise InvalidPayloadError(f"{where}: header names fragment {header['fragment']} learner "
-                                          f"{header['learner_id']} seq {header['seq']}, not its key")
-            self._check_codec(got.tensors, where=where)
-            if not self.is_known_learner(learner_id):
-                raise InvalidPayloadError(f"{where}: unknown learner {learner_id!r} (no heartbeat in the run)")
-        except (InvalidPayloadError, ProtocolError) as exc:
-            self.quarantine(key, str(exc))
+        verdict = self.judge.payload(data, fragment=p, key=key, learner_id=learner_id, seq=seq,
+                                     where=f"{self.store.url}/{key}",
+                                     decoded=got.error if got.error is not None else (got.tensors, got.header))
+        if not verdict.accepted:
+            self.quarantine(key, verdict.reason)
             return None
+        header = got.header
         return Contribution(learner_id, seq, key, records.sha256_hex(data), len(data), int(header["base_version"]),
                             int(header["c_tokens"]), int(header["c_steps"]), got.tensors, norm=got.norm)
-
-    def _check_codec(self, tensors: DecodedTensors, *, where: str) -> None:
-        """A contribution must use the run's codec (a learner may not upload fp32 in an int4 run):
-        as its header declared it to the decoder (the header is parsed once)."""
-        want = self.config.codec
-        if tensors.codec != want:
-            raise InvalidPayloadError(f"{where}: codec {tensors.codec!r}, but the run's codec is {want!r}")
-        if want in ("int8", "int4", "sparse") and tensors.block_size != self.config.codec_block:
-            raise InvalidPayloadError(f"{where}: block size {tensors.block_size}, but the run's is "
-                                      f"{self.config.codec_block}")
-        if want == "sparse" and tensors.topk != self.config.codec_topk:  # as dense as the run allows, no denser
-            raise InvalidPayloadError(f"{where}: sparse topk {tensors.topk}, but the run's is {self.config.codec_topk}")
 
     def fetch_used(self, p: int, key: str, sha256: str) -> Tensors:
         """The tensors of the contribution a used ledger entry names, checked against its sha256."""

@@ -66,7 +66,8 @@ class Uploader:
     def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats,
                  num_workers: int = 2, newest_wins: bool = True, signer: signing.Signer | None = None,
                  on_residual: Callable[[int, Tensors], None] | None = None, qmax: int | None = None,
-                 density: float | None = None):
+                 density: float | None = None, threads: bool = True, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # times how long submit blocked on a full queue
         self.store, self.codec_name, self.block_size, self.stats = store, codec_name, block_size, stats
         self.qmax = qmax  # the run's codec_qmax: the largest |code| the encoder writes
         self.density = density  # the run's codec_density (sparse)
@@ -79,7 +80,7 @@ class Uploader:
         self.failed = 0
         self.replaced = 0
         self.threads = [threading.Thread(target=self._run, name=f"ddiloco-uploader-{i}", daemon=True)
-                        for i in range(num_workers)]
+                        for i in range(num_workers if threads else 0)]
 
     def start(self) -> None:
         for t in self.threads:
@@ -96,9 +97,9 @@ class Uploader:
                         self.queue.queue[i] = item
                         self.replaced += 1
                         return 0.0
-        t0 = time.monotonic()
+        t0 = self.clock()
         self.queue.put(item)
-        return time.monotonic() - t0
+        return self.clock() - t0
 
     def _run(self) -> None:
         while True:
@@ -110,10 +111,27 @@ class Uploader:
             finally:
                 self.queue.task_done()
 
+    def take_next(self) -> tuple[str, Tensors, dict[str, Any]] | None:
+        """The oldest queued (key, delta, header), or None when the queue is empty (driver mode)."""
+        try:
+            item = self.queue.get_nowait()
+        except queue.Empty:
+            return None
+        self.queue.task_done()
+        return item
+
+    def encode(self, key: str, delta: Tensors, header: dict[str, Any]) -> tuple[bytes, Tensors | None]:
+        """The contribution's bytes, and what they leave out of ``delta`` (error feedback)."""
+        return encode_contribution(delta, header, codec_name=self.codec_name, block_size=self.block_size,
+                                   key=key, signer=self.signer, residual=self.on_residual is not None,
+                                   qmax=self.qmax, density=self.density)
+
     def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
-        data, residual = encode_contribution(delta, header, codec_name=self.codec_name, block_size=self.block_size,
-                                             key=key, signer=self.signer, residual=self.on_residual is not None,
-                                             qmax=self.qmax, density=self.density)
+        data, residual = self.encode(key, delta, header)
+        self.finish(key, header, data, residual)
+
+    def finish(self, key: str, header: dict[str, Any], data: bytes, residual: Tensors | None) -> None:
+        """Upload an encoded contribution (retried), then hand its residual back and count it."""
         try:  # each attempt is a whole store call (retried inside); this waits out a longer outage
             created = retrying(lambda: self.store.put_if_absent(key, data), what=f"upload of {key}",
                                policy=OUTAGE_POLICY)

@@ -404,9 +404,9 @@ def test_an_idle_syncer_polls_less_often_and_at_once_again_when_a_contribution_c
     for _ in range(10):
         pauses.append(s.next_poll_s(pauses[-1], idle=True))
     assert pauses[:3] == [0.01, 0.02, 0.04] and pauses[-1] == s.config.heartbeat_s == 0.5  # no learner live
-    s.step_time_s = 0.4
+    s.learners.step_time_s = 0.4
     assert s.next_poll_s(0.5, idle=True) == pytest.approx(0.1)
-    s.step_time_s = 0.001
+    s.learners.step_time_s = 0.001
     assert s.next_poll_s(0.5, idle=True) == s.opts.poll_s
     beat(run_store, "a")
     contribution(run_store, 0, "a", 1)

@@ -24,8 +24,8 @@ def test_the_committed_manifest_is_the_decision():
     contribution(run_store, 0, "b", 1, c_tokens=32, c_steps=2)
     contribution(run_store, 0, "b", 2, c_tokens=48, c_steps=3)  # supersedes b's seq 1 (same base)
     applied = []
-    decide = s.decide
-    s.decide = lambda *a, **k: applied.append(decide(*a, **k)) or applied[-1]
+    decide = s.decider.decide
+    s.decider.decide = lambda *a, **k: applied.append(decide(*a, **k)) or applied[-1]
     assert step(s, 0)
     raw = ledger.read_manifest(run_store, 0, 1)
     m = Manifest.from_json(raw)
