@@ -102,9 +102,11 @@ class Judge:
         want = self.config.codec
         if tensors.codec != want:
             raise InvalidPayloadError(f"{where}: codec {tensors.codec!r}, but the run's codec is {want!r}")
-        if want in ("int8", "int4") and tensors.block_size != self.config.codec_block:
+        if want in ("int8", "int4", "sparse") and tensors.block_size != self.config.codec_block:
             raise InvalidPayloadError(f"{where}: block size {tensors.block_size}, but the run's is "
                                       f"{self.config.codec_block}")
+        if want == "sparse" and tensors.topk != self.config.codec_topk:  # as dense as the run allows, no denser
+            raise InvalidPayloadError(f"{where}: sparse topk {tensors.topk}, but the run's is {self.config.codec_topk}")
 
     def admission(self, *, base_version: int, version: int, staleness: Callable[[], float],
                   read_base: Callable[[], Any] | None, norm: float, norms: Collection[float]) -> Verdict:

@@ -69,7 +69,8 @@ def replay_base_floor(store: Store, *, run_id: str, fragment: int, checkpoint: i
 
 
 def new_outer(config: RunConfig) -> OuterOptimizer:
-    return OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum)
+    return OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum,
+                          nesterov=config.outer_momentum > 0)  # 0: plain averaged descent
 
 
 def checkpoint_bytes(value: FragmentValue, *, run_id: str, fragment: int, epoch: int) -> tuple[str, bytes]:

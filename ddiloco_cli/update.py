@@ -75,7 +75,7 @@ def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, metho
 def outer_update(
     value: FragmentValue, *, fragment: int, grads: Sequence[Tensors], weights: Sequence[float], lr: float,
     method: str, publish_codec: str, block_size: int, keyframe_every: int, cycle: float,
-    publish_qmax: int | None = None,
+    publish_qmax: int | None = None, publish_density: float | None = None,
 ) -> tuple[FragmentValue, EncodedVersion]:
     """The next version of ``value`` from the contributions' outer gradients; ``cycle`` is the
     new staleness clock. Pure: ``value`` (and its optimizer) are left as they were, so a lost
@@ -90,7 +90,8 @@ def outer_update(
     raw, outer = value.outer.stepped(value.raw, merged, lr=lr)  # into new tensors: value is kept
     encoded = encode_version(fragment=fragment, version=value.version + 1, new_value=raw,
                              prev_published=value.published, publish_codec=publish_codec,
-                             block_size=block_size, keyframe_every=keyframe_every, qmax=publish_qmax)
+                             block_size=block_size, keyframe_every=keyframe_every, qmax=publish_qmax,
+                             density=publish_density)
     for k, t in encoded.published.items():
         if not all_finite(t) or not all_finite(raw[k]):
             raise NonFiniteUpdate(f"fragment {fragment}: the new value of {k!r} is not finite")
@@ -147,12 +148,13 @@ class ApplyRules:
     block_size: int
     keyframe_every: int
     publish_qmax: int | None = None
+    publish_density: float | None = None  # the sparse codec's (run.json codec_density)
 
     @classmethod
     def of(cls, config: Any) -> "ApplyRules":
         return cls(merge=config.merge, publish_codec=config.publish_codec,
                    block_size=config.codec_block, keyframe_every=config.keyframe_every,
-                   publish_qmax=config.publish_qmax)
+                   publish_qmax=config.publish_qmax, publish_density=config.codec_density)
 
 
 class Inputs(Protocol):
@@ -179,4 +181,4 @@ def apply_decision(previous: FragmentValue, decision: Decision, *, rules: ApplyR
     return outer_update(previous, fragment=decision.fragment, grads=grads, weights=decision.weights,
                         lr=decision.lr, method=rules.merge, publish_codec=rules.publish_codec,
                         block_size=rules.block_size, keyframe_every=rules.keyframe_every, cycle=decision.cycle,
-                        publish_qmax=rules.publish_qmax)
+                        publish_qmax=rules.publish_qmax, publish_density=rules.publish_density)

@@ -202,7 +202,7 @@ class DiLoCoSync:
             self.schedule_offset = self.island.agree([self._aligned_offset(trust) if io else 0])[0]
         if io:
             self._uploader = Uploader(self.store, codec_name=self.config.codec, block_size=self.config.codec_block,
-                                      qmax=self.config.codec_qmax,
+                                      qmax=self.config.codec_qmax, density=self.config.codec_density,
                                       maxsize=self.opts.upload_queue, stats=self.stats,
                                       num_workers=self.opts.upload_workers, newest_wins=not self.lockstep,
                                       signer=signer, on_residual=self._keep_residual if self.error_feedback else None,
@@ -387,7 +387,11 @@ class DiLoCoSync:
         with self._residual_lock:
             residual = self._residual.get(p)
         if residual is not None:  # the part of the last contribution the codec did not carry [L6]
-            torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+            decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
+            if decay == 1.0:
+                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+            else:
+                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
         c_steps, c_tokens = self.counters.snapshot(p)
         header = records.make(
             "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
