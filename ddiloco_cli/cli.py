@@ -24,7 +24,7 @@ from typer.core import TyperGroup
 
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.metrics import LOGGERS
-from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterGradient, OuterLrScaling, RunConfig
+from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterLrScaling, RunConfig
 from ddiloco_cli.store.base import TransientStoreError
 
 
@@ -211,24 +211,15 @@ def init(
         "--keep-overlap-progress/--discard-overlap-progress", metavar="", rich_help_panel=_MERGE,
         help="On receive, keep the steps trained since the send (theta <- Theta_new + progress) or overwrite them")
     ] = _D.keep_overlap_progress,
-    await_own_merge: Annotated[bool, typer.Option(
-        "--await-own-merge/--take-newest", metavar="", rich_help_panel=_MERGE,
-        help="Decoupled learners: from t+tau, take the first version that merged their contribution (never "
-             "blocking; the newest one at the step before the next send), or the newest version at t+tau")
-    ] = _D.await_own_merge,
     merge: Annotated[Merge, typer.Option(rich_help_panel=_MERGE,
                                          help="Radial-Directional Averaging or a token-weighted mean")] = Merge(_D.merge),
     outer_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_MERGE,
                                             help="Outer Nesterov learning rate")] = _D.outer_lr,
     outer_momentum: Annotated[float, typer.Option(metavar="X", rich_help_panel=_MERGE,
-                                                  help="Outer Nesterov momentum")] = _D.outer_momentum,
+                                                  help="Outer Nesterov momentum (0: plain averaged descent)")] = _D.outer_momentum,
     outer_lr_scaling: Annotated[OuterLrScaling, typer.Option(
         rich_help_panel=_MERGE, help="participation: a merge of m of M live learners uses lr*m/M")
     ] = OuterLrScaling(_D.outer_lr_scaling),
-    outer_gradient: Annotated[OuterGradient, typer.Option(
-        rich_help_panel=_MERGE, help="current: a contribution's outer gradient is the current value minus its "
-                                     "model ((current - base) + delta); delta: its progress on its own base")
-    ] = OuterGradient(_D.outer_gradient),
     inner_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_INNER,
                                             help="Inner AdamW peak learning rate")] = _D.inner_lr,
     adam_betas: Annotated[str, typer.Option(metavar="B1,B2", rich_help_panel=_INNER,
@@ -247,11 +238,15 @@ def init(
                                             help="Inner batch size per learner")] = _D.batch_size,
     codec: Annotated[Codec, typer.Option(rich_help_panel=_CODEC, help="Outer-gradient codec")] = Codec(_D.codec),
     codec_block: Annotated[Optional[int], typer.Option(
-        metavar="N", rich_help_panel=_CODEC, help="Quantization block size (default 64 for int4, 256 for int8)")] = None,
+        metavar="N", rich_help_panel=_CODEC,
+        help="Quantization block size (default 64 for int4, 256 for int8; sparse: chunk, 4096)")] = None,
     codec_qmax: Annotated[Optional[int], typer.Option(
         metavar="Q", rich_help_panel=_CODEC,
         help="Largest |code| the int4/int8 encoders write (default 3 for int4: 29% fewer bytes than its "
              "whole range, 7; 127 for int8)")] = None,
+    codec_density: Annotated[Optional[float], typer.Option(
+        metavar="X", rich_help_panel=_CODEC,
+        help="Sparse codec: fraction of each chunk's values sent (Top-k; default 0.02)")] = None,
     publish_codec: Annotated[Optional[Codec], typer.Option(
         rich_help_panel=_CODEC, help="Codec of published fragment deltas (default: --codec)")] = None,
     keyframe_every: Annotated[int, typer.Option(metavar="N", rich_help_panel=_CODEC,
@@ -260,6 +255,10 @@ def init(
         "--error-feedback/--no-error-feedback", metavar="", rich_help_panel=_CODEC,
         help="Learners add what the codec dropped from their last contribution of a fragment to the next one")
     ] = _D.error_feedback,
+    error_feedback_decay: Annotated[Optional[float], typer.Option(
+        metavar="BETA", rich_help_panel=_CODEC,
+        help="Learners carry BETA times that residual (e <- BETA*e + delta; default 0.95 for sparse, 1 otherwise)")
+    ] = None,
     grace_gamma: Annotated[float, typer.Option(metavar="X", rich_help_panel=_FT,
                                                help="Grace window = gamma * slack of the overlap window")] = _D.grace_gamma,
     grace_max: Annotated[float, typer.Option("--grace-max", metavar="SECONDS", rich_help_panel=_FT,

@@ -41,9 +41,13 @@ def fence_interval_s(lease_s: float) -> float:
 
 class FencedStore(StoreWrapper):
     """A Store that checks the fence of ``epoch`` before each write (see module doc).
-    Reads pass through unchecked."""
+    Reads pass through unchecked.
 
-    def __init__(self, inner: Store, *, run_id: str, epoch: ledger.Epoch, interval_s: float,
+    A syncer builds one at start, unarmed (``epoch`` None: its writes pass, the only one
+    being its epoch claim), and every part of it reads and writes through that one object;
+    ``Lease.acquire`` arms it with the claimed epoch (``arm``), from then on for good."""
+
+    def __init__(self, inner: Store, *, run_id: str, interval_s: float, epoch: ledger.Epoch | None = None,
                  trust: Trust | None = None, clock: Clock = WALL):
         super().__init__(inner)
         self.clock = clock
@@ -55,6 +59,12 @@ class FencedStore(StoreWrapper):
         self._fenced: FencedError | None = None
         self._harmless: set[int] = set()  # epochs above ours that are invalid, foreign or disjoint
 
+    def arm(self, epoch: ledger.Epoch) -> None:
+        """Check every later write against ``epoch`` (the one this syncer claimed)."""
+        assert self.epoch is None or self.epoch == epoch, "armed already, with another epoch"
+        self.epoch = epoch
+        self._checked_t = -math.inf
+
     # -------------------------------------------------------------- the fence
     def check_fence(self) -> None:
         """Raise FencedError if an epoch above ours overlaps our fragments (then for good).
@@ -64,6 +74,7 @@ class FencedStore(StoreWrapper):
         """
         if self._fenced is not None:
             raise self._fenced
+        assert self.epoch is not None, "claim an epoch (Lease.acquire) first"
         mine = self.epoch
         for n, _ in ledger.listed_epochs(self.inner):
             if n <= mine.epoch or n in self._harmless:
@@ -91,6 +102,8 @@ class FencedStore(StoreWrapper):
     def _before_write(self, key: str) -> None:
         if self._fenced is not None:
             raise self._fenced
+        if self.epoch is None:  # unarmed: no epoch claimed yet, nothing to be fenced from
+            return
         kind = layout.key_kind(key)
         if (kind is not None and kind[0] == "manifests") or self.clock.monotonic() - self._checked_t >= self.interval_s:
             self.check_fence()

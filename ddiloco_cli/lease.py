@@ -2,10 +2,10 @@
 
 PROTOCOL.md "Fencing and leases". A syncer stands by while another epoch over
 its fragments is serving with a fresh heartbeat (judged by the store's clock),
-then claims the next epoch create-only. From then on every write goes through a
-``fence.FencedStore`` (``Lease.guard``), which halts the syncer (``FencedError``)
-as soon as a higher epoch overlaps its fragments; the lease heartbeats every
-``heartbeat_s`` through it.
+then claims the next epoch create-only. The lease works on the syncer's one
+``fence.FencedStore``, and arms it with the claimed epoch: from then on every write
+checks the fence, and halts the syncer (``FencedError``) as soon as a higher epoch
+overlaps its fragments; the lease heartbeats every ``heartbeat_s`` through it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any, Callable
 from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import ProtocolError
-from ddiloco_cli.fence import FencedStore, fence_interval_s
+from ddiloco_cli.fence import FencedStore
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.signing import Signer, Trust
-from ddiloco_cli.store.base import NotFound, Store
+from ddiloco_cli.store.base import NotFound
+from ddiloco_cli.typed_records import SyncerHeartbeat
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 class Lease:
     """One syncer's claim on a set of fragments. ``epoch`` is None until ``acquire`` succeeds."""
 
-    def __init__(self, store: Store, *, config: RunConfig, syncer_id: str, fragments: list[int],
+    def __init__(self, store: FencedStore, *, config: RunConfig, syncer_id: str, fragments: list[int],
                  trust: Trust | None = None, signer: Signer | None = None, clock: Clock = WALL):
         self.store = store
         self.clock = clock
@@ -61,7 +62,10 @@ class Lease:
             self.epoch = ledger.claim_epoch(self.store, run_id=self.run_id, syncer_id=self.syncer_id,
                                             fragments=self.fragments, created_s=self.clock.time(), stop=stop,
                                             signer=self.signer)
-            return self.epoch is not None
+            if self.epoch is None:
+                return False
+            self.store.arm(self.epoch)
+            return True
         return False
 
     def standby_poll_s(self) -> float:
@@ -83,24 +87,16 @@ class Lease:
             return owner, age
         return None
 
-    def guard(self, store: Store) -> FencedStore:
-        """The fenced view of ``store`` that every write of this syncer goes through from now
-        on (the lease's own heartbeats included)."""
-        assert self.epoch is not None
-        self.store = FencedStore(store, run_id=self.run_id, epoch=self.epoch, interval_s=fence_interval_s(self.lease_s),
-                                 trust=self.trust, clock=self.clock)
-        return self.store
-
     def _owner_state(self, epoch: int) -> str | None:
         try:
             rec = records.loads(self.store.get(layout.syncer_heartbeat_key(epoch)), "syncer_heartbeat", where="heartbeat")
-            return rec["state"]
+            return SyncerHeartbeat.from_json(rec).state
         except (NotFound, ProtocolError):
             return None
 
     def check_fence(self) -> None:
         """Raise FencedError if a higher epoch overlapping our fragments exists [F1]."""
-        assert isinstance(self.store, FencedStore), "acquire and guard first"
+        assert self.epoch is not None, "acquire first"
         self.store.check_fence()
         self.last_fence_check_t = self.clock.monotonic()
 
@@ -121,7 +117,7 @@ class Lease:
     def write_heartbeat(self, **fields: Any) -> None:
         """Overwrite this epoch's heartbeat (its mtime is the lease clock)."""
         assert self.epoch is not None
-        rec = records.make("syncer_heartbeat", run_id=self.run_id, epoch=self.epoch.epoch, syncer_id=self.syncer_id,
-                           fragments=self.fragments, time_s=self.clock.time(), **fields)
+        rec = SyncerHeartbeat(epoch=self.epoch.epoch, syncer_id=self.syncer_id, fragments=tuple(self.fragments),
+                              run_id=self.run_id, time_s=self.clock.time(), **fields).to_record()
         self.store.put(layout.syncer_heartbeat_key(self.epoch.epoch), records.dumps(rec))
         self._last_beat_t = self.clock.monotonic()

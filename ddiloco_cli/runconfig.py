@@ -36,14 +36,8 @@ class Merge(str, Enum):
 
 
 class OuterLrScaling(str, Enum):
-    cycle = "cycle"
     participation = "participation"
     none = "none"
-
-
-class OuterGradient(str, Enum):
-    current = "current"
-    delta = "delta"
 
 
 class Mode(str, Enum):
@@ -61,6 +55,18 @@ PANELS = ("Task and fragments", "Schedule", "Merge and outer optimizer", "Inner 
           "Fault tolerance")
 
 _MAX_INT = 2**53  # JSON-safe: no reader loses precision below this
+
+# Settings that lost (docs/results.md) and were retired in 0.2.0 (PROTOCOL.md "Retired settings"):
+# run.json key -> the values this version refuses to run. A run.json naming one is refused with
+# the last version that runs it; the retired keys' surviving values (outer_gradient = current,
+# await_own_merge = true) are what this version always does, so they are read and dropped.
+RETIRED_VALUES: dict[str, tuple[Any, ...]] = {
+    "outer_gradient": ("delta",),
+    "outer_lr_scaling": ("cycle",),
+    "await_own_merge": (False,),
+}
+RETIRED_KEYS = ("outer_gradient", "await_own_merge")  # no longer settings at all
+LAST_VERSION_WITH_RETIRED = "0.1.0"  # the last ddiloco that runs the retired values
 
 
 def _spec(flag: str, panel: str, *, kind: type | str, lo: float | None = None, hi: float | None = None,
@@ -99,12 +105,11 @@ class RunConfig:
     quorum: int = _f(1, "quorum", _M, kind=int, lo=1, hi=_MAX_INT)
     alpha: float = _f(0.0, "alpha", _M, kind=float, lo=0.0, hi=1.0)
     keep_overlap_progress: bool = _f(True, "keep-overlap-progress", _M, kind=bool)
-    await_own_merge: bool = _f(True, "await-own-merge", _M, kind=bool)
     merge: str = _f("rda", "merge", _M, kind=str, choices=Merge)
     outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True)
-    outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, lo_open=True, hi=1.0, hi_open=True)  # Nesterov needs > 0
+    # 0: plain averaged descent, no outer momentum (sparse runs: the learners' error-feedback accumulators are the momentum)
+    outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True)
     outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling)
-    outer_gradient: str = _f("current", "outer-gradient", _M, kind=str, choices=OuterGradient)
     inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr")
     adam_betas: tuple[float, float] = _f((0.9, 0.95), "adam-betas", _I, kind=tuple, lo=0.0, hi=1.0, hi_open=True,
                                          json_key="inner.betas")
@@ -117,9 +122,11 @@ class RunConfig:
     codec: str = _f("int4", "codec", _C, kind=str, choices=Codec)
     codec_block: int | None = _f(None, "codec-block", _C, kind=int, lo=2, hi=2**24, optional=True)
     codec_qmax: int | None = _f(None, "codec-qmax", _C, kind=int, lo=1, hi=127, optional=True)
+    codec_density: float | None = _f(None, "codec-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0, optional=True)
     publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True)
     keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT)
     error_feedback: bool = _f(True, "error-feedback", _C, kind=bool)
+    error_feedback_decay: float | None = _f(None, "error-feedback-decay", _C, kind=float, lo=0.0, hi=1.0, optional=True)
     grace_gamma: float = _f(0.5, "grace-gamma", _F, kind=float, lo=0.0, hi=1.0, hi_open=True)
     grace_max_s: float = _f(30.0, "grace-max", _F, kind=float, lo=0.0)
     max_staleness: int = _f(8, "max-staleness", _F, kind=int, lo=0, hi=_MAX_INT)
@@ -142,6 +149,13 @@ class RunConfig:
             object.__setattr__(self, "codec_block", codec.DEFAULT_BLOCK_SIZE.get(self.codec, 64))
         if self.codec_qmax is None:
             object.__setattr__(self, "codec_qmax", codec.DEFAULT_QMAX.get(self.codec))
+        sparse_run = "sparse" in (self.codec, self.publish_codec)
+        if self.codec_density is None and sparse_run:
+            object.__setattr__(self, "codec_density", codec.sparse.DEFAULT_DENSITY)
+        if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
+            object.__setattr__(self, "error_feedback_decay", 0.95 if self.codec == "sparse" else 1.0)
+        if self.codec_density is not None and codec.sparse.topk(self.codec_density, self.codec_block) < 1:
+            raise _bad("codec-density", "too small for the block size")
         try:
             codec.check_qmax(self.codec, self.codec_qmax)
         except UsageError as exc:
@@ -166,6 +180,11 @@ class RunConfig:
         codec, else that codec's full range (None)."""
         return self.codec_qmax if self.publish_codec == self.codec else None
 
+    @property
+    def codec_topk(self) -> int | None:
+        """Values per chunk of the sparse codec's uploads (None for the other codecs)."""
+        return codec.sparse.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
+
     # ----------------------------------------------------------- run.json
     def to_record(self, *, run_id: str, created_s: float | None = None) -> dict[str, Any]:
         """The run.json record of this config for run ``run_id``."""
@@ -185,7 +204,8 @@ class RunConfig:
     def from_record(cls, record: Mapping[str, Any], *, where: str = layout.RUN_CONFIG) -> RunConfig:
         """The config of a schema-valid run.json record; ProtocolError naming ``where``
         if a value is out of range."""
-        rest = dict(record)
+        _refuse_retired(record, where=where)
+        rest = {k: v for k, v in record.items() if k not in RETIRED_KEYS}
         values: dict[str, Any] = {}
         for f in hyperparameters():
             path = _json_key(f).split(".")
@@ -224,6 +244,17 @@ class RunConfig:
                 raise UsageError(f"unknown setting {key!r}; `ddiloco init --print-config` lists them")
             kwargs[f.name] = value
         return cls(**kwargs)
+
+
+def _refuse_retired(record: Mapping[str, Any], *, where: str) -> None:
+    """ProtocolError when ``record`` (a run.json) names a retired setting's value."""
+    for key, retired in RETIRED_VALUES.items():
+        value = record.get(key)
+        if key in record and any(value == r and type(value) is type(r) for r in retired):
+            raise ProtocolError(
+                f"{where}: {key} = {json.dumps(value)} was retired in ddiloco 0.2.0 (PROTOCOL.md \"Retired "
+                f"settings\"); ddiloco {LAST_VERSION_WITH_RETIRED} still runs it: "
+                f"pip install 'ddiloco=={LAST_VERSION_WITH_RETIRED}'")
 
 
 def hyperparameters() -> list[dataclasses.Field]:
@@ -389,8 +420,9 @@ def default_config_toml() -> str:
                 continue
             value = defaults[f.name].default
             if value is None:
-                note = {"publish_codec": "the run's codec", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)"
-                        }.get(f.name, "64 for int4, 256 for int8")
+                note = {"publish_codec": "the run's codec", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
+                        "codec_density": "0.02 for sparse", "error_feedback_decay": "0.95 for sparse, 1 otherwise",
+                        }.get(f.name, "64 for int4, 256 for int8, 4096 for sparse")
                 lines.append(f"# {flag(f)} =   (default: {note})")
             else:
                 lines.append(f"{flag(f)} = {_toml_value(value)}")

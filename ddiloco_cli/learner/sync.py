@@ -120,8 +120,9 @@ class DiLoCoSync:
         # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
         self.keep_progress = self.config.keep_overlap_progress and self.tau > 0 and not self.lockstep
         # [L8] take the version that merged this learner's contribution, not one merged without it
-        # (whose own merge would come later, against a base the learner has already left)
-        self.await_own = self.config.await_own_merge and not self.lockstep
+        # (whose own merge would come later, against a base the learner has already left); always,
+        # in decoupled mode, since --take-newest was retired (PROTOCOL.md "Retired settings")
+        self.await_own = not self.lockstep
         self.total_steps = self.config.total_steps
         # receive as theta += Theta_new - theta_at_send on the parameters themselves (the alpha = 0
         # case of receive_rule, summed in another order), the increment computed by the receiver
@@ -201,7 +202,7 @@ class DiLoCoSync:
             self.schedule_offset = self.island.agree([self._aligned_offset(trust) if io else 0])[0]
         if io:
             self._uploader = Uploader(self.store, codec_name=self.config.codec, block_size=self.config.codec_block,
-                                      qmax=self.config.codec_qmax,
+                                      qmax=self.config.codec_qmax, density=self.config.codec_density,
                                       maxsize=self.opts.upload_queue, stats=self.stats,
                                       num_workers=self.opts.upload_workers, newest_wins=not self.lockstep,
                                       signer=signer, on_residual=self._keep_residual if self.error_feedback else None,
@@ -386,7 +387,11 @@ class DiLoCoSync:
         with self._residual_lock:
             residual = self._residual.get(p)
         if residual is not None:  # the part of the last contribution the codec did not carry [L6]
-            torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+            decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
+            if decay == 1.0:
+                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+            else:
+                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
         c_steps, c_tokens = self.counters.snapshot(p)
         header = records.make(
             "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
@@ -417,7 +422,7 @@ class DiLoCoSync:
 
     def _take(self, p: int, flight: InFlight) -> Ready | None:
         """Rank 0: a ready newer version of p, or None (lock-step: wait for the one
-        that merged our contribution; decoupled with await_own_merge: ``_own_or_newest``)."""
+        that merged our contribution; decoupled: ``_own_or_newest``)."""
         receiver = self._receiver
         t0 = self.clock.monotonic()
         alert_every_s = self.alert_every_s()

@@ -25,23 +25,25 @@ Tensors = dict[str, torch.Tensor]
 
 
 def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int, key: str,
-                       signer: signing.Signer | None = None, qmax: int | None = None) -> bytes:
+                       signer: signing.Signer | None = None, qmax: int | None = None,
+                       density: float | None = None) -> bytes:
     """The object a learner creates at ``key`` (contributions/pP/LEARNER/SEQ.safetensors),
     signed by ``signer`` when the run requires signatures."""
     return encode_contribution(delta, header, codec_name=codec_name, block_size=block_size, key=key,
-                               signer=signer, qmax=qmax)[0]
+                               signer=signer, qmax=qmax, density=density)[0]
 
 
 def encode_contribution(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int, key: str,
                         signer: signing.Signer | None = None, residual: bool = False,
-                        qmax: int | None = None) -> tuple[bytes, Tensors | None]:
+                        qmax: int | None = None, density: float | None = None) -> tuple[bytes, Tensors | None]:
     """``contribution_bytes``, and with ``residual`` also what the encoding leaves out of
     ``delta`` (error feedback, PROTOCOL [L6]); None without."""
     if residual:
         data, left_out = codec.encode_with_residual(delta, codec=codec_name, block_size=block_size, metadata=header,
-                                                    qmax=qmax)
+                                                    qmax=qmax, density=density)
     else:
-        data = codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header, qmax=qmax)
+        data = codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header, qmax=qmax,
+                                    density=density)
         left_out = None
     if signer is not None:
         data = signing.sign_payload(data, kind="contribution", run_id=header["run_id"], key=key, signer=signer)
@@ -64,10 +66,11 @@ class Uploader:
     def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats,
                  num_workers: int = 2, newest_wins: bool = True, signer: signing.Signer | None = None,
                  on_residual: Callable[[int, Tensors], None] | None = None, qmax: int | None = None,
-                 threads: bool = True, clock: Callable[[], float] = time.monotonic):
+                 density: float | None = None, threads: bool = True, clock: Callable[[], float] = time.monotonic):
         self.clock = clock  # times how long submit blocked on a full queue
         self.store, self.codec_name, self.block_size, self.stats = store, codec_name, block_size, stats
         self.qmax = qmax  # the run's codec_qmax: the largest |code| the encoder writes
+        self.density = density  # the run's codec_density (sparse)
         self.signer = signer
         # error feedback: called with (fragment, what the encoded payload does not carry) once it is uploaded
         self.on_residual = on_residual
@@ -121,7 +124,7 @@ class Uploader:
         """The contribution's bytes, and what they leave out of ``delta`` (error feedback)."""
         return encode_contribution(delta, header, codec_name=self.codec_name, block_size=self.block_size,
                                    key=key, signer=self.signer, residual=self.on_residual is not None,
-                                   qmax=self.qmax)
+                                   qmax=self.qmax, density=self.density)
 
     def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
         data, residual = self.encode(key, delta, header)
