@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import ProtocolError, UsageError
-from ddiloco_cli.store.base import NotFound, Store
+from ddiloco_cli.store.base import Store
 
 # -- choices of the enum fields (the CLI offers exactly these) --
 Codec = Enum("Codec", {c: c for c in codec.CODECS}, type=str)  # type: ignore[misc]
