@@ -24,7 +24,7 @@ from typer.core import TyperGroup
 
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.metrics import LOGGERS
-from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterGradient, OuterLrScaling, RunConfig
+from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterLrScaling, RunConfig
 from ddiloco_cli.store.base import TransientStoreError
 
 
@@ -211,11 +211,6 @@ def init(
         "--keep-overlap-progress/--discard-overlap-progress", metavar="", rich_help_panel=_MERGE,
         help="On receive, keep the steps trained since the send (theta <- Theta_new + progress) or overwrite them")
     ] = _D.keep_overlap_progress,
-    await_own_merge: Annotated[bool, typer.Option(
-        "--await-own-merge/--take-newest", metavar="", rich_help_panel=_MERGE,
-        help="Decoupled learners: from t+tau, take the first version that merged their contribution (never "
-             "blocking; the newest one at the step before the next send), or the newest version at t+tau")
-    ] = _D.await_own_merge,
     merge: Annotated[Merge, typer.Option(rich_help_panel=_MERGE,
                                          help="Radial-Directional Averaging or a token-weighted mean")] = Merge(_D.merge),
     outer_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_MERGE,
@@ -225,10 +220,6 @@ def init(
     outer_lr_scaling: Annotated[OuterLrScaling, typer.Option(
         rich_help_panel=_MERGE, help="participation: a merge of m of M live learners uses lr*m/M")
     ] = OuterLrScaling(_D.outer_lr_scaling),
-    outer_gradient: Annotated[OuterGradient, typer.Option(
-        rich_help_panel=_MERGE, help="current: a contribution's outer gradient is the current value minus its "
-                                     "model ((current - base) + delta); delta: its progress on its own base")
-    ] = OuterGradient(_D.outer_gradient),
     inner_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_INNER,
                                             help="Inner AdamW peak learning rate")] = _D.inner_lr,
     adam_betas: Annotated[str, typer.Option(metavar="B1,B2", rich_help_panel=_INNER,
@@ -763,12 +754,12 @@ def simulate(
                                               help="Mean time between interruptions per chip, years")] = 1.0,
     quorum: Annotated[int, typer.Option(metavar="K", min=1, help="Quorum K (decoupled)")] = 1,
     seed: Annotated[Optional[int], typer.Option(metavar="N", min=0)] = None,
-    train: Annotated[bool, typer.Option("--train", help="Simulate a whole training run: the real syncer and "
+    train: Annotated[bool, typer.Option("--train", metavar="", help="Simulate a whole training run: the real syncer and "
                                         "learner code on a virtual clock (docs/simulation.md)")] = False,
     steps_per_learner: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="--train: inner steps "
                                                              "per learner")] = None,
     scenario: Annotated[Optional[str], typer.Option(metavar="FILE", help="--train: a scenario (TOML)")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="--train: the small scenario CI runs")] = False,
+    quick: Annotated[bool, typer.Option("--quick", metavar="", help="--train: the small scenario CI runs")] = False,
     json_file: Annotated[Optional[str], typer.Option(metavar="PATH", help="--train: also write the report "
                                                      "(JSON) here")] = None,
     json_out: JsonOut = False,

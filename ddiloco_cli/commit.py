@@ -30,7 +30,7 @@ Tensors = dict[str, torch.Tensor]
 
 class _HeldInputs:
     """What a committing syncer's ``apply_decision`` reads: the decoded contributions it holds
-    (by key), its cache of base values, and (delta runs) the priors ``link_increments`` set."""
+    (by key) and its cache of base values."""
 
     def __init__(self, decider: Decider, state: FragmentState, contributions: list[Contribution]):
         self.decider, self.state = decider, state
@@ -41,9 +41,6 @@ class _HeldInputs:
 
     def base(self, version: int) -> Tensors:
         return self.decider.base_value(self.state, version)
-
-    def prior(self, entry: LedgerEntry) -> Tensors:
-        return self.held[entry.key].prior_delta
 
 
 class Committer:
@@ -89,7 +86,7 @@ class Committer:
         manifest = records.make(
             "manifest", run_id=ctx.run_id, epoch=ctx.lease.epoch.epoch, syncer_id=ctx.syncer_id,
             nonce=records.new_nonce(), created_s=ctx.clock.time(), numel=ctx.plan.fragment_numel(p),
-            payloads=[e for _, _, e in encoded.payloads], outer_steps=new.outer.num_steps, outer_phase=new.phase,
+            payloads=[e for _, _, e in encoded.payloads], outer_steps=new.outer.num_steps,
             **decision.manifest_fields())
         if ctx.signer is not None:  # [A5]
             manifest = signing.sign_record(manifest, run_id=ctx.run_id, key=layout.manifest_key(p, new.version),
@@ -117,11 +114,10 @@ class Committer:
                    contributions: list[Contribution]) -> None:
         """Move ``state`` to the version just committed."""
         ctx = self.ctx
-        if ctx.config.outer_gradient == "current":
-            self.decider.remember_base(state, state.version, state.current.published)
+        self.decider.remember_base(state, state.version, state.current.published)
         state.current = new
-        for c, e in zip(contributions, decision.used):
-            state.tips[c.learner_id] = (e, c.delta)
+        for e in decision.used:
+            state.tips[e.learner_id] = e
         state.cycles[new.version] = new.cycle
         self.decider.trim_cycles(state)
         state.high_water = dict(decision.high_water)

@@ -20,7 +20,7 @@ from ddiloco_cli.update import Decision
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
-BASE_CACHE_MIN = 8  # published values of recent versions kept for outer_gradient = current (at least)
+BASE_CACHE_MIN = 8  # published values of recent versions kept for contributions' bases (at least)
 
 
 def ready_to_merge(
@@ -50,17 +50,16 @@ def grace_window_steps(config: RunConfig) -> int:
     """How many of a sender's steps the grace window may fill without costing it anything.
 
     A learner that sent fragment p at step t folds a new version of p in from
-    step t + tau. Without [L8] it takes whatever is newest then, so a merge that
-    waits longer than tau steps only reaches it a cycle later: the window is tau.
-    A decoupled learner with ``await_own_merge`` instead holds out, training on,
-    for the version that includes its send until step t + H - 1, the last before
-    p's next send ([L8]); a merge that lands by then costs it nothing, so the
-    window stretches to H - 1 steps and a slower learner's contribution can join
-    the same merge instead of making a version of its own (fewer versions per
-    cycle: fewer downloads, and the outer step sees more of the cycle's work).
+    step t + tau. A decoupled learner holds out, training on, for the version that
+    includes its send until step t + H - 1, the last before p's next send ([L8]); a
+    merge that lands by then costs it nothing, so the window stretches to H - 1
+    steps and a slower learner's contribution can join the same merge instead of
+    making a version of its own (fewer versions per cycle: fewer downloads, and the
+    outer step sees more of the cycle's work). A lock-step learner waits for the
+    merge anyway: the window is tau.
     """
     tau = config.overlap_steps
-    if config.mode == "decoupled" and config.await_own_merge:
+    if config.mode == "decoupled":
         return max(tau, config.sync_every - 1)
     return tau
 
@@ -81,8 +80,7 @@ class Decider:
                 verdict = self.ctx.judge.admission(
                     base_version=c.base_version, version=state.version,
                     staleness=lambda c=c: state.current.cycle - self.cycle_of(state, c.base_version),
-                    read_base=(lambda c=c: self.base_value(state, c.base_version))
-                    if self.config.outer_gradient == "current" else None,
+                    read_base=lambda c=c: self.base_value(state, c.base_version),
                     norm=c.norm, norms=state.norms)
                 if verdict.accepted:
                     c.staleness, c.discount = verdict.staleness, verdict.discount
@@ -108,10 +106,10 @@ class Decider:
             del state.cycles[v]
 
     def base_value(self, state: FragmentState, version: int) -> Tensors | None:
-        """The published value of a contribution's base version for ``outer_gradient = current``
-        (None: the base is the current version, or the run uses deltas). Recent versions are
-        kept in memory; older ones are read (GC keeps them back to the staleness floor)."""
-        if self.config.outer_gradient != "current" or version == state.version:
+        """The published value of a contribution's base version (None: the base is the current
+        version). Recent versions are kept in memory; older ones are read (GC keeps them back to
+        the staleness floor)."""
+        if version == state.version:
             return None
         value = state.bases.get(version)
         if value is None:
@@ -155,8 +153,7 @@ class Decider:
             high_water[e.learner_id] = max(high_water.get(e.learner_id, -1), e.seq)
         return Decision(state.fragment, state.version + 1, used, tuple(state.closed),
                         lr=self.outer_lr(sum(c.discount for c in contributions)),
-                        cycle=state.current.cycle + advance, cycle_advance=advance,
-                        share=self.outer_share(contributions), high_water=high_water,
+                        cycle=state.current.cycle + advance, cycle_advance=advance, high_water=high_water,
                         quorum_size=len({c.learner_id for c in contributions}), grace_s=grace_s)
 
     def outer_lr(self, participation: float) -> float:
@@ -175,30 +172,17 @@ class Decider:
         learners = self.ctx.learners.live | {c.learner_id for c in contributions}
         return sum(max(0, c.merged_steps) for c in contributions) / (self.config.sync_every * max(1, len(learners)))
 
-    def outer_share(self, contributions: list[Contribution]) -> float:
-        """The part of a cycle this merge is, for per-cycle momentum: each contribution one
-        learner's share (less if it covers fewer than H steps), times its staleness discount.
-        Not its steps: a delta over 3H steps already carries 3H steps of progress."""
-        learners = self.ctx.learners.live | {c.learner_id for c in contributions}
-        H = self.config.sync_every
-        return sum(c.discount * min(1.0, max(0, c.merged_steps) / H) for c in contributions) / max(1, len(learners))
-
     def link_increments(self, state: FragmentState, contributions: list[Contribution]) -> None:
         """A learner that sends again on the base of a contribution already merged (it had not
         received the new version yet) sends its whole progress since that base again: count only
-        the increment's tokens and steps (``Contribution.increment_of``), and, under
-        ``outer_gradient = delta``, merge only the increment of the delta (under ``current`` the
-        merged part is already in the value the gradient is measured against)."""
+        the increment's tokens and steps (``Contribution.increment_of``); the merged part is
+        already in the value its outer gradient is measured against."""
         tips = dict(state.tips)
         for c in contributions:  # in seq order per learner
             tip = tips.get(c.learner_id)
             # only when its counters ran on from the tip's (a restarted session starts them again)
-            if tip is not None and tip[0].base_version == c.base_version and tip[0].seq < c.seq \
-                    and c.c_steps > tip[0].c_steps and c.c_tokens >= tip[0].c_tokens:
-                entry, delta = tip
-                c.increment_of = {"seq": entry.seq, "key": entry.key, "sha256": entry.sha256,
-                                  "c_tokens": entry.c_tokens, "c_steps": entry.c_steps}
-                if self.config.outer_gradient == "delta":
-                    c.prior_delta = delta if delta is not None else \
-                        self.ctx.intake.fetch_used(state.fragment, entry.key, entry.sha256)
-            tips[c.learner_id] = (c.entry(USED), c.delta)
+            if tip is not None and tip.base_version == c.base_version and tip.seq < c.seq \
+                    and c.c_steps > tip.c_steps and c.c_tokens >= tip.c_tokens:
+                c.increment_of = {"seq": tip.seq, "key": tip.key, "sha256": tip.sha256,
+                                  "c_tokens": tip.c_tokens, "c_steps": tip.c_steps}
+            tips[c.learner_id] = c.entry(USED)

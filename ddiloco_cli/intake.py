@@ -67,7 +67,6 @@ class Contribution:
     # ({seq, key, sha256, c_tokens, c_steps}); this one's delta and counters include it, so only
     # the increment's tokens and steps count. None otherwise.
     increment_of: dict[str, Any] | None = None
-    prior_delta: Tensors | None = None  # that one's delta, subtracted under outer_gradient = delta
 
     @property
     def merged_tokens(self) -> int:

@@ -20,6 +20,7 @@ from ddiloco_cli.fence import FencedStore
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.signing import Signer, Trust
 from ddiloco_cli.store.base import NotFound
+from ddiloco_cli.typed_records import SyncerHeartbeat
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class Lease:
     def _owner_state(self, epoch: int) -> str | None:
         try:
             rec = records.loads(self.store.get(layout.syncer_heartbeat_key(epoch)), "syncer_heartbeat", where="heartbeat")
-            return rec["state"]
+            return SyncerHeartbeat.from_json(rec).state
         except (NotFound, ProtocolError):
             return None
 
@@ -116,7 +117,7 @@ class Lease:
     def write_heartbeat(self, **fields: Any) -> None:
         """Overwrite this epoch's heartbeat (its mtime is the lease clock)."""
         assert self.epoch is not None
-        rec = records.make("syncer_heartbeat", run_id=self.run_id, epoch=self.epoch.epoch, syncer_id=self.syncer_id,
-                           fragments=self.fragments, time_s=self.clock.time(), **fields)
+        rec = SyncerHeartbeat(epoch=self.epoch.epoch, syncer_id=self.syncer_id, fragments=tuple(self.fragments),
+                              run_id=self.run_id, time_s=self.clock.time(), **fields).to_record()
         self.store.put(layout.syncer_heartbeat_key(self.epoch.epoch), records.dumps(rec))
         self._last_beat_t = self.clock.monotonic()

@@ -356,11 +356,6 @@ def _merge_items(items: list[Item], shape: tuple[int, ...], *, rda_merge: bool) 
     return _rda(items, shape) if rda_merge else _mean(items, shape)
 
 
-def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum w v / sum w, fp32 result (zeros if all weights are 0)."""
-    return _merge_items(_items(vectors, weights), tuple(vectors[0].shape), rda_merge=False)
-
-
 def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """Radial-Directional Averaging: the weighted mean norm times the direction of
     the weighted mean of unit vectors. fp32 result; zeros if all weights are 0 or
@@ -415,16 +410,3 @@ def merge_outer_gradients(
         use_rda = not (method == "mean" or k in mean_keys or len(shapes[k]) <= 1)
         out[k] = _merge_items(items[k], shapes[k], rda_merge=use_rda)
     return out
-
-
-def alpha_merge(local: torch.Tensor, global_value: torch.Tensor, alpha: float) -> None:
-    """local <- alpha * local + (1 - alpha) * global_value, in place (any device and
-    dtype; global_value is cast). alpha = 0 copies global_value exactly."""
-    if not 0.0 <= alpha <= 1.0:
-        raise UsageError(f"--alpha must be in [0, 1], got {alpha}")
-    with torch.no_grad():
-        if alpha == 0.0:
-            local.copy_(global_value)
-        elif alpha != 1.0:
-            g = global_value.to(device=local.device, dtype=local.dtype)
-            local.mul_(alpha).add_(g, alpha=1.0 - alpha)

@@ -11,7 +11,6 @@ bit, residual included [M4].
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable
 
 import torch
@@ -31,7 +30,6 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 Fetch = Callable[[int, str, str], Tensors]  # (fragment, key, sha256) -> a used contribution's tensors
 RAW_PREFIX = "raw/"  # plan keys never contain "/" (they are parameter names and row ranges)
-ACCUM_PREFIX = "accum/"
 REPLAY_BASES = 64  # published values a replay keeps for contributions' bases (older ones are re-read)
 
 
@@ -39,11 +37,6 @@ def manifest_cycle(manifest: dict[str, Any]) -> float:
     """The fragment's cycle clock at a version. Manifests without it (version 0, older
     writers) count one cycle per version."""
     return float(manifest.get("cycle", manifest["version"]))
-
-
-def manifest_phase(manifest: dict[str, Any]) -> float:
-    """The outer phase (learner shares merged, per-cycle mode) at a version; 0 when absent."""
-    return float(manifest.get("outer_phase", 0.0))
 
 
 def staleness_floor(store: Store, *, run_id: str, fragment: int, latest: int, max_staleness: float) -> int:
@@ -62,9 +55,9 @@ def staleness_floor(store: Store, *, run_id: str, fragment: int, latest: int, ma
 
 
 def replay_base_floor(store: Store, *, run_id: str, fragment: int, checkpoint: int, latest: int) -> int:
-    """The oldest base version a replay from ``checkpoint`` to ``latest`` reads (outer_gradient =
-    current: every used contribution is measured against its base's published value), at most
-    ``checkpoint``; 0 when a manifest in between cannot be read."""
+    """The oldest base version a replay from ``checkpoint`` to ``latest`` reads (every used
+    contribution is measured against its base's published value), at most ``checkpoint``; 0
+    when a manifest in between cannot be read."""
     floor = checkpoint
     try:
         for v in range(checkpoint + 1, latest + 1):
@@ -75,11 +68,6 @@ def replay_base_floor(store: Store, *, run_id: str, fragment: int, checkpoint: i
     return floor
 
 
-def per_cycle(config: RunConfig) -> bool:
-    """Whether the run's outer optimizer steps once per cycle (outer_lr_scaling = "cycle")."""
-    return config.outer_lr_scaling == "cycle"
-
-
 def new_outer(config: RunConfig) -> OuterOptimizer:
     return OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum,
                           nesterov=config.outer_momentum > 0)  # 0: plain averaged descent
@@ -88,37 +76,33 @@ def new_outer(config: RunConfig) -> OuterOptimizer:
 def checkpoint_bytes(value: FragmentValue, *, run_id: str, fragment: int, epoch: int) -> tuple[str, bytes]:
     """(key, bytes) of the checkpoint of ``value``: momentum buffers plus the raw value."""
     header = records.make("checkpoint", run_id=run_id, fragment=fragment, version=value.version, epoch=epoch,
-                          outer_steps=value.outer.num_steps, nonce=records.new_nonce(), raw_value=True,
-                          accum=bool(value.accum))
-    tensors = {**value.outer.state_tensors(), **{RAW_PREFIX + k: t for k, t in value.raw.items()},
-               **{ACCUM_PREFIX + k: t for k, t in value.accum.items()}}
+                          outer_steps=value.outer.num_steps, nonce=records.new_nonce(), raw_value=True)
+    tensors = {**value.outer.state_tensors(), **{RAW_PREFIX + k: t for k, t in value.raw.items()}}
     data = codec.encode_tensors(tensors, codec="none", metadata=header)
     return layout.checkpoint_key(fragment, value.version, header["nonce"][:12]), data
 
 
-def checkpoint_shapes(plan: FragmentPlan, fragment: int, *, accum: bool = True) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes of a checkpoint of ``fragment``: momentum, the raw value and (when the
-    cycle is open, header ``accum``) the cycle's gradient so far: up to 3x the fragment."""
+def checkpoint_shapes(plan: FragmentPlan, fragment: int) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of a checkpoint of ``fragment``: momentum and the raw value."""
     shapes = expected_shapes(plan, fragment)
-    prefixes = (RAW_PREFIX, ACCUM_PREFIX) if accum else (RAW_PREFIX,)
-    return {**shapes, **{pre + k: s for pre in prefixes for k, s in shapes.items()}}
+    return {**shapes, **{RAW_PREFIX + k: s for k, s in shapes.items()}}
 
 
 def decode_checkpoint(data: bytes, *, plan: FragmentPlan, fragment: int, where: str) -> tuple[Tensors, dict[str, Any]]:
-    """(tensors, header) of checkpoint bytes, checked against the plan's keys and shapes
-    (with or without the open cycle's gradient, as its header says) and the schema.
-    Raises InvalidPayloadError or ProtocolError."""
-    meta = codec.payload_codec(data, where=where).get("metadata", {})
-    expected = checkpoint_shapes(plan, fragment, accum=bool(isinstance(meta, dict) and meta.get("accum")))
-    tensors, meta = codec.decode_tensors(data, expected=expected, where=where)
+    """(tensors, header) of checkpoint bytes, checked against the plan's keys and shapes and the
+    schema. Raises InvalidPayloadError or ProtocolError (a checkpoint of the retired per-cycle
+    momentum, header ``accum``, too)."""
+    tensors, meta = codec.decode_tensors(data, expected=checkpoint_shapes(plan, fragment), where=where)
     records.validate(meta, "checkpoint", where=where)
+    if meta.get("accum"):
+        raise ProtocolError(f"{where}: a checkpoint of the retired per-cycle momentum (outer_lr_scaling = cycle)")
     return tensors, meta
 
 
 def load_checkpoint(store: Store, *, config: RunConfig, plan: FragmentPlan, fragment: int,
-                    latest: int) -> tuple[int, OuterOptimizer, Tensors, Tensors] | None:
-    """(version, optimizer, raw value, cycle gradient) of the newest valid checkpoint at or
-    below ``latest``, or None. Invalid ones are skipped with a warning [R4]."""
+                    latest: int) -> tuple[int, OuterOptimizer, Tensors] | None:
+    """(version, optimizer, raw value) of the newest valid checkpoint at or below ``latest``,
+    or None. Invalid ones are skipped with a warning [R4]."""
     shapes = expected_shapes(plan, fragment)
     infos = sorted(store.list(layout.checkpoint_prefix(fragment)), key=lambda i: i.key, reverse=True)
     for info in infos:
@@ -136,8 +120,7 @@ def load_checkpoint(store: Store, *, config: RunConfig, plan: FragmentPlan, frag
             log.warning("skipping checkpoint %s: %s", info.key, exc)
             continue
         outer.num_steps = int(meta["outer_steps"])
-        accum = {k: tensors[ACCUM_PREFIX + k] for k in shapes if ACCUM_PREFIX + k in tensors}
-        return v, outer, {k: tensors[RAW_PREFIX + k] for k in shapes}, accum
+        return v, outer, {k: tensors[RAW_PREFIX + k] for k in shapes}
     return None
 
 
@@ -160,9 +143,8 @@ def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragme
                 start = reader.read(0)
                 value = FragmentValue(0, start, start, new_outer(config), manifest_cycle(reader.manifest(0)))
             else:
-                v, outer, raw, accum = loaded
-                m = reader.manifest(v)
-                value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(m), accum, manifest_phase(m))
+                v, outer, raw = loaded
+                value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(reader.manifest(v)))
             break
         except (NotFound, InvalidPayloadError) as exc:
             if loaded is None:
@@ -179,9 +161,8 @@ def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragme
         log.error("fragment %d: cannot replay the ledger from checkpoint %d (%s); continuing with the "
                   "checkpoint's momentum and no residual, which lags the committed trajectory",
                   fragment, value.version, exc)
-        m = reader.manifest(latest)
-        return FragmentValue(latest, (pub := reader.read(latest)), pub, value.outer, manifest_cycle(m), {},
-                             math.floor(manifest_phase(m)))
+        pub = reader.read(latest)
+        return FragmentValue(latest, pub, pub, value.outer, manifest_cycle(reader.manifest(latest)))
 
 
 class _LedgerInputs:
@@ -194,9 +175,6 @@ class _LedgerInputs:
 
     def delta(self, entry: LedgerEntry) -> Tensors:
         return self.fetch(self.fragment, entry.key, entry.sha256)
-
-    def prior(self, entry: LedgerEntry) -> Tensors:
-        return self.fetch(self.fragment, entry.increment_of["key"], entry.increment_of["sha256"])
 
     def base(self, version: int) -> Tensors:
         if version not in self.bases:
@@ -224,8 +202,7 @@ def replay(*, config: RunConfig, fragment: int, reader: FragmentReader, fetch: F
             raise ProtocolError(f"version {v} of fragment {fragment} merged nothing: not a syncer commit")
         previous = value
         value, encoded = apply_decision(previous, decision, rules=rules, inputs=inputs)
-        if rules.outer_gradient == "current":
-            inputs.replayed(previous)
+        inputs.replayed(previous)
         if m.payload_sha256() != {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}:
             raise ProtocolError(f"replaying version {v} of fragment {fragment} does not reproduce its payloads")
         if republish is not None:  # under the names the manifest recorded (a re-encode draws a new nonce)

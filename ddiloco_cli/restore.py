@@ -60,7 +60,7 @@ class Restorer:
                 break
             for e in reversed(entries):
                 if e.used:
-                    state.tips.setdefault(e.learner_id, (e, None))
+                    state.tips.setdefault(e.learner_id, e)
         return state
 
     def republish_missing(self, version: int, payloads: list[tuple[str, bytes]]) -> None:

@@ -36,14 +36,8 @@ class Merge(str, Enum):
 
 
 class OuterLrScaling(str, Enum):
-    cycle = "cycle"
     participation = "participation"
     none = "none"
-
-
-class OuterGradient(str, Enum):
-    current = "current"
-    delta = "delta"
 
 
 class Mode(str, Enum):
@@ -61,6 +55,18 @@ PANELS = ("Task and fragments", "Schedule", "Merge and outer optimizer", "Inner 
           "Fault tolerance")
 
 _MAX_INT = 2**53  # JSON-safe: no reader loses precision below this
+
+# Settings that lost (docs/results.md) and were retired in 0.2.0 (PROTOCOL.md "Retired settings"):
+# run.json key -> the values this version refuses to run. A run.json naming one is refused with
+# the last version that runs it; the retired keys' surviving values (outer_gradient = current,
+# await_own_merge = true) are what this version always does, so they are read and dropped.
+RETIRED_VALUES: dict[str, tuple[Any, ...]] = {
+    "outer_gradient": ("delta",),
+    "outer_lr_scaling": ("cycle",),
+    "await_own_merge": (False,),
+}
+RETIRED_KEYS = ("outer_gradient", "await_own_merge")  # no longer settings at all
+LAST_VERSION_WITH_RETIRED = "0.1.0"  # the last ddiloco that runs the retired values
 
 
 def _spec(flag: str, panel: str, *, kind: type | str, lo: float | None = None, hi: float | None = None,
@@ -99,13 +105,11 @@ class RunConfig:
     quorum: int = _f(1, "quorum", _M, kind=int, lo=1, hi=_MAX_INT)
     alpha: float = _f(0.0, "alpha", _M, kind=float, lo=0.0, hi=1.0)
     keep_overlap_progress: bool = _f(True, "keep-overlap-progress", _M, kind=bool)
-    await_own_merge: bool = _f(True, "await-own-merge", _M, kind=bool)
     merge: str = _f("rda", "merge", _M, kind=str, choices=Merge)
     outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True)
     # 0: plain averaged descent, no outer momentum (sparse runs: the learners' error-feedback accumulators are the momentum)
     outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True)
     outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling)
-    outer_gradient: str = _f("current", "outer-gradient", _M, kind=str, choices=OuterGradient)
     inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr")
     adam_betas: tuple[float, float] = _f((0.9, 0.95), "adam-betas", _I, kind=tuple, lo=0.0, hi=1.0, hi_open=True,
                                          json_key="inner.betas")
@@ -200,7 +204,8 @@ class RunConfig:
     def from_record(cls, record: Mapping[str, Any], *, where: str = layout.RUN_CONFIG) -> RunConfig:
         """The config of a schema-valid run.json record; ProtocolError naming ``where``
         if a value is out of range."""
-        rest = dict(record)
+        _refuse_retired(record, where=where)
+        rest = {k: v for k, v in record.items() if k not in RETIRED_KEYS}
         values: dict[str, Any] = {}
         for f in hyperparameters():
             path = _json_key(f).split(".")
@@ -239,6 +244,17 @@ class RunConfig:
                 raise UsageError(f"unknown setting {key!r}; `ddiloco init --print-config` lists them")
             kwargs[f.name] = value
         return cls(**kwargs)
+
+
+def _refuse_retired(record: Mapping[str, Any], *, where: str) -> None:
+    """ProtocolError when ``record`` (a run.json) names a retired setting's value."""
+    for key, retired in RETIRED_VALUES.items():
+        value = record.get(key)
+        if key in record and any(value == r and type(value) is type(r) for r in retired):
+            raise ProtocolError(
+                f"{where}: {key} = {json.dumps(value)} was retired in ddiloco 0.2.0 (PROTOCOL.md \"Retired "
+                f"settings\"); ddiloco {LAST_VERSION_WITH_RETIRED} still runs it: "
+                f"pip install 'ddiloco=={LAST_VERSION_WITH_RETIRED}'")
 
 
 def hyperparameters() -> list[dataclasses.Field]:

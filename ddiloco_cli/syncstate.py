@@ -43,9 +43,8 @@ class FragmentState:
     closed: list[LedgerEntry] = field(default_factory=list)  # superseded/refused entries for the next manifest
     seen: set[str] = field(default_factory=set)
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
-    # per learner: its last used ledger entry and (when in memory) that contribution's delta
-    tips: dict[str, tuple[LedgerEntry, Tensors | None]] = field(default_factory=dict)
-    # published values of recent versions, newest last (outer_gradient = current: contributions' bases)
+    tips: dict[str, LedgerEntry] = field(default_factory=dict)  # per learner: its last used ledger entry
+    # published values of recent versions, newest last (contributions' bases)
     bases: OrderedDict[int, Tensors] = field(default_factory=OrderedDict)
     first_pending_t: float | None = None
     quorum_t: float | None = None

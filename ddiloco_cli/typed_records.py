@@ -127,8 +127,6 @@ class Manifest(_Record):
     outer_lr: float | None = None
     cycle: float | None = None
     cycle_advance: float | None = None
-    outer_share: float | None = None
-    outer_phase: float | None = None
     signature: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -144,10 +142,6 @@ class Manifest(_Record):
         """The fragment's cycle clock at this version; manifests without it (version 0, older
         writers) count one cycle per version."""
         return float(self.version if self.cycle is None else self.cycle)
-
-    @property
-    def phase(self) -> float:
-        return float(self.outer_phase or 0.0)
 
     def payload_sha256(self) -> dict[str, str]:
         return {e["kind"]: e["sha256"] for e in self.payloads}

@@ -19,8 +19,8 @@ Every arm trains on M * N * batch tokens:
                 of M = 4 (M*B must be divisible by 8)
 
 Lock-step is Streaming DiLoCo: K = M, mean merge, plain overwrite on receive, no lr
-scaling, exact published values. The decoupled arms use the run defaults (outer gradient against
-the current value, outer_lr_scaling = participation) unless --outer-gradient / --outer-lr-scaling say otherwise.
+scaling, exact published values. The decoupled arms use the run defaults (outer_lr_scaling =
+participation) unless --outer-lr-scaling says otherwise.
 Per arm the JSON has val_loss, ratio_to_dp and merged_token_fraction: tokens of the
 used ledger entries (averaged over fragments) / tokens the learners trained.
 
@@ -71,8 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--lr-schedule", default="cosine")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's default")
-    ap.add_argument("--outer-lr-scaling", default="participation", help="decoupled arms: participation (the run default), cycle or none")
-    ap.add_argument("--outer-gradient", default="current", help="decoupled arms: current (the run default) or delta")
+    ap.add_argument("--outer-lr-scaling", default="participation", help="decoupled arms: participation (the run default) or none")
     ap.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                     help="decoupled arms: learners without error feedback on their contributions")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
@@ -116,8 +115,7 @@ def init_flags(args, *, arm: str) -> dict:
                  batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
                  max_staleness=16, quorum=1, mode="decoupled", merge="rda")
-    flags.update(outer_lr_scaling=args.outer_lr_scaling, outer_gradient=args.outer_gradient,
-                 error_feedback=args.error_feedback)
+    flags.update(outer_lr_scaling=args.outer_lr_scaling, error_feedback=args.error_feedback)
     if arm == "lockstep":  # Streaming DiLoCo (init fixes the merge, receive, lr scaling and publish codec)
         flags.update(mode="lockstep", quorum=M)
     elif arm == "diloco":  # classic DiLoCo: the whole model every H steps, waited for, sent exactly

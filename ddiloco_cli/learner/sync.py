@@ -120,8 +120,9 @@ class DiLoCoSync:
         # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
         self.keep_progress = self.config.keep_overlap_progress and self.tau > 0 and not self.lockstep
         # [L8] take the version that merged this learner's contribution, not one merged without it
-        # (whose own merge would come later, against a base the learner has already left)
-        self.await_own = self.config.await_own_merge and not self.lockstep
+        # (whose own merge would come later, against a base the learner has already left); always,
+        # in decoupled mode, since --take-newest was retired (PROTOCOL.md "Retired settings")
+        self.await_own = not self.lockstep
         self.total_steps = self.config.total_steps
         # receive as theta += Theta_new - theta_at_send on the parameters themselves (the alpha = 0
         # case of receive_rule, summed in another order), the increment computed by the receiver
@@ -421,7 +422,7 @@ class DiLoCoSync:
 
     def _take(self, p: int, flight: InFlight) -> Ready | None:
         """Rank 0: a ready newer version of p, or None (lock-step: wait for the one
-        that merged our contribution; decoupled with await_own_merge: ``_own_or_newest``)."""
+        that merged our contribution; decoupled: ``_own_or_newest``)."""
         receiver = self._receiver
         t0 = self.clock.monotonic()
         alert_every_s = self.alert_every_s()

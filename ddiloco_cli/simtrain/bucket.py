@@ -25,10 +25,16 @@ from ddiloco_cli.simtrain.loop import TurnClock
 from ddiloco_cli.store import check_key
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError
 
-# LISTs of the epochs are not charged: the syncer's fence (fence.FencedStore) decides how often to
-# check on the host's monotonic clock, so what those checks cost would depend on the host's load
-FREE_LIST_PREFIXES = (layout.EPOCH_PREFIX,)
-KEEP_VERSIONS = 4  # overwritten objects: the newest versions kept for readers that may not see the last one yet
+KEEP_VERSIONS = 4
+# a heartbeat is charged as this many bytes: its exact size carries the host's name and pid,
+# which would make the virtual times depend on the process that runs the simulation
+HEARTBEAT_BYTES = 1024
+
+
+def charged_bytes(key: str, data: bytes) -> int:
+    if key.startswith(layout.SYNCER_HEARTBEAT_PREFIX) or key.endswith("/heartbeat.json"):
+        return HEARTBEAT_BYTES
+    return len(data)  # overwritten objects: the newest versions kept for readers that may not see the last one yet
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class SimBucket:
         self.objects: dict[str, list[tuple[float, bytes]]] = {}
         self.num_requests = 0
         self.last_contribution_t = 0.0  # when the newest contribution became visible
+        self.last_write_t = 0.0  # when the last write lands
+        self.crash = None  # a crash.CrashPlan: called before and after every write
 
     def visible(self, key: str, t: float) -> tuple[float, bytes] | None:
         for version in reversed(self.objects.get(key, ())):
@@ -58,6 +66,7 @@ class SimBucket:
         return None
 
     def write(self, key: str, data: bytes, visible_at: float) -> None:
+        self.last_write_t = max(self.last_write_t, visible_at)
         if key.startswith(layout.CONTRIBUTION_ROOT):
             self.last_contribution_t = max(self.last_contribution_t, visible_at)
         versions = self.objects.setdefault(key, [])
@@ -78,12 +87,15 @@ class SimStore:
                  parallel: int = 1, free: bool = False):
         self.bucket, self.clock, self.link = bucket, clock, link
         self.url = f"sim://{name}"
+        self.name = name
+        self.in_commit = False  # the syncer's connection: inside Syncer.commit (crash points)
         self.parallel = parallel
         self.free = free  # the harness's own reads: no cost
         self._rng = random.Random(seed)
         self._charge_before_write = 0.0
         self.bytes_up = self.bytes_down = 0
         self.num_requests = 0
+        self.contributions_listed_t = -1.0  # when this connection last LISTed contributions
 
     # ------------------------------------------------------------ costs
     def _request(self, *, up: int = 0, down: int = 0, overlapped: bool = False) -> None:
@@ -111,22 +123,30 @@ class SimStore:
             self._charge_before_write = 0.0
 
     # ------------------------------------------------------------ Store
+    def _crash_point(self, key: str, phase: str) -> None:
+        if self.bucket.crash is not None:
+            self.bucket.crash.on_write(self, key, phase)
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         check_key(key)
+        self._crash_point(key, "before")
         self._pay_pending()
         data = bytes(data)
         existing = self.bucket.peek(key)
-        self._request(up=len(data))
+        self._request(up=charged_bytes(key, data))
         if existing is not None:
             return existing == data
         self.bucket.write(key, data, self.clock.monotonic())
+        self._crash_point(key, "after")
         return True
 
     def put(self, key: str, data: bytes) -> None:
         check_key(key)
+        self._crash_point(key, "before")
         self._pay_pending()
-        self._request(up=len(data))
+        self._request(up=charged_bytes(key, data))
         self.bucket.write(key, bytes(data), self.clock.monotonic())
+        self._crash_point(key, "after")
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         check_key(key)
@@ -138,18 +158,19 @@ class SimStore:
         if max_bytes is not None and len(data) > max_bytes:
             self._request()
             raise ObjectTooLargeError(key, size=len(data), max_bytes=max_bytes)
-        self._request(down=len(data), overlapped=self.parallel > 1 and key.startswith(layout.CONTRIBUTION_ROOT))
+        self._request(down=charged_bytes(key, data), overlapped=self.parallel > 1 and key.startswith(layout.CONTRIBUTION_ROOT))
         return data
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         t = self.clock.monotonic()
+        if prefix.startswith(layout.CONTRIBUTION_ROOT):
+            self.contributions_listed_t = t
         out = []
         for key in sorted(k for k in self.bucket.objects if k.startswith(prefix)):
             found = self.bucket.visible(key, t)
             if found is not None:
                 out.append(ObjectInfo(key=key, size=len(found[1]), mtime_s=VIRTUAL_EPOCH_S + found[0]))
-        if not prefix.startswith(FREE_LIST_PREFIXES):
-            self._request(down=64 * len(out))
+        self._request(down=64 * len(out))
         return out
 
     def delete(self, key: str) -> None:

@@ -146,10 +146,11 @@ class SimLearner:
 
     def crash(self) -> None:
         """A preemption: the session is gone, nothing is flushed."""
-        if self.sync is None or self.finished:
+        if self.finished:
             return
-        self._collect()
-        self.report.preemptions += 1
+        if self.sync is not None:  # else it died while starting
+            self._collect()
+            self.report.preemptions += 1
         self.sync = None
         self.session += 1
         self.blocked_since = None
@@ -180,6 +181,8 @@ class SimLearner:
         flights = {p: f.receive_step - sync.tau for p, f in sync.in_flight.items()}
         received = sync.step(num_tokens=n_tok, data_state=self.data_state(self.drawn))
         step = sync.stats.step
+        if due and w.bucket.crash is not None:
+            w.bucket.crash.on_send(self)
         self.report.lags.extend(step - flights[p] for p in received if p in flights)
         dt = self.step_s()
         sync.record_step_time(dt, loss=float(loss.detach()))

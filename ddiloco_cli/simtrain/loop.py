@@ -17,12 +17,23 @@ from typing import Any, Callable
 from ddiloco_cli.clock import VIRTUAL_EPOCH_S
 
 
+class SimCrash(BaseException):
+    """Raised inside an actor's turn to kill that actor at an injected crash point
+    (``crash.CrashPlan``): the loop calls ``kill`` and goes on with the other actors. A
+    BaseException, as a SIGKILL is: no ``except Exception`` in the real code may survive it."""
+
+    def __init__(self, what: str, kill: Callable[[], None]):
+        super().__init__(what)
+        self.kill = kill
+
+
 class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[..., Any], tuple]] = []
         self._order = itertools.count()
         self.num_events = 0
+        self.crashes: list[tuple[float, str]] = []
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` at virtual time ``t`` (never before now)."""
@@ -37,7 +48,11 @@ class EventLoop:
                 return
             self.now = t
             self.num_events += 1
-            fn(*args)
+            try:
+                fn(*args)
+            except SimCrash as crash:
+                self.crashes.append((t, str(crash)))
+                crash.kill()
 
 
 class TurnClock:

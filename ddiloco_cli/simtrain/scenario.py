@@ -59,7 +59,8 @@ class Scenario:
     mtbf_s: float = 0.0  # per learner, mean time between preemptions (0: none)
     downtime_s: float = 60.0  # a preempted learner is back after this long
     joins: list[dict[str, Any]] = field(default_factory=list)  # {learner = i, at_s = t}: starts late
-    syncer_outages: list[dict[str, Any]] = field(default_factory=list)  # {at_s, duration_s}
+    syncer_outages: list[dict[str, Any]] = field(default_factory=list)  # {at_s, duration_s} of the primary
+    standby: bool = False  # a standby syncer takes the lease over when the primary's runs out
     # report
     eval_points: int = 8  # global val loss this many times along the run
     arms: tuple[str, ...] = ("decoupled", "sync", "dp")

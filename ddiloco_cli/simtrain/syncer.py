@@ -1,112 +1,116 @@
 """The simulated syncer: the real ``Syncer`` (intake, validation, staleness, grace
 window, token weights, RDA, outer step, publish with error feedback, ledger), one
-``tick`` per turn on a ``TurnClock``.
+``Syncer.tick`` per turn on a ``TurnClock``.
 
-A turn: the lease heartbeat and the learners' heartbeats when due, the fence check,
-one poll of the contributions (its GETs overlapped ``intake_parallel`` deep, as the
-syncer's decode pool keeps them in flight), then each fragment's merge decision. A
-merge's compute is charged before its first write: parameters x contributions /
-``merge_params_per_s`` (bench_syncer's figure), not the host's time, so the result
-does not depend on the host. An outage drops the syncer; a new one claims the next
-epoch when it comes back and restores from the ledger.
+Its connection overlaps the GETs of contributions ``intake_parallel`` deep, as the
+syncer's decode pool keeps them in flight (modelled in the store: the syncer decodes
+inline here, ``decode_threads=1``). A merge's compute is charged before its first
+write: parameters x contributions / ``merge_params_per_s`` (bench_syncer's figure), not
+the host's time, so the result does not depend on the host. An outage drops the
+syncer; a new one claims the next epoch when it comes back (looking again every half
+lease while the old epoch's lease runs) and restores from the ledger.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ddiloco_cli import ledger
 from ddiloco_cli.simtrain.bucket import Link, SimStore
 from ddiloco_cli.simtrain.loop import Timer, TurnClock
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer import FragmentState, Syncer, SyncerOptions
 
 if TYPE_CHECKING:
     from ddiloco_cli.simtrain.world import World
 
 
+class CostedSyncer(Syncer):
+    """``Syncer`` whose commits charge the modelled merge compute to the simulated store."""
+
+    merge_params_per_s: float = 2.2e8
+    merge_s: float = 0.0
+
+    def commit(self, state: FragmentState, *, grace_s: float) -> bool:
+        cost_s = self.plan.fragment_numel(state.fragment) * len(state.contributions()) / self.merge_params_per_s
+        sim_store: SimStore = self.sim_store
+        sim_store.charge_before_next_write(cost_s)
+        sim_store.in_commit = True
+        try:
+            won = super().commit(state, grace_s=grace_s)
+        finally:
+            sim_store.charge_before_next_write(0.0)
+            sim_store.in_commit = False
+        if won:
+            self.merge_s += cost_s
+        return won
+
+
 class SimSyncer:
-    def __init__(self, world: "World", *, link: Link, parallel: int):
-        self.world = world
+    def __init__(self, world: "World", *, link: Link, parallel: int, name: str = "primary"):
+        self.world, self.name = world, name
         self.clock = TurnClock(world.loop)
-        self.store = SimStore(world.bucket, self.clock, link, name="syncer", seed=f"{world.scenario.seed}-syncer",
+        self.store = SimStore(world.bucket, self.clock, link, name=f"syncer-{name}",
+                              seed=f"{world.scenario.seed}-syncer-{name}",
                               parallel=parallel)
         self.timer = Timer(world.loop, self.tick)
-        self.syncer: Syncer | None = None
+        self.syncer: CostedSyncer | None = None
         self.starts = 0
-        self.merge_s = 0.0  # modelled compute of the merges
+        self.merge_s = 0.0  # modelled compute of the merges (all syncers)
         self.busy_s = 0.0  # time spent in turns (requests and merges)
-        self.idle = False  # the last poll found nothing new and nothing pending
-        self.polled_t = -1.0  # when the last poll LISTed the contributions
-        self._pause_s = 0.0
-        self._due = {"beat": 0.0, "learners": 0.0}
+        self.outage = False
 
     @property
     def up(self) -> bool:
         return self.syncer is not None
 
     def start(self) -> None:
-        self.clock.begin()
-        options = SyncerOptions(syncer_id=f"sim-syncer-{self.starts}", poll_s=self.world.scenario.syncer_poll_s,
-                                gc=False, clock=self.clock.monotonic)
-        syncer = Syncer(self.store, options=options)
-        syncer.intake.decode_threads = 1  # decoded in the turn: the parallel downloads are modelled by the store
-        if self._lease_held(syncer):  # stand by: look again in half a lease (Lease.acquire would sleep)
-            end_t = self.clock.monotonic()
-            self.clock.spent = 0.0
-            self.world.loop.at(end_t + syncer.config.lease_s / 2, self.start)
+        if self.outage or self.syncer is not None:
             return
-        syncer.acquire()
+        self.clock.begin()
+        options = SyncerOptions(syncer_id=f"sim-{self.name}-{self.starts}", poll_s=self.world.scenario.syncer_poll_s,
+                                gc=False, clock=self.clock, decode_threads=1)
+        syncer = CostedSyncer(self.store, options=options)
+        syncer.sim_store = self.store
+        syncer.merge_params_per_s = self.world.scenario.merge_params_per_s
+        if not syncer.acquire(wait=False):  # the old epoch's lease runs: look again in half a lease
+            self._end_turn(syncer.config.lease_s / 2, then=self.start)
+            return
         syncer.restore()
+        self.store.contributions_listed_t = -1.0  # drained only after this syncer's own first poll
         self.syncer = syncer
         self.starts += 1
-        self.syncer.heartbeat(force=True)
-        self._due = {"beat": self.world.loop.now, "learners": self.world.loop.now}
-        self._end_turn()
+        self._end_turn(0.0)
 
-    @staticmethod
-    def _lease_held(syncer: Syncer) -> bool:
-        """What ``Lease.acquire`` waits for: a serving owner whose heartbeat is within the lease."""
-        lease = syncer.lease
-        owner = ledger.current_owner(lease.store, run_id=lease.run_id, fragments=lease.fragments, trust=lease.trust)
-        if owner is None:
-            return False
-        age = ledger.syncer_heartbeat_age(lease.store, owner.epoch)
-        return age is not None and age <= lease.lease_s and lease._owner_state(owner.epoch) in ("serving", None)
-
-    def drained(self) -> bool:
-        """Up, and its last poll came after the newest contribution and found nothing to merge."""
-        return self.up and self.idle and self.polled_t > self.world.bucket.last_contribution_t
-
-    def crash(self) -> None:
+    def down(self) -> None:
+        """An outage begins: the syncer process is gone."""
+        self.outage = True
+        if self.syncer is not None:
+            self.merge_s += self.syncer.merge_s
         self.syncer = None
         self.timer.cancel()
 
-    def tick(self) -> None:
-        syncer, now = self.syncer, self.world.loop.now
-        config = syncer.config
-        self.clock.begin()
-        syncer.check_fence()
-        if now >= self._due["beat"]:
-            syncer.heartbeat(force=True)
-            self._due["beat"] = now + config.heartbeat_s
-        if now >= self._due["learners"]:
-            syncer._refresh_learners()
-            self._due["learners"] = now + config.heartbeat_s
-        self.polled_t = self.clock.monotonic()
-        fresh = syncer.poll_contributions()
-        for state in list(syncer.states.values()):
-            cost_s = syncer.plan.fragment_numel(state.fragment) * len(state.contributions()) / \
-                self.world.scenario.merge_params_per_s
-            self.store.charge_before_next_write(cost_s)
-            if syncer.maybe_merge(state):
-                self.merge_s += cost_s
-            self.store.charge_before_next_write(0.0)
-        self.idle = fresh == 0 and not any(state.pending for state in syncer.states.values())
-        self._pause_s = syncer.next_poll_s(self._pause_s or syncer.opts.poll_s, idle=self.idle)
-        self._end_turn()
+    def back(self) -> None:
+        self.outage = False
+        self.start()
 
-    def _end_turn(self) -> None:
+    def tick(self) -> None:
+        self.clock.begin()
+        pause_s = self.syncer.tick()
+        self._end_turn(pause_s)
+
+    def _end_turn(self, pause_s: float, *, then=None) -> None:
         end_t = self.clock.monotonic()
         self.busy_s += self.clock.spent
         self.clock.spent = 0.0
-        self.timer.arm(end_t + self._pause_s, earlier_only=False)
+        if then is not None:
+            self.world.loop.at(end_t + pause_s, then)
+        else:
+            self.timer.arm(end_t + pause_s, earlier_only=False)
+
+    def drained(self) -> bool:
+        """Up, its last LIST of the contributions came after the newest one landed, and
+        nothing waits for a merge."""
+        return (self.syncer is not None and self.store.contributions_listed_t > self.world.bucket.last_contribution_t
+                and not any(state.pending for state in self.syncer.states.values()))
+
+    def total_merge_s(self) -> float:
+        return self.merge_s + (self.syncer.merge_s if self.syncer is not None else 0.0)

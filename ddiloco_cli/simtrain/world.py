@@ -40,9 +40,9 @@ class World:
         self.scenario = sc = scenario
         self.loop = EventLoop()
         self.bucket = SimBucket()
-        self.admin = SimStore(self.bucket, TurnClock(self.loop), Link(1.0, 1.0, 0.0), name="admin", seed="admin",
-                              free=True)
-        init_run(self.admin, sc.run_config())
+        admin_clock = TurnClock(self.loop)
+        self.admin = SimStore(self.bucket, admin_clock, Link(1.0, 1.0, 0.0), name="admin", seed="admin", free=True)
+        init_run(self.admin, sc.run_config(), clock=admin_clock)
         run = ledger.read_run(self.admin)
         self.config = RunConfig.from_record(run, where=f"{self.admin.url}/{layout.RUN_CONFIG}")
         self.inner = run["inner"]
@@ -55,12 +55,15 @@ class World:
             for i, (lid, speed) in enumerate(zip(sc.learner_ids(), sc.speed_factors()))]
         syncer_link = Link.of(up_mbps=sc.syncer_gbps * 1e3, down_mbps=sc.syncer_gbps * 1e3, rtt_ms=sc.syncer_rtt_ms,
                               jitter_ms=0.0, store_latency_ms=sc.store_latency_ms)
-        self.syncer = SimSyncer(self, link=syncer_link, parallel=sc.intake_parallel)
+        # the primary (the outages hit it) and, with ``standby``, a second one waiting for its lease
+        self.syncers = [SimSyncer(self, link=syncer_link, parallel=sc.intake_parallel, name=name)
+                        for name in (["primary", "standby"] if sc.standby else ["primary"])]
+        self.syncer = self.syncers[0]
         self.tokens = 0
         self.total_steps = 0
         self.curve: list[Point] = []
         self._eval_every = max(1, sc.learners * sc.steps_per_learner // max(1, sc.eval_points))
-        self._next_eval = self._eval_every
+        self._next_eval = self._eval_every if sc.eval_points > 0 else float("inf")
         self.wall_s = 0.0
 
     # ------------------------------------------------------------ schedule
@@ -73,15 +76,16 @@ class World:
         sc, loop = self.scenario, self.loop
         horizon_s = HORIZON_FACTOR * self.nominal_s() + sum(o["duration_s"] for o in sc.syncer_outages) + \
             max([float(j["at_s"]) for j in sc.joins] or [0.0])
-        loop.at(0.0, self.syncer.start)
+        for i, syncer in enumerate(self.syncers):
+            loop.at(0.0 if i == 0 else self.config.heartbeat_s, syncer.start)
         for learner in self.learners:
             loop.at(sc.join_s(learner.index), self._start_learner, learner)
             for down_t, back_t in sc.preemptions(learner.index, horizon_s):
                 loop.at(down_t, learner.crash)
                 loop.at(back_t, self._start_learner, learner)
         for outage in sc.syncer_outages:
-            loop.at(float(outage["at_s"]), self.syncer.crash)
-            loop.at(float(outage["at_s"]) + float(outage["duration_s"]), self.syncer.start)
+            loop.at(float(outage["at_s"]), self.syncer.down)
+            loop.at(float(outage["at_s"]) + float(outage["duration_s"]), self.syncer.back)
         return horizon_s
 
     def _start_learner(self, learner: SimLearner) -> None:
@@ -89,12 +93,13 @@ class World:
             learner.start()
 
     def done(self) -> bool:
-        return all(learner.idle for learner in self.learners) and self.syncer.drained()
+        return all(learner.idle for learner in self.learners) and any(syncer.drained() for syncer in self.syncers)
 
     def run(self) -> None:
         t0 = time.process_time()
         horizon_s = self.schedule()
         self.loop.run(done=self.done, limit_s=horizon_s)
+        self.loop.now = max(self.loop.now, self.bucket.last_write_t)  # the last merge lands
         if not self.done():
             log.warning("simulation cut off at %.0f s of virtual time (learners idle: %s)", self.loop.now,
                         [learner.idle for learner in self.learners])

@@ -137,3 +137,55 @@ def test_a_tiny_run_merges_every_contribution_with_the_real_code():
     assert r["ledger"]["merged_token_fraction"] == pytest.approx(1.0)
     assert r["ledger"]["refused"] == 0 and r["ledger"]["used"] > 0
     assert r["val_loss"] < 4.5  # the untrained tiny GPT is at 4.59
+
+
+def _tiny(**over) -> Scenario:
+    base = dict(learners=2, steps_per_learner=32, step_s=0.5, eval_points=1, eval_batches=1, arms=("decoupled",),
+                run={"sync_every": 8, "overlap_steps": 4, "num_fragments": 2})
+    return Scenario(**{**base, **over})
+
+
+def test_a_standby_syncer_takes_over_during_an_outage_and_nothing_is_lost():
+    from ddiloco_cli.simtrain import simulate_train
+
+    outage = [{"at_s": 5.0, "duration_s": 1000.0}]
+    alone = simulate_train(_tiny(syncer_outages=outage))["decoupled"]
+    covered = simulate_train(_tiny(syncer_outages=outage, standby=True))["decoupled"]
+    assert alone["virtual_s"] > 1005.0  # the merges wait for the primary's return
+    assert covered["virtual_s"] < 100.0 and covered["syncer_epochs"] == 2
+    for r in (alone, covered):
+        assert r["ledger"]["merged_token_fraction"] == pytest.approx(1.0)
+
+
+def test_preempted_learners_come_back_as_new_sessions_and_finish():
+    from ddiloco_cli.simtrain import simulate_train
+
+    r = simulate_train(_tiny(mtbf_s=6.0, downtime_s=2.0, joins=[{"learner": 1, "at_s": 3.0}]))["decoupled"]
+    assert r["preemptions"] > 0 and r["sessions"] == 2 + r["preemptions"]
+    assert r["ledger"]["used"] > 0 and r["ledger"]["refused"] == 0
+
+
+def test_crash_points_of_a_commit_and_a_send_lose_nothing_and_replay_bit_exactly():
+    from ddiloco_cli.simtrain.crash import Point, crash_scenario, points_of, run_point, verify
+
+    scenario = crash_scenario(1, steps=12)
+    world, plan = run_point(scenario, None)
+    assert verify(world) == []
+    points = points_of(plan)
+    assert {p.target for p in points} == {"syncer", "learner"}
+    chosen = [Point("syncer", plan.counts["syncer"] // 2, "before"), Point("syncer", plan.counts["syncer"] // 2, "after"),
+              Point("learner", 1, "after"), Point("learner", 2, "queued")]
+    for point in chosen:
+        world, crashed = run_point(scenario, point)
+        assert crashed.fired and world.loop.crashes, point
+        assert verify(world) == [], point
+
+
+def test_verify_catches_a_state_that_a_replay_does_not_reproduce():
+    from ddiloco_cli.simtrain.crash import crash_scenario, run_point, verify
+
+    world, _ = run_point(crash_scenario(2, steps=8), None)
+    state = world.syncer.syncer.states[0]
+    key = next(iter(state.current.raw))
+    state.current.raw[key] = state.current.raw[key] + 1e-3
+    assert any("differs" in problem for problem in verify(world))
