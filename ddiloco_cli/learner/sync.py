@@ -40,7 +40,7 @@ import torch.nn as nn
 from ddiloco_cli import layout, ledger, records, signing
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import DdilocoError, UsageError
-from ddiloco_cli.learner.island import Island
+from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner.receiver import InFlight, Ready, Receiver, receive_rule
 from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state, running_phases
 from ddiloco_cli.learner.stats import LearnerStats
@@ -75,18 +75,6 @@ class SyncOptions:
 def check_learner_id(learner_id: str) -> None:
     if not layout.valid_learner_id(learner_id):
         raise UsageError(f"--learner-id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module whose parameter names the run's plan uses: DDP's ``.module`` and
-    torch.compile's ``._orig_mod`` are peeled off (FSDP2 keeps the names)."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 class DiLoCoSync:
