@@ -244,6 +244,9 @@ def init(
         metavar="Q", rich_help_panel=_CODEC,
         help="Largest |code| the int4/int8 encoders write (default 3 for int4: 29% fewer bytes than its "
              "whole range, 7; 127 for int8)")] = None,
+    publish_density: Annotated[Optional[float], typer.Option(
+        metavar="X", rich_help_panel=_CODEC,
+        help="Sparse published deltas: fraction of each chunk's values sent (default: --codec-density)")] = None,
     codec_density: Annotated[Optional[float], typer.Option(
         metavar="X", rich_help_panel=_CODEC,
         help="Sparse codec: fraction of each chunk's values sent (Top-k; default 0.02)")] = None,

@@ -123,6 +123,8 @@ class RunConfig:
     codec_block: int | None = _f(None, "codec-block", _C, kind=int, lo=2, hi=2**24, optional=True)
     codec_qmax: int | None = _f(None, "codec-qmax", _C, kind=int, lo=1, hi=127, optional=True)
     codec_density: float | None = _f(None, "codec-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0, optional=True)
+    publish_density: float | None = _f(None, "publish-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0,
+                                       optional=True)
     publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True)
     keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT)
     error_feedback: bool = _f(True, "error-feedback", _C, kind=bool)
@@ -152,6 +154,8 @@ class RunConfig:
         sparse_run = "sparse" in (self.codec, self.publish_codec)
         if self.codec_density is None and sparse_run:
             object.__setattr__(self, "codec_density", codec.sparse.DEFAULT_DENSITY)
+        if self.publish_density is None:  # published deltas: the uploads' density unless given
+            object.__setattr__(self, "publish_density", self.codec_density)
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
             object.__setattr__(self, "error_feedback_decay", 0.95 if self.codec == "sparse" else 1.0)
         if self.codec_density is not None and codec.sparse.topk(self.codec_density, self.codec_block) < 1:
@@ -421,7 +425,8 @@ def default_config_toml() -> str:
             value = defaults[f.name].default
             if value is None:
                 note = {"publish_codec": "the run's codec", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
-                        "codec_density": "0.02 for sparse", "error_feedback_decay": "0.95 for sparse, 1 otherwise",
+                        "codec_density": "0.02 for sparse", "publish_density": "--codec-density",
+                        "error_feedback_decay": "0.95 for sparse, 1 otherwise",
                         }.get(f.name, "64 for int4, 256 for int8, 4096 for sparse")
                 lines.append(f"# {flag(f)} =   (default: {note})")
             else:
