@@ -26,8 +26,9 @@ from typing import Any, Iterable
 
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import ProtocolError
-from ddiloco_cli.intake import REFUSED, SUPERSEDED, USED
 from ddiloco_cli.store.base import NotFound, Store
+from ddiloco_cli.typed_records import REFUSED, SUPERSEDED, USED, LedgerEntry, Manifest
+from ddiloco_cli.update import Decision
 
 
 @dataclass
@@ -42,73 +43,108 @@ class LedgerAudit:
                 "problems": self.problems}
 
 
-def entry_status(entry: dict[str, Any]) -> str:
-    """The entry's status; manifests written before ``status`` existed say it with ``used``."""
-    return entry.get("status") or (USED if entry["used"] else SUPERSEDED)
-
-
 def audit_ledger(store: Store, *, run_id: str, fragments: Iterable[int]) -> LedgerAudit:
     out = LedgerAudit()
     reports = {i.key for i in store.list("quarantine/")}  # compared with layout.quarantine_key(key)
-    # outer_gradient = current (the default when absent): a replay also reads each used entry's base
-    needs_bases = ledger.read_run(store).get("outer_gradient", "current") == "current"
     for p in fragments:
-        _audit_fragment(store, run_id=run_id, p=p, out=out, reports=reports, needs_bases=needs_bases)
+        _audit_fragment(store, run_id=run_id, p=p, out=out, reports=reports)
     return out
 
 
-def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, reports: set[str],
-                    needs_bases: bool) -> None:
+@dataclass
+class _Ledger:
+    """One fragment's retained ledger, as the audit reads it."""
+
+    entries: dict[str, list[int]] = field(default_factory=dict)  # contribution key -> versions naming it
+    by_seq: set[tuple[str, int]] = field(default_factory=set)
+    supersedes: list[tuple[int, LedgerEntry]] = field(default_factory=list)
+    used_by_version: dict[int, tuple[LedgerEntry, ...]] = field(default_factory=dict)
+    first_hw: dict[str, int] = field(default_factory=dict)
+    last_hw: dict[str, int] = field(default_factory=dict)
+
+
+def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, reports: set[str]) -> None:
     versions = ledger.list_versions(store, p)
     if not versions:
         return
-    entries: dict[str, list[int]] = {}
-    by_seq: set[tuple[str, int]] = set()
-    supersedes: list[tuple[int, dict[str, Any]]] = []
-    first_hw: dict[str, int] = {}
-    last_hw: dict[str, int] = {}
     out.used_tokens.setdefault(p, 0)
-    used_by_version: dict[int, list[dict[str, Any]]] = {}
-    for v in versions:
-        try:
-            m = ledger.read_manifest(store, p, v, run_id=run_id)
-        except (NotFound, ProtocolError) as exc:
-            out.problems.append(f"{layout.manifest_key(p, v)}: cannot audit its ledger ({exc})")
-            return
-        if v == versions[0]:
-            first_hw = m["high_water"] if v > 0 else {}
-        last_hw = m["high_water"]
-        for e in m["contributions"]:
-            status = entry_status(e)
-            entries.setdefault(e["key"], []).append(v)
-            by_seq.add((e["learner_id"], e["seq"]))
-            if status in out.counts:
-                out.counts[status] += 1
-            if status == USED:
-                out.used_tokens[p] += int(e.get("merged_tokens", e["c_tokens"]))
-                used_by_version.setdefault(v, []).append(e)
-            elif status == REFUSED and not e.get("reason"):
-                out.problems.append(f"{layout.manifest_key(p, v)}: {e['key']} is refused without a reason")
-            elif status == SUPERSEDED and "carried_by" in e:
-                supersedes.append((v, e))
-    needed: list[tuple[int, str]] = []  # (version, key) a replay from the newest checkpoint reads
+    book = _read_ledger(store, run_id=run_id, p=p, versions=versions, out=out)
+    if book is None:
+        return
     listed = {}
     for info in store.list(layout.contribution_prefix(p)):
         parsed = layout.parse_contribution_key(info.key)
         if parsed is not None:
             listed[info.key] = parsed
+    _check_replay_inputs(store, p=p, versions=versions, book=book, listed=listed, out=out)
+    for key, vs in book.entries.items():
+        if len(vs) > 1:
+            out.problems.append(f"{key}: in {len(vs)} ledger entries (versions {vs}) of fragment {p}")
+    for v, e in book.supersedes:
+        carrier = (e.learner_id, e.carried_by)
+        pending = e.carried_by > book.last_hw.get(e.learner_id, -1)
+        if carrier not in book.by_seq and not pending:
+            out.problems.append(f"{layout.manifest_key(p, v)}: {e.key} is superseded by seq {e.carried_by}, "
+                                f"which is not in the ledger")
+    for key, (_, learner_id, seq) in sorted(listed.items()):
+        if key in book.entries:
+            continue
+        if layout.quarantine_key(key) in reports:
+            out.counts["quarantined"] += 1
+        elif seq > book.last_hw.get(learner_id, -1):
+            out.counts["pending"] += 1
+        elif seq <= book.first_hw.get(learner_id, -1):
+            out.counts["retired"] += 1
+        else:
+            out.problems.append(f"{key}: lost: no ledger entry, but learner {learner_id}'s high-water mark "
+                                f"({book.last_hw.get(learner_id)}) has passed it")
+
+
+def _read_ledger(store: Store, *, run_id: str, p: int, versions: list[int], out: LedgerAudit) -> _Ledger | None:
+    """Every retained manifest's decision (the same reading a replay applies), counted into
+    ``out``; None (a problem reported) when one cannot be read."""
+    book = _Ledger()
+    for v in versions:
+        try:
+            decision = Decision.from_manifest(Manifest.from_json(ledger.read_manifest(store, p, v, run_id=run_id)),
+                                              default_lr=0.0)
+        except (NotFound, ProtocolError) as exc:
+            out.problems.append(f"{layout.manifest_key(p, v)}: cannot audit its ledger ({exc})")
+            return None
+        if v == versions[0]:
+            book.first_hw = dict(decision.high_water) if v > 0 else {}
+        book.last_hw = dict(decision.high_water)
+        if decision.used:
+            book.used_by_version[v] = decision.used
+        for e in decision.used + decision.closed:
+            status = e.final_status
+            book.entries.setdefault(e.key, []).append(v)
+            book.by_seq.add((e.learner_id, e.seq))
+            if status in out.counts:
+                out.counts[status] += 1
+            if status == USED:
+                out.used_tokens[p] += e.tokens_merged
+            elif status == REFUSED and not e.reason:
+                out.problems.append(f"{layout.manifest_key(p, v)}: {e.key} is refused without a reason")
+            elif status == SUPERSEDED and e.carried_by is not None:
+                book.supersedes.append((v, e))
+    return book
+
+
+def _check_replay_inputs(store: Store, *, p: int, versions: list[int], book: _Ledger,
+                         listed: dict[str, tuple[int, str, int]], out: LedgerAudit) -> None:
+    """Every contribution a replay from the newest checkpoint merges again, and each one's base
+    version, must still be in the bucket [M4]."""
     checkpoints = [parsed[1] for info in store.list(layout.checkpoint_prefix(p))
                    if (parsed := layout.parse_checkpoint_key(info.key)) is not None and parsed[1] <= versions[-1]]
     replay_from = max(checkpoints, default=0)
     present = set(versions)
-    for v, used in sorted(used_by_version.items()):
+    needed: list[tuple[int, str]] = []  # (version, key) a replay from the newest checkpoint reads
+    for v, used in sorted(book.used_by_version.items()):
         if v <= replay_from:
             continue
-        needed += [(v, e["key"]) for e in used]
-        if not needs_bases:  # outer_gradient = delta: a replay subtracts the earlier delta an entry increments
-            needed += [(v, e["increment_of"]["key"]) for e in used if "increment_of" in e]
-            continue
-        for b in sorted({int(e["base_version"]) for e in used} - present):
+        needed += [(v, e.key) for e in used]
+        for b in sorted({int(e.base_version) for e in used} - present):
             out.problems.append(f"{layout.manifest_key(p, b)}: the base of a contribution used by version {v} "
                                 f"and gone, but a restarting syncer replays that merge from checkpoint "
                                 f"{replay_from} against it")
@@ -117,24 +153,3 @@ def _audit_fragment(store: Store, *, run_id: str, p: int, out: LedgerAudit, repo
             out.problems.append(f"{key}: used by version {v} of fragment {p} and gone, but a restarting syncer "
                                 f"replays that merge from checkpoint {replay_from}: its momentum and residual "
                                 f"would be lost")
-    for key, vs in entries.items():
-        if len(vs) > 1:
-            out.problems.append(f"{key}: in {len(vs)} ledger entries (versions {vs}) of fragment {p}")
-    for v, e in supersedes:
-        carrier = (e["learner_id"], e["carried_by"])
-        pending = e["carried_by"] > last_hw.get(e["learner_id"], -1)
-        if carrier not in by_seq and not pending:
-            out.problems.append(f"{layout.manifest_key(p, v)}: {e['key']} is superseded by seq {e['carried_by']}, "
-                                f"which is not in the ledger")
-    for key, (_, learner_id, seq) in sorted(listed.items()):
-        if key in entries:
-            continue
-        if layout.quarantine_key(key) in reports:
-            out.counts["quarantined"] += 1
-        elif seq > last_hw.get(learner_id, -1):
-            out.counts["pending"] += 1
-        elif seq <= first_hw.get(learner_id, -1):
-            out.counts["retired"] += 1
-        else:
-            out.problems.append(f"{key}: lost: no ledger entry, but learner {learner_id}'s high-water mark "
-                                f"({last_hw.get(learner_id)}) has passed it")

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -24,7 +24,8 @@ from typer.core import TyperGroup
 
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.metrics import LOGGERS
-from ddiloco_cli.runconfig import PANELS, Codec, LrSchedule, Merge, Mode, OuterGradient, OuterLrScaling, RunConfig
+from ddiloco_cli.runconfig import RunConfig
+from ddiloco_cli.runflags import settings_of, with_run_settings
 from ddiloco_cli.store.base import TransientStoreError
 
 
@@ -166,11 +167,10 @@ def _setup_logging(verbose: bool) -> None:
 
 
 # ------------------------------------------------------------------------ init
-_TASK, _SCHED, _MERGE, _INNER, _CODEC, _FT = PANELS
-_D = RunConfig  # a dataclass's class attributes are its field defaults
 
 
 @app.command()
+@with_run_settings(before="storage_option")
 def init(
     ctx: typer.Context,
     url: Annotated[Optional[str], typer.Argument(
@@ -191,93 +191,9 @@ def init(
     admin_key: Annotated[Optional[str], typer.Option(
         "--admin-key", metavar="PATH", envvar="DDILOCO_ADMIN_KEY", show_envvar=True,
         help="The run's admin key, created if missing (default ~/.config/ddiloco/admin.pem); signed runs only")] = None,
-    task: Annotated[str, typer.Option(
-        metavar="MODULE:OBJECT", rich_help_panel=_TASK,
-        help="module:object (or path.py:object) giving the model, data and loss")] = _D.task,
-    fragments: Annotated[int, typer.Option("--fragments", "-P", metavar="P", rich_help_panel=_TASK,
-                                           help="Number of fragments P")] = _D.num_fragments,
-    seed: Annotated[int, typer.Option(metavar="N", rich_help_panel=_TASK, help="Seed of the initial model")] = _D.seed,
-    sync_every: Annotated[int, typer.Option("--sync-every", "-H", metavar="H", rich_help_panel=_SCHED,
-                                            help="Inner steps between two syncs of a fragment (H)")] = _D.sync_every,
-    overlap_steps: Annotated[int, typer.Option(metavar="TAU", rich_help_panel=_SCHED,
-                                               help="Steps a fragment's sync overlaps with compute (tau)")] = _D.overlap_steps,
-    mode: Annotated[Mode, typer.Option(rich_help_panel=_SCHED,
-                                       help="decoupled, or lockstep (the streaming-DiLoCo baseline)")] = Mode(_D.mode),
-    quorum: Annotated[int, typer.Option("--quorum", "-K", metavar="K", rich_help_panel=_MERGE,
-                                        help="Minimum distinct learners per merge (K)")] = _D.quorum,
-    alpha: Annotated[float, typer.Option(metavar="X", rich_help_panel=_MERGE,
-                                         help="Learner-side merge: theta <- alpha*theta + (1-alpha)*global")] = _D.alpha,
-    keep_overlap_progress: Annotated[bool, typer.Option(
-        "--keep-overlap-progress/--discard-overlap-progress", metavar="", rich_help_panel=_MERGE,
-        help="On receive, keep the steps trained since the send (theta <- Theta_new + progress) or overwrite them")
-    ] = _D.keep_overlap_progress,
-    await_own_merge: Annotated[bool, typer.Option(
-        "--await-own-merge/--take-newest", metavar="", rich_help_panel=_MERGE,
-        help="Decoupled learners: from t+tau, take the first version that merged their contribution (never "
-             "blocking; the newest one at the step before the next send), or the newest version at t+tau")
-    ] = _D.await_own_merge,
-    merge: Annotated[Merge, typer.Option(rich_help_panel=_MERGE,
-                                         help="Radial-Directional Averaging or a token-weighted mean")] = Merge(_D.merge),
-    outer_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_MERGE,
-                                            help="Outer Nesterov learning rate")] = _D.outer_lr,
-    outer_momentum: Annotated[float, typer.Option(metavar="X", rich_help_panel=_MERGE,
-                                                  help="Outer Nesterov momentum")] = _D.outer_momentum,
-    outer_lr_scaling: Annotated[OuterLrScaling, typer.Option(
-        rich_help_panel=_MERGE, help="participation: a merge of m of M live learners uses lr*m/M")
-    ] = OuterLrScaling(_D.outer_lr_scaling),
-    outer_gradient: Annotated[OuterGradient, typer.Option(
-        rich_help_panel=_MERGE, help="current: a contribution's outer gradient is the current value minus its "
-                                     "model ((current - base) + delta); delta: its progress on its own base")
-    ] = OuterGradient(_D.outer_gradient),
-    inner_lr: Annotated[float, typer.Option(metavar="LR", rich_help_panel=_INNER,
-                                            help="Inner AdamW peak learning rate")] = _D.inner_lr,
-    adam_betas: Annotated[str, typer.Option(metavar="B1,B2", rich_help_panel=_INNER,
-                                            help="Inner AdamW betas")] = ",".join(map(str, _D.adam_betas)),
-    weight_decay: Annotated[float, typer.Option(metavar="X", rich_help_panel=_INNER,
-                                                help="Inner AdamW weight decay")] = _D.weight_decay,
-    warmup_steps: Annotated[int, typer.Option(metavar="N", rich_help_panel=_INNER,
-                                              help="Inner LR warmup steps")] = _D.warmup_steps,
-    lr_schedule: Annotated[LrSchedule, typer.Option(rich_help_panel=_INNER,
-                                                    help="Inner LR schedule after warmup")] = LrSchedule(_D.lr_schedule),
-    total_steps: Annotated[int, typer.Option(metavar="N", rich_help_panel=_INNER,
-                                             help="Inner steps per learner (schedule length; 0: unlimited)")] = _D.total_steps,
-    grad_clip: Annotated[float, typer.Option(metavar="NORM", rich_help_panel=_INNER,
-                                             help="Gradient-norm clip (0 disables)")] = _D.grad_clip,
-    batch_size: Annotated[int, typer.Option(metavar="N", rich_help_panel=_INNER,
-                                            help="Inner batch size per learner")] = _D.batch_size,
-    codec: Annotated[Codec, typer.Option(rich_help_panel=_CODEC, help="Outer-gradient codec")] = Codec(_D.codec),
-    codec_block: Annotated[Optional[int], typer.Option(
-        metavar="N", rich_help_panel=_CODEC, help="Quantization block size (default 64 for int4, 256 for int8)")] = None,
-    codec_qmax: Annotated[Optional[int], typer.Option(
-        metavar="Q", rich_help_panel=_CODEC,
-        help="Largest |code| the int4/int8 encoders write (default 3 for int4: 29% fewer bytes than its "
-             "whole range, 7; 127 for int8)")] = None,
-    publish_codec: Annotated[Optional[Codec], typer.Option(
-        rich_help_panel=_CODEC, help="Codec of published fragment deltas (default: --codec)")] = None,
-    keyframe_every: Annotated[int, typer.Option(metavar="N", rich_help_panel=_CODEC,
-                                                help="Full (exact) payload every N versions")] = _D.keyframe_every,
-    error_feedback: Annotated[bool, typer.Option(
-        "--error-feedback/--no-error-feedback", metavar="", rich_help_panel=_CODEC,
-        help="Learners add what the codec dropped from their last contribution of a fragment to the next one")
-    ] = _D.error_feedback,
-    grace_gamma: Annotated[float, typer.Option(metavar="X", rich_help_panel=_FT,
-                                               help="Grace window = gamma * slack of the overlap window")] = _D.grace_gamma,
-    grace_max: Annotated[float, typer.Option("--grace-max", metavar="SECONDS", rich_help_panel=_FT,
-                                             help="Upper bound of the grace window")] = _D.grace_max_s,
-    max_staleness: Annotated[int, typer.Option(metavar="N", rich_help_panel=_FT,
-                                               help="Oldest base accepted, in cycles of the fragment behind the latest version (discounted beyond 2)")] = _D.max_staleness,
-    checkpoint_every: Annotated[int, typer.Option(metavar="N", rich_help_panel=_FT,
-                                                  help="Outer-state checkpoint every N versions")] = _D.checkpoint_every,
-    lease: Annotated[float, typer.Option("--lease", metavar="SECONDS", rich_help_panel=_FT,
-                                         help="Syncer lease")] = _D.lease_s,
-    heartbeat: Annotated[float, typer.Option("--heartbeat", metavar="SECONDS", rich_help_panel=_FT,
-                                             help="Heartbeat interval")] = _D.heartbeat_s,
-    retain_versions: Annotated[int, typer.Option(metavar="N", rich_help_panel=_FT,
-                                                 help="Versions kept per fragment by GC")] = _D.retain_versions,
-    gc_grace: Annotated[float, typer.Option("--gc-grace", metavar="SECONDS", rich_help_panel=_FT,
-                                            help="Age before GC may delete an orphan (> 0)")] = _D.gc_grace_s,
     storage_option: StorageOpts = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print the run config as JSON")] = False,
+    **settings: Any,  # every run setting, one option per RunConfig field (runflags)
 ) -> None:
     """Create a run: write its fragment plan, version 0 of every fragment, then its config.
 
@@ -285,7 +201,7 @@ def init(
     run; resumes an interrupted init with the same settings (or removes it with
     --force-clean).
     """
-    from ddiloco_cli.runconfig import default_config_toml, hyperparameters, load_config_file, setting_key
+    from ddiloco_cli.runconfig import default_config_toml, load_config_file
     from ddiloco_cli.runinit import init_run
     from ddiloco_cli.signing import default_require_signatures, load_admin_key
 
@@ -294,8 +210,7 @@ def init(
         return
     if url is None:
         raise UsageError("give the run URL (or set DDILOCO_URL)")
-    keys = {setting_key(f) for f in hyperparameters()}
-    values = {k: v for k, v in ctx.params.items() if k in keys}
+    values = settings_of(ctx.params)
     if config is not None:  # the file fills in what the command line left at its default
         for key, value in load_config_file(config).items():
             if getattr(ctx.get_parameter_source(key), "name", "DEFAULT") == "DEFAULT":
@@ -749,18 +664,35 @@ class SimMode(str, Enum):
 def simulate(
     mode: Annotated[SimMode, typer.Option(help="Training scheme to simulate")] = SimMode.decoupled,
     chips: Annotated[int, typer.Option(metavar="N", min=1, help="Number of chips")] = 1_200_000,
-    learners: Annotated[int, typer.Option(metavar="M", min=1, help="Learners M (decoupled only)")] = 8,
+    learners: Annotated[Optional[int], typer.Option(metavar="M", min=1, help="Learners M (default 8; "
+                                                    "--train: the scenario's)")] = None,
     mtbi_years: Annotated[float, typer.Option(metavar="YEARS", parser=_number("--mtbi-years", positive=True),
                                               help="Mean time between interruptions per chip, years")] = 1.0,
     quorum: Annotated[int, typer.Option(metavar="K", min=1, help="Quorum K (decoupled)")] = 1,
-    seed: Annotated[int, typer.Option(metavar="N", min=0)] = 0,
+    seed: Annotated[Optional[int], typer.Option(metavar="N", min=0)] = None,
+    train: Annotated[bool, typer.Option("--train", metavar="", help="Simulate a whole training run: the real syncer and "
+                                        "learner code on a virtual clock (docs/simulation.md)")] = False,
+    steps_per_learner: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="--train: inner steps "
+                                                             "per learner")] = None,
+    scenario: Annotated[Optional[str], typer.Option(metavar="FILE", help="--train: a scenario (TOML)")] = None,
+    quick: Annotated[bool, typer.Option("--quick", metavar="", help="--train: the small scenario CI runs")] = False,
+    json_file: Annotated[Optional[str], typer.Option(metavar="PATH", help="--train: also write the report "
+                                                     "(JSON) here")] = None,
     json_out: JsonOut = False,
 ) -> None:
-    """Discrete-event goodput simulator of training at scale (see docs/simulator.md)."""
+    """Discrete-event goodput simulator of training at scale (see docs/simulator.md); with
+    --train, a deterministic simulation of a whole run (see docs/simulation.md)."""
+    if train:
+        from ddiloco_cli.simtrain.cli import simulate_train_command
+
+        simulate_train_command(out, scenario=scenario, quick=quick, learners=learners, seed=seed,
+                               steps_per_learner=steps_per_learner, json_file=json_file, json_out=json_out)
+        return
     from ddiloco_cli.simulate import simulate as run_sim
 
+    learners = learners or 8
     result = run_sim(mode=mode.value, chips=chips, learners=learners if mode is SimMode.decoupled else 1,
-                     mtbi_years=mtbi_years, quorum=quorum, seed=seed)
+                     mtbi_years=mtbi_years, quorum=quorum, seed=seed or 0)
     if json_out:
         out.print_json(json.dumps(result))
     else:

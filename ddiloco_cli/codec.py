@@ -16,6 +16,7 @@ The decompressed frame of a tensor with n elements is:
     int8 : ceil(n/B) bf16 scales, then n bytes q + 128 with q in [-127, 127]
     int4 : ceil(n/B) bf16 scales, then ceil(n/2) bytes, two values per byte
            (low nibble first), each q + 8 with q in [-7, 7]
+    sparse: Top-k per chunk of B elements with 2-bit values; the header adds "topk" (sparse.py)
 
 value = q * scale per block of B elements. The scale is absmax/qmax rounded *up*
 to bf16, so |q| <= qmax without clipping. The decoder derives every size from the
@@ -34,8 +35,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import struct
-import threading
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -43,21 +42,25 @@ import numpy as np
 import torch
 import zstandard
 
-from ddiloco_cli import records
+from ddiloco_cli import records, sparse
+from ddiloco_cli.container import METADATA_KEY, payload_codec
+from ddiloco_cli.container import compressor as _compressor
+from ddiloco_cli.container import decompressed as _decompressed
+from ddiloco_cli.container import parse_description as _parse_description
+from ddiloco_cli.container import parse_safetensors as _parse_safetensors
+from ddiloco_cli.container import write_safetensors as _write_safetensors
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.merge import all_finite
 from ddiloco_cli.quantized import (PER_BYTE, QABS, QMAX, DecodedTensors, Quantized, Source, chunk_elems, num_blocks,
                                    q_values)
 
 FORMAT_VERSION = 1
-METADATA_KEY = "ddiloco"
-CODECS = ("none", "bf16", "int8", "int4")
-DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64}
+CODECS = ("none", "bf16", "int8", "int4", "sparse")
+DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64, "sparse": sparse.DEFAULT_CHUNK}
 # the bound on |code| a new run's encoders use when init is not given one: int4 at 3 (7 levels
 # of its 15) sends 29% fewer bytes each way, and both sides feed the error back (docs/design.md,
 # "Coarser codes"); a run.json without the setting means the codec's whole range (QMAX)
 DEFAULT_QMAX = {"int8": 127, "int4": 3}
-_MAX_HEADER_BYTES = 64 << 20
 _MAX_NDIM = 8
 _MAX_NUMEL = 1 << 40  # per payload, whatever the caller's bounds: 4 TB of fp32
 
@@ -100,7 +103,9 @@ def _bounded_scale_bits(qmax: int) -> int:
     return _largest_bounded_scale_bits(qmax)
 
 
-def _raw_nbytes(codec: str, n: int, block: int) -> int:
+def _raw_nbytes(codec: str, n: int, block: int, topk: int = 0) -> int:
+    if codec == "sparse":
+        return sparse.raw_nbytes(n, block, topk)
     if codec == "none":
         return 4 * n
     if codec == "bf16":
@@ -343,12 +348,22 @@ def _check_codec(codec: str, block_size: int | None, qmax: int | None = None) ->
     if codec not in CODECS:
         raise UsageError(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
     check_qmax(codec, qmax)
-    if codec in QMAX:
+    if codec in DEFAULT_BLOCK_SIZE:
         block = DEFAULT_BLOCK_SIZE[codec] if block_size is None else int(block_size)
-        if block < 1:
-            raise UsageError(f"--block-size must be >= 1, got {block}")
+        if not 1 <= block <= (sparse.MAX_CHUNK if codec == "sparse" else 1 << 24):
+            raise UsageError(f"--block-size {block} is out of range for codec {codec}")
         return block
     return 0
+
+
+def _topk(codec: str, block: int, density: float | None) -> int:
+    """Values per chunk of the sparse codec (0 for the others)."""
+    if codec != "sparse":
+        return 0
+    density = sparse.DEFAULT_DENSITY if density is None else float(density)
+    if not 0.0 < density <= 1.0:
+        raise UsageError(f"--codec-density must be in (0, 1], got {density!r}")
+    return sparse.topk(density, block)
 
 
 def encode_tensors(
@@ -359,12 +374,14 @@ def encode_tensors(
     zstd_level: int = 1,
     metadata: dict | None = None,
     qmax: int | None = None,
+    density: float | None = None,
 ) -> bytes:
     """Encode float tensors (any device/dtype; values are taken as fp32) into one
     payload. `metadata` must be JSON-serialisable; it comes back from decode. ``qmax``
     (int4/int8) bounds the codes the encoder writes (default: the codec's full range); the
     frame is an ordinary one of the codec, read the same way whatever the bound."""
-    return _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata, qmax=qmax)
+    return _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata, qmax=qmax,
+                   density=density)
 
 
 def encode_with_residual(
@@ -375,14 +392,15 @@ def encode_with_residual(
     zstd_level: int = 1,
     metadata: dict | None = None,
     qmax: int | None = None,
+    density: float | None = None,
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """``encode_tensors`` plus what the payload does not carry: ``t - decode(payload)`` per
     key (fp32 CPU; zeros under codec none), for a sender's error feedback. The encoder
     dequantises its own frames, so no decode of the payload is needed."""
     residual: dict[str, torch.Tensor] = {}
-    if codec in QMAX:  # int8/int4: the quantiser's one pass makes them (``_quantize_flat``)
+    if codec in QMAX or codec == "sparse":  # the quantiser's one pass makes them (``_quantize_flat``, ``_sparse_frame``)
         payload = _encode(tensors, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
-                          residual=residual, qmax=qmax)
+                          residual=residual, qmax=qmax, density=density)
         return payload, residual
 
     def left_out(key: str) -> Sink:
@@ -408,10 +426,29 @@ def _flat32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
 
 
+def _sparse_frame(t: torch.Tensor, chunk: int, k: int, *, sink: Sink | None, residual: dict | None, key: str,
+                  minus: torch.Tensor | None) -> list:
+    """A sparse tensor's raw frame (``sparse.encode``) of t (less ``minus``): the sink gets its
+    decoded values; ``residual[key]`` becomes t - decoded (made from t's copy, sparsely)."""
+    x = _flat32(t) if minus is None else _flat32(t) - _flat32(minus)
+    enc = sparse.encode(x.numpy(), chunk, k)
+    if residual is not None:
+        r = x.clone() if minus is None else x
+        r.numpy()[enc.index] -= enc.value
+        residual[key] = r.view(t.shape)
+    if sink is not None and hasattr(sink, "sparse"):  # only the sent values (a published delta)
+        sink.sparse(enc.index, enc.value, enc.bounded)
+    elif sink is not None:
+        decoded = np.zeros(x.numel(), dtype=np.float32)
+        decoded[enc.index] = enc.value
+        sink(0, x.numel(), decoded, enc.bounded)
+    return enc.buffers
+
+
 def _encode(
     tensors: Mapping[str, torch.Tensor], *, codec: str, block_size: int | None, zstd_level: int, metadata: dict | None,
     minus: Mapping[str, torch.Tensor] | None = None, sink_for: Callable[[str], Sink] | None = None,
-    residual: dict[str, torch.Tensor] | None = None, qmax: int | None = None,
+    residual: dict[str, torch.Tensor] | None = None, qmax: int | None = None, density: float | None = None,
 ) -> bytes:
     """The payload of ``tensors``, less ``minus`` where it has the key (then the header's dtype
     is float32). ``sink_for(key)``, when given, makes the sink that gets the decoded values of
@@ -419,12 +456,17 @@ def _encode(
     learner's contribution) is filled with what the payload leaves out of each tensor. ``qmax``
     bounds the codes (default: the codec's range)."""
     block = _check_codec(codec, block_size, qmax)
+    topk = _topk(codec, block, density)
     cctx = _compressor(zstd_level)
     frames: list[tuple[str, bytes]] = []
     info: dict[str, Any] = {}
     keys = list(tensors)
     sinks = [None if sink_for is None else sink_for(key) for key in keys]
-    if codec in QMAX and not minus and sink_for is None:  # a learner's fragment: its tensors in one pass
+    if codec == "sparse":
+        quantized = [_sparse_frame(tensors[k], block, topk, sink=sink, residual=residual, key=k,
+                                   minus=None if minus is None or k not in minus else minus[k])
+                     for k, sink in zip(keys, sinks)]
+    elif codec in QMAX and not minus and sink_for is None:  # a learner's fragment: its tensors in one pass
         quantized = _quantize_flat([tensors[k] for k in keys], keys, codec, block, residual=residual, qmax=qmax)
     elif codec in QMAX and not minus and len(keys) > 1:
         quantized = _quantize_together([_flat32(tensors[k]) for k in keys], codec, block, sinks=sinks, qmax=qmax)
@@ -437,7 +479,7 @@ def _encode(
         m = None if minus is None else minus.get(key)
         parts = [memoryview(p).cast("B") for p in raw]
         raw_n = sum(p.nbytes for p in parts)
-        assert raw_n == _raw_nbytes(codec, t.numel(), block)
+        assert raw_n == _raw_nbytes(codec, t.numel(), block, topk)
         cobj = cctx.compressobj(size=raw_n)
         comp = b"".join([*(cobj.compress(p) for p in parts), cobj.flush()])
         frames.append((key, comp))
@@ -451,63 +493,11 @@ def _encode(
         "format": FORMAT_VERSION,
         "codec": codec,
         "block_size": block,
+        **({"topk": topk} if topk else {}),
         "tensors": info,
         "metadata": metadata or {},
     }
     return _write_safetensors(frames, {METADATA_KEY: json.dumps(header, separators=(",", ":"))})
-
-
-_COMPRESSORS = threading.local()
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """This thread's compressor for ``level``: one may not be shared between threads, and
-    making one per payload costs more than compressing a small tensor."""
-    by_level = _COMPRESSORS.__dict__.setdefault("by_level", {})
-    cctx = by_level.get(level)
-    if cctx is None:
-        cctx = by_level[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
-    return cctx
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's decompressor (as ``_compressor``)."""
-    dctx = getattr(_COMPRESSORS, "dctx", None)
-    if dctx is None:
-        dctx = _COMPRESSORS.dctx = zstandard.ZstdDecompressor()
-    return dctx
-
-
-def _write_safetensors(frames: list[tuple[str, bytes]], metadata: dict[str, str]) -> bytes:
-    """A safetensors file of uint8 tensors (the format is 8-byte LE header length,
-    JSON header, data). Written directly to avoid two extra copies of the data;
-    `safetensors.torch.load` reads it (tested)."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for key, comp in frames:
-        header[key] = {"dtype": "U8", "shape": [len(comp)], "data_offsets": [offset, offset + len(comp)]}
-        offset += len(comp)
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hbytes += b" " * (-len(hbytes) % 8)  # align the data section, as safetensors does
-    return b"".join([struct.pack("<Q", len(hbytes)), hbytes, *(c for _, c in frames)])
-
-
-def _parse_safetensors(data: bytes, where: str) -> tuple[dict, int]:
-    """(header dict, offset of the data section), validated against len(data)."""
-
-    def bad(msg: str) -> InvalidPayloadError:
-        return InvalidPayloadError(f"{where}: {msg}")
-
-    if len(data) < 8:
-        raise bad("payload too short to be a safetensors file")
-    (hlen,) = struct.unpack("<Q", data[:8])
-    if hlen > min(len(data) - 8, _MAX_HEADER_BYTES):
-        raise bad(f"safetensors header length {hlen} exceeds the payload ({len(data)} bytes)")
-    header = records.parse_json(data[8 : 8 + hlen], where=f"{where}: safetensors header",
-                                max_bytes=_MAX_HEADER_BYTES, error=InvalidPayloadError)
-    if not isinstance(header, dict):
-        raise bad("safetensors header is not a JSON object")
-    return header, 8 + hlen
 
 
 def decode_tensors(
@@ -544,29 +534,19 @@ def _decode_tensors(
     data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str,
     keep_codes: bool,
 ) -> tuple[Mapping[str, torch.Tensor], dict]:
-    codec, block, plan, caller_meta = _checked_frames(data, expected=expected, max_numel=max_numel, where=where)
+    codec, block, topk, plan, caller_meta = _checked_frames(data, expected=expected, max_numel=max_numel, where=where)
     out: dict[str, Source] = {}
     for key, shape, n, raw_n, comp in plan:
         raw = _decompressed(comp, raw_n, where=where, key=key)
-        out[key] = _decoded(raw, codec, tuple(shape), block, keep_codes=keep_codes, where=f"{where}: tensor {key!r}")
-    return (DecodedTensors(out, codec=codec, block_size=block) if keep_codes else out), caller_meta
-
-
-def _decompressed(comp: memoryview, raw_n: int, *, where: str, key: str) -> bytes:
-    """A tensor's frame, decompressed (capped at its derived size ``raw_n``, and exactly that)."""
-    try:
-        raw = _decompressor().decompress(comp, max_output_size=raw_n, allow_extra_data=False)
-    except zstandard.ZstdError as err:
-        raise InvalidPayloadError(f"{where}: tensor {key!r}: zstd decompression failed ({err})") from None
-    if len(raw) != raw_n:
-        raise InvalidPayloadError(f"{where}: tensor {key!r}: decompressed to {len(raw)} bytes, expected {raw_n}")
-    return raw
+        out[key] = _decoded(raw, codec, tuple(shape), block, keep_codes=keep_codes, where=f"{where}: tensor {key!r}",
+                            topk=topk)
+    return (DecodedTensors(out, codec=codec, block_size=block, topk=topk or None) if keep_codes else out), caller_meta
 
 
 def _checked_frames(
     data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None, max_numel: int | None, where: str,
-) -> tuple[str, int, list[tuple[str, list[int], int, int, memoryview]], dict]:
-    """(codec, block size, [(key, shape, numel, raw size, compressed frame)], caller metadata) of a
+) -> tuple[str, int, int, list[tuple[str, list[int], int, int, memoryview]], dict]:
+    """(codec, block size, sparse values per chunk (0 for the other codecs), [(key, shape, numel, raw size, compressed frame)], caller metadata) of a
     payload, every declared size checked (see ``decode_tensors``) and nothing decompressed."""
     def bad(msg: str) -> InvalidPayloadError:
         return InvalidPayloadError(f"{where}: {msg}")
@@ -590,6 +570,12 @@ def _checked_frames(
     if codec in QMAX:
         if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= (1 << 24):
             raise bad(f"bad block_size {block!r}")
+    topk = desc.get("topk") if codec == "sparse" else 0
+    if codec == "sparse":
+        try:
+            sparse.check_params(block, topk)
+        except InvalidPayloadError as exc:
+            raise bad(str(exc)) from None
     tinfo = desc.get("tensors")
     caller_meta = desc.get("metadata", {})
     if not isinstance(tinfo, dict) or not isinstance(caller_meta, dict):
@@ -621,7 +607,7 @@ def _checked_frames(
         total_numel += n
         if total_numel > numel_limit:
             raise bad(f"declares more than the allowed {numel_limit} elements")
-        raw_n = _raw_nbytes(codec, n, block)
+        raw_n = _raw_nbytes(codec, n, block, topk)
         if ti.get("raw_nbytes") != raw_n:
             raise bad(f"tensor {key!r}: raw_nbytes {ti.get('raw_nbytes')!r} != {raw_n} for shape {shape}")
         e = entries[key]
@@ -644,13 +630,17 @@ def _checked_frames(
         if declared not in (-1, raw_n):
             raise bad(f"tensor {key!r}: zstd frame declares {declared} bytes, expected {raw_n}")
         plan.append((key, shape, n, raw_n, comp))
-    return codec, block, plan, caller_meta
+    return codec, block, topk, plan, caller_meta
 
 
-def _decoded(raw: bytes, codec: str, shape: tuple[int, ...], block: int, *, keep_codes: bool, where: str) -> Source:
+def _decoded(raw: bytes, codec: str, shape: tuple[int, ...], block: int, *, keep_codes: bool, where: str,
+             topk: int = 0) -> Source:
     """The tensor of a decompressed frame (length already checked): fp32, or with
-    ``keep_codes`` a ``Quantized`` for int4/int8. Raises InvalidPayloadError when a value
-    is not finite."""
+    ``keep_codes`` a ``Quantized`` for int4/int8 (a ``sparse.SparseTensor`` for sparse).
+    Raises InvalidPayloadError when a value is not finite."""
+    if codec == "sparse":
+        st = sparse.decode(raw, shape, block, topk, where=where)
+        return st if keep_codes else st.dense()
     if codec in QMAX and math.prod(shape):
         q = Quantized.from_frame(raw, codec=codec, shape=shape, block=block)
         # the codes are small integers: when every scale times the largest of them is finite, so
@@ -662,25 +652,6 @@ def _decoded(raw: bytes, codec: str, shape: tuple[int, ...], block: int, *, keep
     if not all_finite(t):
         raise InvalidPayloadError(f"{where} has non-finite values")
     return t
-
-
-def payload_codec(data: bytes, *, where: str = "") -> dict:
-    """The 'ddiloco' header of a payload (codec, block size, tensors, metadata)
-    without decoding any tensor; for `ddiloco inspect`."""
-    header, _ = _parse_safetensors(data, where or "payload")
-    meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
-        raise InvalidPayloadError(f"{where or 'payload'}: not a ddiloco payload")
-    desc = _parse_description(meta[METADATA_KEY], where or "payload")
-    if not isinstance(desc, dict):
-        raise InvalidPayloadError(f"{where or 'payload'}: {METADATA_KEY!r} metadata is not a JSON object")
-    return desc
-
-
-def _parse_description(text: str, where: str) -> Any:
-    """The 'ddiloco' metadata entry, parsed within the bounds of every bucket read."""
-    return records.parse_json(text, where=f"{where}: {METADATA_KEY!r} metadata", max_bytes=_MAX_HEADER_BYTES,
-                              error=InvalidPayloadError)
 
 
 # --- syncer-side error feedback for published fragments --------------------------------
@@ -704,6 +675,7 @@ def encode_published_delta(
     zstd_level: int = 1,
     metadata: dict | None = None,
     qmax: int | None = None,
+    density: float | None = None,
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Encode new_value - prev_published; return (payload, new published value).
 
@@ -732,10 +704,16 @@ def encode_published_delta(
             else:  # what _add computes on a reader's decode: base + decoded
                 np.add(base[start:stop], decoded, out=flat[start:stop])
 
+        def sparse_sink(index: np.ndarray, sent: np.ndarray, bounded: bool) -> None:
+            if not bounded and not np.isfinite(sent).all():
+                raise InvalidPayloadError(f"own published delta: tensor {key!r} has non-finite values")
+            _sparse_sum(base, index, sent, out=flat)  # as apply_published_delta: only the sent values change
+
+        sink.sparse = sparse_sink  # type: ignore[attr-defined]
         return sink
 
     payload = _encode(value, codec=codec, block_size=block_size, zstd_level=zstd_level, metadata=metadata,
-                      minus=prev_published, sink_for=into_published, qmax=qmax)
+                      minus=prev_published, sink_for=into_published, qmax=qmax, density=density)
     return payload, published
 
 
@@ -753,19 +731,36 @@ def apply_published_delta(
         expected = {k: tuple(v.shape) for k, v in prev_published.items()}
     where = where or "payload"
     try:
-        codec, block, plan, _ = _checked_frames(payload, expected=expected, max_numel=None, where=where)
+        codec, block, topk, plan, _ = _checked_frames(payload, expected=expected, max_numel=None, where=where)
         out: dict[str, torch.Tensor] = {}
         for key, shape, n, raw_n, comp in plan:
             raw = _decompressed(comp, raw_n, where=where, key=key)
             p = prev_published.get(key)
             summed = _sum_with(p, raw, codec, tuple(shape), block) if codec in QMAX and n else None
+            if codec == "sparse":
+                st = sparse.decode(raw, tuple(shape), block, topk, where=f"{where}: tensor {key!r}")
+                out_flat = np.empty(n, dtype=np.float32)
+                _sparse_sum(None if p is None else _flat32(p).numpy(), st.index, st.value, out=out_flat)
+                summed = torch.from_numpy(out_flat).view(tuple(shape))
             if summed is None:  # the general way: decode (values checked), then add
-                t = _decoded(raw, codec, tuple(shape), block, keep_codes=False, where=f"{where}: tensor {key!r}")
+                t = _decoded(raw, codec, tuple(shape), block, keep_codes=False, where=f"{where}: tensor {key!r}",
+                             topk=topk)
                 summed = _add({key: p} if p is not None else {}, {key: t})[key]
             out[key] = summed
     except records.PARSE_ERRORS as exc:  # as decode_tensors
         raise InvalidPayloadError(f"{where}: cannot decode ({type(exc).__name__}: {records.one_line(exc)})") from None
     return out
+
+
+def _sparse_sum(base: np.ndarray | None, index: np.ndarray, sent: np.ndarray, *, out: np.ndarray) -> None:
+    """out = base (zeros when None) with base[i] + sent at the sent positions i: one fp32 addition
+    each, the same on the syncer (its new published value) and on every reader."""
+    if base is None:
+        out[:] = 0.0
+        out[index] = sent
+    else:
+        out[:] = base
+        out[index] += sent
 
 
 # the largest bf16 magnitude (bits & 0x7FFF) whose product with the largest |q| a frame can hold

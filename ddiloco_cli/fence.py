@@ -5,7 +5,7 @@ standby claimed a higher epoch for its fragments. ``FencedStore`` wraps the
 store a syncer writes through. Before every write of any kind (``put``,
 ``put_if_absent``, ``delete``) it checks the fence: is there an epoch above its
 own whose fragments overlap its own? It checks at most every ``interval_s``
-(monotonic clock) and always right before creating a manifest. Once fenced it
+(the injected clock's monotonic time) and always right before creating a manifest. Once fenced it
 raises ``FencedError`` for every later write without touching the bucket, so a
 fenced syncer writes nothing: no quarantine report, heartbeat, checkpoint or
 manifest.
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 from ddiloco_cli import layout, ledger
+from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import FencedError
 from ddiloco_cli.records import NewerProtocolError
 from ddiloco_cli.signing import Trust
@@ -41,11 +41,16 @@ def fence_interval_s(lease_s: float) -> float:
 
 class FencedStore(StoreWrapper):
     """A Store that checks the fence of ``epoch`` before each write (see module doc).
-    Reads pass through unchecked."""
+    Reads pass through unchecked.
 
-    def __init__(self, inner: Store, *, run_id: str, epoch: ledger.Epoch, interval_s: float,
-                 trust: Trust | None = None):
+    A syncer builds one at start, unarmed (``epoch`` None: its writes pass, the only one
+    being its epoch claim), and every part of it reads and writes through that one object;
+    ``Lease.acquire`` arms it with the claimed epoch (``arm``), from then on for good."""
+
+    def __init__(self, inner: Store, *, run_id: str, interval_s: float, epoch: ledger.Epoch | None = None,
+                 trust: Trust | None = None, clock: Clock = WALL):
         super().__init__(inner)
+        self.clock = clock
         self.trust = trust  # in a run that requires signatures, an unsigned epoch fences nobody
         self.run_id = run_id
         self.epoch = epoch
@@ -53,6 +58,12 @@ class FencedStore(StoreWrapper):
         self._checked_t = -math.inf
         self._fenced: FencedError | None = None
         self._harmless: set[int] = set()  # epochs above ours that are invalid, foreign or disjoint
+
+    def arm(self, epoch: ledger.Epoch) -> None:
+        """Check every later write against ``epoch`` (the one this syncer claimed)."""
+        assert self.epoch is None or self.epoch == epoch, "armed already, with another epoch"
+        self.epoch = epoch
+        self._checked_t = -math.inf
 
     # -------------------------------------------------------------- the fence
     def check_fence(self) -> None:
@@ -63,6 +74,7 @@ class FencedStore(StoreWrapper):
         """
         if self._fenced is not None:
             raise self._fenced
+        assert self.epoch is not None, "claim an epoch (Lease.acquire) first"
         mine = self.epoch
         for n, _ in ledger.listed_epochs(self.inner):
             if n <= mine.epoch or n in self._harmless:
@@ -76,7 +88,7 @@ class FencedStore(StoreWrapper):
                 continue
             self._fence(f"epoch {n} ({other.syncer_id}) took over fragments {sorted(other.fragments & mine.fragments)}; "
                         f"this syncer (epoch {mine.epoch}) stops")
-        self._checked_t = time.monotonic()
+        self._checked_t = self.clock.monotonic()
 
     @property
     def fenced(self) -> bool:
@@ -90,8 +102,10 @@ class FencedStore(StoreWrapper):
     def _before_write(self, key: str) -> None:
         if self._fenced is not None:
             raise self._fenced
+        if self.epoch is None:  # unarmed: no epoch claimed yet, nothing to be fenced from
+            return
         kind = layout.key_kind(key)
-        if (kind is not None and kind[0] == "manifests") or time.monotonic() - self._checked_t >= self.interval_s:
+        if (kind is not None and kind[0] == "manifests") or self.clock.monotonic() - self._checked_t >= self.interval_s:
             self.check_fence()
 
     # ------------------------------------------------------------ the writes

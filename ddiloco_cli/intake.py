@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -30,20 +29,23 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ddiloco_cli import codec, layout, records
-from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.clock import WALL, Clock
+from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.merge import norm, token_weight
 from ddiloco_cli.published import expected_shapes
 from ddiloco_cli.quantized import DecodedTensors, sources
 from ddiloco_cli.runconfig import RunConfig
-from ddiloco_cli.signing import Trust
+from ddiloco_cli.judge import Judge
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
+from ddiloco_cli.typed_records import REFUSED, SUPERSEDED, USED, LedgerEntry
+
+__all__ = ["REFUSED", "SUPERSEDED", "USED", "Contribution", "Intake", "add_pending"]
 
 log = logging.getLogger(__name__)
 
 Tensors = Mapping[str, torch.Tensor]  # a DecodedTensors for contributions: int4/int8 ones stay as their codes
 
-USED, SUPERSEDED, REFUSED = "used", "superseded", "refused"
 DECODE_THREADS = min(4, os.cpu_count() or 1)  # contributions decoded at once by one syncer
 
 
@@ -65,7 +67,6 @@ class Contribution:
     # ({seq, key, sha256, c_tokens, c_steps}); this one's delta and counters include it, so only
     # the increment's tokens and steps count. None otherwise.
     increment_of: dict[str, Any] | None = None
-    prior_delta: Tensors | None = None  # that one's delta, subtracted under outer_gradient = delta
 
     @property
     def merged_tokens(self) -> int:
@@ -79,31 +80,15 @@ class Contribution:
     def weight(self) -> float:
         return token_weight(max(0, self.merged_tokens), max(0, self.merged_steps))
 
-    def entry(self, status: str, *, reason: str = "", carried_by: int | None = None) -> dict[str, Any]:
+    def entry(self, status: str, *, reason: str = "", carried_by: int | None = None) -> LedgerEntry:
         """Its ledger entry. A used one carries everything a replay needs."""
-        e = {"learner_id": self.learner_id, "seq": self.seq, "key": self.key, "sha256": self.sha256,
-             "size": self.size, "base_version": self.base_version, "c_tokens": self.c_tokens,
-             "c_steps": self.c_steps, "weight": self.weight, "used": status == USED, "status": status}
-        if status == USED:
-            e.update(staleness=self.staleness, discount=self.discount, merged_tokens=self.merged_tokens)
-            if self.increment_of is not None:
-                e["increment_of"] = self.increment_of
-        if reason:
-            e["reason"] = reason
-        if carried_by is not None:
-            e["carried_by"] = carried_by
-        return e
-
-
-def effective_weight(entry: dict[str, Any]) -> float:
-    """The merge weight of a used ledger entry: token weight times staleness discount."""
-    return float(entry["weight"]) * float(entry.get("discount", 1.0))
-
-
-def staleness_discount(staleness_cycles: float) -> float:
-    """1 up to 2 cycles (a contribution normally trails by about one cycle: the others
-    trained while it did; a learner 1.5x slower by about 1.5), then 2 / staleness."""
-    return 1.0 if staleness_cycles <= 2.0 else 2.0 / staleness_cycles
+        used = status == USED
+        return LedgerEntry(
+            self.learner_id, self.seq, self.key, self.size, used, sha256=self.sha256, base_version=self.base_version,
+            c_tokens=self.c_tokens, c_steps=self.c_steps, weight=self.weight, status=status,
+            staleness=self.staleness if used else None, discount=self.discount if used else None,
+            merged_tokens=self.merged_tokens if used else None, increment_of=self.increment_of if used else None,
+            reason=reason or None, carried_by=carried_by)
 
 
 def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
@@ -112,7 +97,7 @@ def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(sum(norm(t) ** 2 for t in sources(delta).values()))
 
 
-def add_pending(pending: list[Contribution], new: Contribution) -> list[dict[str, Any]]:
+def add_pending(pending: list[Contribution], new: Contribution) -> list[LedgerEntry]:
     """Insert ``new`` into one learner's pending list (kept in seq order) and return the
     ledger entries of the contributions it supersedes: of two neighbours on the same base
     the newer carries the older's progress (the learner's counters and delta both run from
@@ -144,19 +129,20 @@ class _Fetched:
 
 class Intake:
     """Lists, downloads and validates contributions; quarantines what fails [V1][V2].
-    ``decode_threads`` > 1 decodes several contributions at once (``load_all``)."""
+    ``decode_threads`` > 1 decodes several contributions at once (``load_all``); 1 decodes
+    inline, on the caller's thread (the deterministic simulation)."""
 
     def __init__(self, store: Store, *, config: RunConfig, plan: FragmentPlan, syncer_id: str,
-                 epoch: Callable[[], int], is_known_learner: Callable[[str], bool], trust: Trust,
-                 decode_threads: int = DECODE_THREADS):
+                 epoch: Callable[[], int], judge: Judge,
+                 decode_threads: int = DECODE_THREADS, clock: Clock = WALL):
         self.store = store
+        self.clock = clock
         self.config = config
         self.run_id = config.run_id
         self.plan = plan
         self.syncer_id = syncer_id
         self.epoch = epoch
-        self.is_known_learner = is_known_learner
-        self.trust = trust
+        self.judge = judge
         self.bad_keys: set[str] = set()
         self.num_quarantined = 0
         self.bytes_in = 0
@@ -182,7 +168,7 @@ class Intake:
         self.num_quarantined += 1
         log.warning("quarantined %s/%s: %s", self.store.url, key, reason)
         rec = records.make("quarantine", key=key, reason=reason, syncer_id=self.syncer_id, epoch=self.epoch(),
-                           created_s=time.time())
+                           created_s=self.clock.time())
         self.store.put_if_absent(layout.quarantine_key(key), records.dumps(rec))
 
     def load(self, p: int, info: ObjectInfo, learner_id: str, seq: int) -> Contribution | None:
@@ -227,49 +213,28 @@ class Intake:
         return _Fetched(data, tensors, header, delta_norm(tensors))
 
     def _validate(self, p: int, info: ObjectInfo, learner_id: str, seq: int, got: _Fetched) -> Contribution | None:
+        """The contribution, or None: gone, or judged invalid (then quarantined)."""
         key = info.key
-        where = f"{self.store.url}/{key}"
         if got.data is None:
             if got.error is not None:
                 self.quarantine(key, str(got.error))
             return None
         data = got.data
         self.bytes_in += len(data)
-        try:
-            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)  # [A2]
-            if got.error is not None:  # the signature is checked first: a forged payload is reported as such
-                raise got.error
-            header = got.header
-            records.validate(header, "contribution", where=where)
-            if header["run_id"] != self.run_id:
-                raise InvalidPayloadError(f"{where}: belongs to run {header['run_id']}, not this run")
-            if (header["fragment"], header["learner_id"], header["seq"]) != (p, learner_id, seq):
-                raise InvalidPayloadError(f"{where}: header names fragment {header['fragment']} learner "
-                                          f"{header['learner_id']} seq {header['seq']}, not its key")
-            self._check_codec(got.tensors, where=where)
-            if not self.is_known_learner(learner_id):
-                raise InvalidPayloadError(f"{where}: unknown learner {learner_id!r} (no heartbeat in the run)")
-        except (InvalidPayloadError, ProtocolError) as exc:
-            self.quarantine(key, str(exc))
+        verdict = self.judge.payload(data, fragment=p, key=key, learner_id=learner_id, seq=seq,
+                                     where=f"{self.store.url}/{key}",
+                                     decoded=got.error if got.error is not None else (got.tensors, got.header))
+        if not verdict.accepted:
+            self.quarantine(key, verdict.reason)
             return None
+        header = got.header
         return Contribution(learner_id, seq, key, records.sha256_hex(data), len(data), int(header["base_version"]),
                             int(header["c_tokens"]), int(header["c_steps"]), got.tensors, norm=got.norm)
 
-    def _check_codec(self, tensors: DecodedTensors, *, where: str) -> None:
-        """A contribution must use the run's codec (a learner may not upload fp32 in an int4 run):
-        as its header declared it to the decoder (the header is parsed once)."""
-        want = self.config.codec
-        if tensors.codec != want:
-            raise InvalidPayloadError(f"{where}: codec {tensors.codec!r}, but the run's codec is {want!r}")
-        if want in ("int8", "int4") and tensors.block_size != self.config.codec_block:
-            raise InvalidPayloadError(f"{where}: block size {tensors.block_size}, but the run's is "
-                                      f"{self.config.codec_block}")
-
-    def fetch_used(self, p: int, entry: dict[str, Any]) -> Tensors:
-        """The tensors of a used ledger entry, checked against its sha256 (replay)."""
-        key = entry["key"]
+    def fetch_used(self, p: int, key: str, sha256: str) -> Tensors:
+        """The tensors of the contribution a used ledger entry names, checked against its sha256."""
         data = self.store.get(key)
-        if records.sha256_hex(data) != entry["sha256"]:
+        if records.sha256_hex(data) != sha256:
             raise InvalidPayloadError(f"{self.store.url}/{key}: sha256 differs from the ledger")
         tensors, _ = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
                                           max_numel=self.plan.fragment_numel(p), where=key, keep_codes=True)

@@ -110,27 +110,6 @@ def latest_version(store: Store, fragment: int) -> int | None:
     return versions[-1] if versions else None
 
 
-def read_latest_hint(store: Store, fragment: int) -> int | None:
-    """The version the ``latest`` hint names (one GET instead of a LIST), or None.
-
-    Only a hint: it may lag, be missing or lie; callers confirm by reading that
-    version's manifest and fall back to ``latest_version`` now and then."""
-    key = layout.latest_hint_key(fragment)
-    try:  # polled often: a bounded parse, not a schema validation (a wrong hint only costs a read)
-        rec = records.parse_json(store.get(key), where=key, max_bytes=_MAX_HINT_BYTES)
-    except (NotFound, ProtocolError):
-        return None
-    if not isinstance(rec, dict) or rec.get("fragment") != fragment:
-        return None
-    version = rec.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= records.MAX_SAFE_INT:
-        return None
-    return version
-
-
-_MAX_HINT_BYTES = 4096  # a hint is ~100 bytes
-
-
 def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | None = None,
                   trust: "Trust | None" = None) -> dict[str, Any]:
     """A committed manifest, validated (and its signature checked by ``trust``, [A5]).
@@ -162,13 +141,7 @@ def commit_manifest(store: Store, manifest: dict[str, Any]) -> bool:
     """
     records.validate(manifest, "manifest", where="new manifest")
     p, v = manifest["fragment"], manifest["version"]
-    if not store.put_if_absent(layout.manifest_key(p, v), records.dumps(manifest)):
-        return False
-    try:  # a hint only: losing it costs readers one LIST
-        store.put(layout.latest_hint_key(p), records.dumps(records.make("latest", fragment=p, version=v)))
-    except Exception as exc:  # noqa: BLE001 - the commit already happened
-        log.warning("could not update latest hint of fragment %d: %s", p, exc)
-    return True
+    return store.put_if_absent(layout.manifest_key(p, v), records.dumps(manifest))
 
 
 # --------------------------------------------------------------------- epochs

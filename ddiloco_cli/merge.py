@@ -17,6 +17,10 @@ inside fp32's range.
 A single weighted contribution passes through bit-exact. All weights zero gives
 zeros.
 
+Sparse contributions (``sparse.SparseTensor``) are merged on the union of their supports: each
+term adds its sent values (times its factor) into the sum at their positions, and reads no
+other element; their norms come from the sent values.
+
 Contributions decoded with their codes kept (``quantized.DecodedTensors``, the syncer's
 intake) are merged from the codes, range by range, with no full-size fp32 copy; their norms
 come from the codes too, in fp64 (a tensor's norm is fp32). Syncer and replay decode the same
@@ -34,6 +38,7 @@ import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.quantized import PER_BYTE, Quantized, Source, chunk_elems, q8_into, shape_of, sources
+from ddiloco_cli.sparse import SparseTensor
 
 # Below this norm of the weighted mean of unit vectors, ||sum w phi(v)|| / sum w, RDA returns
 # the weighted mean instead: as the directions cancel, RDA would keep the full mean norm in a
@@ -98,7 +103,7 @@ def norm(src: Source) -> float:
     """The L2 norm of a tensor, or of a ``Quantized`` one from its codes (fp64, no dequantising).
     A tensor's is fp32 (one pass, no copy), redone in fp64 when the squares overflow fp32; it is
     NaN or Inf only when a value is."""
-    if isinstance(src, Quantized):
+    if isinstance(src, (Quantized, SparseTensor)):
         return math.sqrt(src.sum_of_squares)
     n = float(torch.linalg.vector_norm(src))
     if not math.isfinite(n):
@@ -107,14 +112,14 @@ def norm(src: Source) -> float:
 
 
 def _item(v: Source, w: float) -> Item:
-    if isinstance(v, Quantized):
+    if isinstance(v, (Quantized, SparseTensor)):
         return w, v, norm(v)
     flat = v.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
     return w, flat, norm(flat)
 
 
 def _dense(v: Source) -> torch.Tensor:
-    return v.dense().reshape(-1) if isinstance(v, Quantized) else v
+    return v.dense().reshape(-1) if isinstance(v, (Quantized, SparseTensor)) else v
 
 
 def _canonical(items: list[Item]) -> list[Item]:
@@ -136,7 +141,7 @@ def _finish(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _numel(v: Source) -> int:
-    return v.numel if isinstance(v, Quantized) else v.numel()
+    return v.numel if isinstance(v, (Quantized, SparseTensor)) else v.numel()
 
 
 def _items(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> list[Item]:
@@ -234,10 +239,43 @@ def _codes_term(v: Quantized, scale: np.ndarray, scratch: _CodesScratch) -> Term
     return term
 
 
+class _SparseTerm:
+    """(v / d) * f of a sparse v: the sent values times c = f / d (one fp32 multiply), or where c
+    is not safely inside fp32's range divided by d, then times f. Called as a ``Term`` it writes
+    the range densely (the first term of a sum); ``add_into`` adds the range's sent values into
+    the sum at their positions (positions are unique within a contribution)."""
+
+    def __init__(self, v: SparseTensor, d: float | None, f: float):
+        c = f if d is None else f / d
+        if _ONE_MULTIPLY[0] <= c <= _ONE_MULTIPLY[1]:
+            self.value = v.value * np.float32(c)
+        else:
+            value = v.value if d is None else v.value / np.float32(d)
+            self.value = value * np.float32(f)
+        self.index = v.index
+
+    def _range(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = np.searchsorted(self.index, (start, stop))
+        return self.index[lo:hi] - start, self.value[lo:hi]
+
+    def __call__(self, start: int, stop: int, dest: _Dest) -> torch.Tensor:
+        t = dest.t
+        t.zero_()
+        at, value = self._range(start, stop)
+        dest.flat()[at] = value
+        return t
+
+    def add_into(self, start: int, stop: int, into: np.ndarray) -> None:
+        at, value = self._range(start, stop)
+        into[at] += value
+
+
 def _term(v: Source, d: float | None, f: float, scratch: _CodesScratch | None) -> Term:
     """(v / d) * f, d None for 1, as computed for the range [start, stop): one multiply by the
     factor c = f / d (for codes: by each block's scale times c, so q * (scale * c)), or, when c
     is not safely inside fp32's range, a division by d, then a multiply by f."""
+    if isinstance(v, SparseTensor):
+        return _SparseTerm(v, d, f)
     c = f if d is None else f / d
     if _ONE_MULTIPLY[0] <= c <= _ONE_MULTIPLY[1]:
         if isinstance(v, Quantized):
@@ -284,7 +322,10 @@ def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float
         terms[0](start, stop, part)
         into = part.flat()
         for term in terms[1:]:
-            np.add(into, term(start, stop, t).numpy(), out=into)
+            if isinstance(term, _SparseTerm):  # its sent values only: the union of the supports
+                term.add_into(start, stop, into)
+            else:
+                np.add(into, term(start, stop, t).numpy(), out=into)
     return acc
 
 
@@ -313,11 +354,6 @@ def _merge_items(items: list[Item], shape: tuple[int, ...], *, rda_merge: bool) 
     if trivial is not None:
         return trivial
     return _rda(items, shape) if rda_merge else _mean(items, shape)
-
-
-def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum w v / sum w, fp32 result (zeros if all weights are 0)."""
-    return _merge_items(_items(vectors, weights), tuple(vectors[0].shape), rda_merge=False)
 
 
 def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -374,16 +410,3 @@ def merge_outer_gradients(
         use_rda = not (method == "mean" or k in mean_keys or len(shapes[k]) <= 1)
         out[k] = _merge_items(items[k], shapes[k], rda_merge=use_rda)
     return out
-
-
-def alpha_merge(local: torch.Tensor, global_value: torch.Tensor, alpha: float) -> None:
-    """local <- alpha * local + (1 - alpha) * global_value, in place (any device and
-    dtype; global_value is cast). alpha = 0 copies global_value exactly."""
-    if not 0.0 <= alpha <= 1.0:
-        raise UsageError(f"--alpha must be in [0, 1], got {alpha}")
-    with torch.no_grad():
-        if alpha == 0.0:
-            local.copy_(global_value)
-        elif alpha != 1.0:
-            g = global_value.to(device=local.device, dtype=local.dtype)
-            local.mul_(alpha).add_(g, alpha=1.0 - alpha)

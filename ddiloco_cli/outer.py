@@ -128,34 +128,6 @@ class OuterOptimizer:
             torch.add(p[a:b], d, alpha=-lr, out=out_p[a:b])  # param.add_(d, alpha=-lr)
         return new_param, new_buf
 
-    @torch.no_grad()
-    def gradient_part(self, params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor], *,
-                      fraction: float) -> None:
-        """The gradient term of one Nesterov step, for a ``fraction`` of a cycle:
-        params[k] -= lr * (1 + momentum) * fraction * g. With ``close_cycle`` at the end of
-        the cycle, fractions summing to 1 of one gradient g make exactly one Nesterov step:
-        new = old - lr * (g + momentum * (momentum * buf + g)). Counts as an outer step."""
-        scale = self.lr * (1 + self.momentum if self.nesterov else 1.0) * fraction
-        for key, grad in outer_grad.items():
-            params[key].add_(grad, alpha=-scale)
-        self.num_steps += 1
-
-    @torch.no_grad()
-    def close_cycle(self, params: Mapping[str, torch.Tensor], cycle_grad: Mapping[str, torch.Tensor]) -> None:
-        """End a cycle whose gradient terms ``gradient_part`` already applied: the momentum
-        term params[k] -= lr * momentum^2 * buf (buffer before this cycle), then
-        buf = momentum * buf + cycle_grad (the first cycle: buf = cycle_grad)."""
-        for key, grad in cycle_grad.items():
-            buf = self.momentum_buffers.get(key)
-            if buf is None:
-                self.momentum_buffers[key] = grad.detach().clone()
-                continue
-            if self.nesterov:
-                params[key].add_(buf, alpha=-self.lr * self.momentum * self.momentum)
-            else:
-                params[key].add_(buf, alpha=-self.lr * self.momentum)
-            buf.mul_(self.momentum).add_(grad, alpha=1)
-
     def copy(self) -> "OuterOptimizer":
         """An independent optimizer with the same hyperparameters, buffers and step count:
         step the copy, keep the original as the rollback point."""

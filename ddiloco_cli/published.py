@@ -51,6 +51,7 @@ def encode_version(
     block_size: int,
     keyframe_every: int,
     qmax: int | None = None,
+    density: float | None = None,
 ) -> EncodedVersion:
     """Encode ``new_value`` as version ``version``: a delta from ``prev_published``
     (quantized, error fed back) and/or a full keyframe."""
@@ -60,7 +61,7 @@ def encode_version(
     if publish_codec != "none" and version > 0:
         assert prev_published is not None
         data, published = codec.encode_published_delta(
-            prev_published, new_value, codec=publish_codec, block_size=block_size, qmax=qmax
+            prev_published, new_value, codec=publish_codec, block_size=block_size, qmax=qmax, density=density
         )
         key = layout.payload_key(fragment, version, "delta", nonce)
         payloads.append((key, data, {"key": key, "kind": "delta", "base_version": version - 1, "codec": publish_codec}))

@@ -253,14 +253,15 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
     """A decoded payload's tensors: {key: fp32 tensor} on access (an int4/int8 tensor is
     dequantised on first access, then kept). ``sources`` gives them as decoded: a
     ``Quantized`` for int4/int8 tensors, a tensor otherwise; ``codec`` and ``block_size``
-    are the payload's, as its header declares them."""
+    are the payload's, as its header declares them (``topk``: the sparse codec's values per
+    chunk, else None)."""
 
-    def __init__(self, sources: dict[str, Source], *, codec: str, block_size: int | None):
-        self.sources, self.codec, self.block_size = sources, codec, block_size
+    def __init__(self, sources: dict[str, Source], *, codec: str, block_size: int | None, topk: int | None = None):
+        self.sources, self.codec, self.block_size, self.topk = sources, codec, block_size, topk
 
     def __getitem__(self, key: str) -> torch.Tensor:
         src = self.sources[key]
-        return src.dense() if isinstance(src, Quantized) else src
+        return src if isinstance(src, torch.Tensor) else src.dense()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.sources)
@@ -275,4 +276,4 @@ def sources(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, Source]:
 
 
 def shape_of(src: Source) -> tuple[int, ...]:
-    return src.shape if isinstance(src, Quantized) else tuple(src.shape)
+    return src.shape if isinstance(src, Quantized) else tuple(src.shape)  # (a SparseTensor's is a tuple too)

@@ -2,9 +2,8 @@
 
 A checkpoint (PROTOCOL.md "Outer-optimizer checkpoints") holds, as of version V,
 the Nesterov momentum buffers (tensor keys as in the plan) and the raw,
-unquantised value (keys prefixed ``raw/``). The replay applies ``outer_update``
-(the same function a commit uses) to every manifest after V, over its used
-ledger entries, and checks that the payloads it re-encodes have the sha256 the
+unquantised value (keys prefixed ``raw/``). The replay applies ``update.apply_decision``
+(the same function a commit uses) to the decision every manifest after V records, and checks that the payloads it re-encodes have the sha256 the
 manifest recorded: the restored state is then the committing syncer's, bit for
 bit, residual included [M4].
 """
@@ -12,7 +11,6 @@ bit, residual included [M4].
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable
 
 import torch
@@ -20,18 +18,18 @@ import torch
 from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
-from ddiloco_cli.intake import effective_weight
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import FragmentReader, expected_shapes
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, Store
-from ddiloco_cli.update import FragmentValue, contribution_gradient, outer_update
+from ddiloco_cli.typed_records import LedgerEntry, Manifest
+from ddiloco_cli.update import ApplyRules, Decision, FragmentValue, apply_decision
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+Fetch = Callable[[int, str, str], Tensors]  # (fragment, key, sha256) -> a used contribution's tensors
 RAW_PREFIX = "raw/"  # plan keys never contain "/" (they are parameter names and row ranges)
-ACCUM_PREFIX = "accum/"
 REPLAY_BASES = 64  # published values a replay keeps for contributions' bases (older ones are re-read)
 
 
@@ -39,11 +37,6 @@ def manifest_cycle(manifest: dict[str, Any]) -> float:
     """The fragment's cycle clock at a version. Manifests without it (version 0, older
     writers) count one cycle per version."""
     return float(manifest.get("cycle", manifest["version"]))
-
-
-def manifest_phase(manifest: dict[str, Any]) -> float:
-    """The outer phase (learner shares merged, per-cycle mode) at a version; 0 when absent."""
-    return float(manifest.get("outer_phase", 0.0))
 
 
 def staleness_floor(store: Store, *, run_id: str, fragment: int, latest: int, max_staleness: float) -> int:
@@ -62,9 +55,9 @@ def staleness_floor(store: Store, *, run_id: str, fragment: int, latest: int, ma
 
 
 def replay_base_floor(store: Store, *, run_id: str, fragment: int, checkpoint: int, latest: int) -> int:
-    """The oldest base version a replay from ``checkpoint`` to ``latest`` reads (outer_gradient =
-    current: every used contribution is measured against its base's published value), at most
-    ``checkpoint``; 0 when a manifest in between cannot be read."""
+    """The oldest base version a replay from ``checkpoint`` to ``latest`` reads (every used
+    contribution is measured against its base's published value), at most ``checkpoint``; 0
+    when a manifest in between cannot be read."""
     floor = checkpoint
     try:
         for v in range(checkpoint + 1, latest + 1):
@@ -75,49 +68,41 @@ def replay_base_floor(store: Store, *, run_id: str, fragment: int, checkpoint: i
     return floor
 
 
-def per_cycle(config: RunConfig) -> bool:
-    """Whether the run's outer optimizer steps once per cycle (outer_lr_scaling = "cycle")."""
-    return config.outer_lr_scaling == "cycle"
-
-
 def new_outer(config: RunConfig) -> OuterOptimizer:
-    return OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum)
+    return OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum,
+                          nesterov=config.outer_momentum > 0)  # 0: plain averaged descent
 
 
 def checkpoint_bytes(value: FragmentValue, *, run_id: str, fragment: int, epoch: int) -> tuple[str, bytes]:
     """(key, bytes) of the checkpoint of ``value``: momentum buffers plus the raw value."""
     header = records.make("checkpoint", run_id=run_id, fragment=fragment, version=value.version, epoch=epoch,
-                          outer_steps=value.outer.num_steps, nonce=records.new_nonce(), raw_value=True,
-                          accum=bool(value.accum))
-    tensors = {**value.outer.state_tensors(), **{RAW_PREFIX + k: t for k, t in value.raw.items()},
-               **{ACCUM_PREFIX + k: t for k, t in value.accum.items()}}
+                          outer_steps=value.outer.num_steps, nonce=records.new_nonce(), raw_value=True)
+    tensors = {**value.outer.state_tensors(), **{RAW_PREFIX + k: t for k, t in value.raw.items()}}
     data = codec.encode_tensors(tensors, codec="none", metadata=header)
     return layout.checkpoint_key(fragment, value.version, header["nonce"][:12]), data
 
 
-def checkpoint_shapes(plan: FragmentPlan, fragment: int, *, accum: bool = True) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes of a checkpoint of ``fragment``: momentum, the raw value and (when the
-    cycle is open, header ``accum``) the cycle's gradient so far: up to 3x the fragment."""
+def checkpoint_shapes(plan: FragmentPlan, fragment: int) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of a checkpoint of ``fragment``: momentum and the raw value."""
     shapes = expected_shapes(plan, fragment)
-    prefixes = (RAW_PREFIX, ACCUM_PREFIX) if accum else (RAW_PREFIX,)
-    return {**shapes, **{pre + k: s for pre in prefixes for k, s in shapes.items()}}
+    return {**shapes, **{RAW_PREFIX + k: s for k, s in shapes.items()}}
 
 
 def decode_checkpoint(data: bytes, *, plan: FragmentPlan, fragment: int, where: str) -> tuple[Tensors, dict[str, Any]]:
-    """(tensors, header) of checkpoint bytes, checked against the plan's keys and shapes
-    (with or without the open cycle's gradient, as its header says) and the schema.
-    Raises InvalidPayloadError or ProtocolError."""
-    meta = codec.payload_codec(data, where=where).get("metadata", {})
-    expected = checkpoint_shapes(plan, fragment, accum=bool(isinstance(meta, dict) and meta.get("accum")))
-    tensors, meta = codec.decode_tensors(data, expected=expected, where=where)
+    """(tensors, header) of checkpoint bytes, checked against the plan's keys and shapes and the
+    schema. Raises InvalidPayloadError or ProtocolError (a checkpoint of the retired per-cycle
+    momentum, header ``accum``, too)."""
+    tensors, meta = codec.decode_tensors(data, expected=checkpoint_shapes(plan, fragment), where=where)
     records.validate(meta, "checkpoint", where=where)
+    if meta.get("accum"):
+        raise ProtocolError(f"{where}: a checkpoint of the retired per-cycle momentum (outer_lr_scaling = cycle)")
     return tensors, meta
 
 
 def load_checkpoint(store: Store, *, config: RunConfig, plan: FragmentPlan, fragment: int,
-                    latest: int) -> tuple[int, OuterOptimizer, Tensors, Tensors] | None:
-    """(version, optimizer, raw value, cycle gradient) of the newest valid checkpoint at or
-    below ``latest``, or None. Invalid ones are skipped with a warning [R4]."""
+                    latest: int) -> tuple[int, OuterOptimizer, Tensors] | None:
+    """(version, optimizer, raw value) of the newest valid checkpoint at or below ``latest``,
+    or None. Invalid ones are skipped with a warning [R4]."""
     shapes = expected_shapes(plan, fragment)
     infos = sorted(store.list(layout.checkpoint_prefix(fragment)), key=lambda i: i.key, reverse=True)
     for info in infos:
@@ -135,13 +120,12 @@ def load_checkpoint(store: Store, *, config: RunConfig, plan: FragmentPlan, frag
             log.warning("skipping checkpoint %s: %s", info.key, exc)
             continue
         outer.num_steps = int(meta["outer_steps"])
-        accum = {k: tensors[ACCUM_PREFIX + k] for k in shapes if ACCUM_PREFIX + k in tensors}
-        return v, outer, {k: tensors[RAW_PREFIX + k] for k in shapes}, accum
+        return v, outer, {k: tensors[RAW_PREFIX + k] for k in shapes}
     return None
 
 
 def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragment: int, reader: FragmentReader,
-                  fetch: Callable[[int, dict[str, Any]], Tensors], latest: int,
+                  fetch: Fetch, latest: int,
                   republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
     """The outer state of ``fragment`` at version ``latest``: checkpoint + replay. A
     checkpoint whose version's published value cannot be read (a payload deleted or
@@ -159,9 +143,8 @@ def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragme
                 start = reader.read(0)
                 value = FragmentValue(0, start, start, new_outer(config), manifest_cycle(reader.manifest(0)))
             else:
-                v, outer, raw, accum = loaded
-                m = reader.manifest(v)
-                value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(m), accum, manifest_phase(m))
+                v, outer, raw = loaded
+                value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(reader.manifest(v)))
             break
         except (NotFound, InvalidPayloadError) as exc:
             if loaded is None:
@@ -178,49 +161,51 @@ def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragme
         log.error("fragment %d: cannot replay the ledger from checkpoint %d (%s); continuing with the "
                   "checkpoint's momentum and no residual, which lags the committed trajectory",
                   fragment, value.version, exc)
-        m = reader.manifest(latest)
-        return FragmentValue(latest, (pub := reader.read(latest)), pub, value.outer, manifest_cycle(m), {},
-                             math.floor(manifest_phase(m)))
+        pub = reader.read(latest)
+        return FragmentValue(latest, pub, pub, value.outer, manifest_cycle(reader.manifest(latest)))
 
 
-def replay(*, config: RunConfig, fragment: int, reader: FragmentReader,
-           fetch: Callable[[int, dict[str, Any]], Tensors], start: FragmentValue, latest: int,
-           republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
-    """Apply ``outer_update`` for every version after ``start`` up to ``latest``, from the
-    ledger; each version's re-encoded payloads go to ``republish`` once they are proven
-    identical to the manifest's. Raises ProtocolError when they differ."""
+class _LedgerInputs:
+    """What a replay's ``apply_decision`` reads: contributions fetched by key and checked
+    against the ledger's sha256, and the published values of their bases (recent ones kept)."""
+
+    def __init__(self, *, fragment: int, reader: FragmentReader, fetch: Fetch):
+        self.fragment, self.reader, self.fetch = fragment, reader, fetch
+        self.bases: dict[int, Tensors] = {}  # published values of versions replayed so far
+
+    def delta(self, entry: LedgerEntry) -> Tensors:
+        return self.fetch(self.fragment, entry.key, entry.sha256)
+
+    def base(self, version: int) -> Tensors:
+        if version not in self.bases:
+            self.bases[version] = self.reader.read(version)
+        return self.bases[version]
+
+    def replayed(self, value: FragmentValue) -> None:
+        self.bases[value.version] = value.published
+        if len(self.bases) > REPLAY_BASES:
+            del self.bases[min(self.bases)]
+
+
+def replay(*, config: RunConfig, fragment: int, reader: FragmentReader, fetch: Fetch, start: FragmentValue,
+           latest: int, republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
+    """``apply_decision`` of every version after ``start`` up to ``latest``, each decision
+    read from its manifest; each version's re-encoded payloads go to ``republish`` once they
+    are proven identical to the manifest's. Raises ProtocolError when they differ."""
     value = start
-    bases: dict[int, Tensors] = {}  # published values of versions replayed so far (outer_gradient = current)
+    rules = ApplyRules.of(config)
+    inputs = _LedgerInputs(fragment=fragment, reader=reader, fetch=fetch)
     for v in range(start.version + 1, latest + 1):
-        m = reader.manifest(v)
-        used = [e for e in m["contributions"] if e["used"]]
-        if not used:
+        m = Manifest.from_json(reader.manifest(v))
+        decision = Decision.from_manifest(m, default_lr=config.outer_lr)
+        if not decision.used:
             raise ProtocolError(f"version {v} of fragment {fragment} merged nothing: not a syncer commit")
-        grads = []
-        for e in used:
-            # "increment_of" (delta runs): only what the earlier merge of the same base did not take
-            prior = fetch(fragment, e["increment_of"]) if "increment_of" in e and config.outer_gradient == "delta" \
-                else None
-            base = None
-            if config.outer_gradient == "current" and e["base_version"] != value.version:
-                b = int(e["base_version"])
-                base = bases[b] if b in bases else bases.setdefault(b, reader.read(b))
-            grads.append(contribution_gradient(fetch(fragment, e), prior=prior, base=base, current=value.published))
-        if config.outer_gradient == "current":
-            bases[value.version] = value.published
-            if len(bases) > REPLAY_BASES:
-                del bases[min(bases)]
-        value, encoded = outer_update(
-            value, fragment=fragment, grads=grads, weights=[effective_weight(e) for e in used],
-            lr=float(m.get("outer_lr", config.outer_lr)), method=config.merge, publish_codec=config.publish_codec,
-            block_size=config.codec_block, keyframe_every=config.keyframe_every,
-            cycle=manifest_cycle(m), share=float(m.get("outer_share", 1.0)), per_cycle=per_cycle(config),
-            publish_qmax=config.publish_qmax)
-        recorded = {e["kind"]: e["sha256"] for e in m["payloads"]}
-        mine = {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}
-        if recorded != mine:
+        previous = value
+        value, encoded = apply_decision(previous, decision, rules=rules, inputs=inputs)
+        inputs.replayed(previous)
+        if m.payload_sha256() != {e["kind"]: e["sha256"] for _, _, e in encoded.payloads}:
             raise ProtocolError(f"replaying version {v} of fragment {fragment} does not reproduce its payloads")
         if republish is not None:  # under the names the manifest recorded (a re-encode draws a new nonce)
-            names = {e["kind"]: e["key"] for e in m["payloads"]}
+            names = {e["kind"]: e["key"] for e in m.payloads}
             republish(v, [(names[entry["kind"]], data) for _, data, entry in encoded.payloads])
     return value

@@ -11,13 +11,13 @@ resumes (same config: it writes the versions 0 still missing, then run.json) and
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any, Callable
 
 import torch
 
 from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.fragments import gather_fragment, named_shapes_of, plan_fragments
 from ddiloco_cli.published import encode_version, upload_payloads
@@ -32,7 +32,8 @@ PENDING_RUN = "pending_run"  # plan.json field: the run.json an interrupted init
 
 
 def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
-             note: Callable[[str], None] = lambda _: None, admin: Signer | None = None) -> dict[str, Any]:
+             note: Callable[[str], None] = lambda _: None, admin: Signer | None = None,
+             clock: Clock = WALL) -> dict[str, Any]:
     """Create a run at ``store``: plan, version 0 of every fragment, then run.json.
 
     With ``admin`` (the run's admin key) the run requires signatures: run.json
@@ -42,7 +43,8 @@ def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
     exists, or if an interrupted init with another config is there and
     ``force_clean`` is not set. With ``force_clean``, an interrupted init's objects
     are deleted first (only when no run.json exists). ``note`` receives one line
-    when an interrupted init is resumed or removed.
+    when an interrupted init is resumed or removed. ``clock`` stamps the records (the
+    deterministic simulation passes its virtual clock).
     """
     if ledger.run_exists(store):
         raise UsageError(f"a run already exists at {store.url}; nothing was changed (use another URL)")
@@ -62,7 +64,7 @@ def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
         run_id = config["run_id"]
         note(f"resuming the interrupted init of run {run_id} at {store.url} (same config)")
     if config is None:
-        config = spec.to_record(run_id=run_id)
+        config = spec.to_record(run_id=run_id, created_s=clock.time())
         config["task_sha256"] = task_source_sha256(spec.task)  # learners check their own copy of the task against it
         if admin is not None:
             config = {**config, "require_signatures": True, "admin_key": admin.public_key,
@@ -87,7 +89,7 @@ def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
             upload_payloads(store, encoded)
             manifest = records.make(
                 "manifest", run_id=run_id, fragment=p, version=0, epoch=0, syncer_id="init",
-                nonce=records.new_nonce(), created_s=time.time(), numel=plan.fragment_numel(p),
+                nonce=records.new_nonce(), created_s=clock.time(), numel=plan.fragment_numel(p),
                 payloads=[e for _, _, e in encoded.payloads], contributions=[], quorum_size=0, grace_s=0.0,
                 outer_steps=0, high_water={},
             )

@@ -34,7 +34,6 @@ import re
 import stat
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Mapping
@@ -44,6 +43,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ddiloco_cli import codec, layout, records
+from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, UsageError
 from ddiloco_cli.store.base import NotFound, Store
 
@@ -272,7 +272,8 @@ def admin_key_of(run: RunLike) -> str:
     return key
 
 
-def admit(store: Store, *, run: RunLike, member_id: str, public_key: str, role: str, admin: Signer) -> dict[str, Any]:
+def admit(store: Store, *, run: RunLike, member_id: str, public_key: str, role: str, admin: Signer,
+          clock: Clock = WALL) -> dict[str, Any]:
     """Write ``admissions/ID.json``: ``public_key`` may sign as ``member_id`` in ``role``.
     Re-admitting an id replaces its key (rotation). Returns the record."""
     if not layout.valid_learner_id(member_id):
@@ -287,7 +288,7 @@ def admit(store: Store, *, run: RunLike, member_id: str, public_key: str, role: 
     key = layout.admission_key(member_id)
     run_id = _run_fields(run)[0]
     record = records.make("admission", run_id=run_id, id=member_id, role=role, public_key=public_key,
-                          nonce=records.new_nonce(), created_s=time.time())
+                          nonce=records.new_nonce(), created_s=clock.time())
     record = sign_record(record, run_id=run_id, key=key, signer=admin)
     store.put(key, records.dumps(record))
     return record
@@ -347,7 +348,9 @@ class Trust:
     ``refresh_s``), so a newly admitted key is accepted at once, and at least every
     ``max_age_s``, so a rotated or revoked key stops being accepted within that time."""
 
-    def __init__(self, store: Store, *, run: RunLike, refresh_s: float = 1.0, max_age_s: float = 5.0):
+    def __init__(self, store: Store, *, run: RunLike, refresh_s: float = 1.0, max_age_s: float = 5.0,
+                 clock: Clock = WALL):
+        self.clock = clock
         self.required = requires_signatures(run)
         self.run_id = _run_fields(run)[0]
         self.ring = KeyRing(store, run=run) if self.required else None
@@ -357,16 +360,16 @@ class Trust:
 
     def _refresh(self, member_id: str | None) -> None:
         with self._lock:
-            self._refreshed_t = time.monotonic()
+            self._refreshed_t = self.clock.monotonic()
             self.ring.refresh(member_id=member_id)
 
     def _retry_fresh(self, check, member_id: str | None) -> str:
-        if time.monotonic() - self._refreshed_t > self.max_age_s:
+        if self.clock.monotonic() - self._refreshed_t > self.max_age_s:
             self._refresh(None)
         try:
             return check()
         except SignatureError:
-            if time.monotonic() - self._refreshed_t < self.refresh_s:
+            if self.clock.monotonic() - self._refreshed_t < self.refresh_s:
                 raise
         self._refresh(member_id)
         return check()

@@ -1,19 +1,20 @@
 """One outer update of a fragment: the only place a new version's value is computed.
 
-Both the serving syncer (commit) and a restarting one (ledger replay) call
-``outer_update``, so a replay reproduces a commit by construction, down to the
-payload bytes (the replay checks their sha256 against the manifest).
+The syncer *decides* first (``Decision``: which contributions, their effective weights,
+the outer lr, the cycle advance, what is superseded or refused and why); the decision is
+the new manifest's ledger. Then ``apply_decision`` computes the new value, momentum and
+published payload from the previous ``FragmentValue`` and the decision alone (plus the
+run's fixed ``ApplyRules`` and the decoded contributions, ``Inputs``). The serving syncer
+(commit) and a restarting one (ledger replay, ``Decision.from_manifest``) both call it, so
+a replay reproduces a commit by construction, down to the payload bytes (the replay still
+checks their sha256 against the manifest, as a guard).
 
 The update (PROTOCOL.md "Merge semantics"):
 
-1. the outer gradient of each contribution (``contribution_gradient``): by default against
-   the current value, ``g_m = current - theta_m = (current - base_m) + delta_m``; or
-   (``outer_gradient = delta``) the learner's progress on its own base, ``base_m - theta_m``;
+1. the outer gradient of each contribution (``contribution_gradient``), measured against
+   the current value: ``g_m = current - theta_m = (current - base_m) + delta_m``;
 2. merge (token-weighted RDA, or mean) with each weight times its staleness discount;
-3. an outer Nesterov step on the *raw* (unquantised) value: one step per merge, or
-   (``per_cycle``) one momentum step per cycle of the outer phase (one learner's share of
-   a cycle per contribution), each merge applying its share of the gradient term at once
-   and the momentum term when the phase crosses a whole number;
+3. one outer Nesterov step on the *raw* (unquantised) value;
 4. publish ``Q(raw_new - published)``: the new published value is
    ``published + decode(that)``, and ``raw_new - published_new`` (the residual)
    stays in ``raw`` for the next delta: true error feedback.
@@ -21,9 +22,8 @@ The update (PROTOCOL.md "Merge semantics"):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.merge import all_finite, is_embedding_key, merge_outer_gradients
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.published import EncodedVersion, encode_version
+from ddiloco_cli.typed_records import LedgerEntry, Manifest
 
 Tensors = dict[str, torch.Tensor]
 
@@ -50,27 +51,17 @@ class FragmentValue:
     raw: Tensors  # the unquantised value: published + the residual not yet published
     outer: OuterOptimizer
     cycle: float = 0.0  # the fragment's cycle clock (staleness) at this version (manifest field `cycle`)
-    accum: Tensors = field(default_factory=dict)  # per-cycle mode: this cycle's gradient so far ({}: none)
-    phase: float = 0.0  # per-cycle mode: learner shares merged so far (manifest field `outer_phase`)
 
 
-def contribution_gradient(delta: Tensors, *, prior: Tensors | None = None, base: Tensors | None = None,
-                          current: Tensors | None = None) -> Tensors:
-    """The outer gradient of one contribution (``outer_gradient`` in run.json):
-
-    * ``current`` (pass ``base`` and ``current``, the published values of its base version and
-      of the version it merges into): ``current - theta_m = (current - base_m) + delta_m``. A
-      contribution on an older base pulls the fragment towards the learner's model, not past
-      it: what the others merged since its base is not counted twice. ``base`` None: the base
-      is the current version and the gradient is the delta itself, bit for bit.
-    * ``delta``: the learner's progress on its own base, less ``prior`` (the delta of its
-      earlier contribution on the same base that a previous version already merged).
-    """
+def contribution_gradient(delta: Tensors, *, base: Tensors | None = None, current: Tensors | None = None) -> Tensors:
+    """The outer gradient of one contribution: ``current - theta_m = (current - base_m) + delta_m``
+    (``base`` and ``current``: the published values of its base version and of the version it
+    merges into). A contribution on an older base pulls the fragment towards the learner's
+    model, not past it: what the others merged since its base is not counted twice. ``base``
+    None: the base is the current version and the gradient is the delta itself, bit for bit."""
     if base is not None:
         assert current is not None
         return {k: (current[k] - base[k]) + t for k, t in delta.items()}
-    if prior is not None:
-        return {k: t - prior[k] for k, t in delta.items()}
     return delta
 
 
@@ -83,19 +74,12 @@ def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, metho
 
 def outer_update(
     value: FragmentValue, *, fragment: int, grads: Sequence[Tensors], weights: Sequence[float], lr: float,
-    method: str, publish_codec: str, block_size: int, keyframe_every: int, cycle: float, share: float,
-    per_cycle: bool, publish_qmax: int | None = None,
+    method: str, publish_codec: str, block_size: int, keyframe_every: int, cycle: float,
+    publish_qmax: int | None = None, publish_density: float | None = None,
 ) -> tuple[FragmentValue, EncodedVersion]:
     """The next version of ``value`` from the contributions' outer gradients; ``cycle`` is the
-    new staleness clock, ``share`` the part of a cycle this merge is (per_cycle). Pure:
-    ``value`` (and its optimizer) are left as they were, so a lost commit needs no rollback.
-
-    ``per_cycle``: a merge that is exactly one whole cycle from a phase boundary (every
-    learner once, in phase) takes the plain Nesterov step, bit-exact with torch.optim.SGD.
-    Any other merge applies ``share`` of the gradient term and adds ``share * g`` to the
-    cycle's gradient; crossing a whole number closes the cycle (momentum term, then the
-    buffer update). Learners out of phase then move a fragment per cycle as far as one
-    synchronous DiLoCo step, with momentum stepping once per cycle, not once per merge.
+    new staleness clock. Pure: ``value`` (and its optimizer) are left as they were, so a lost
+    commit needs no rollback.
 
     Raises NonFiniteUpdate when the merged gradient or the new published value has a
     NaN or Inf (e.g. a huge but finite contribution overflowed fp32)."""
@@ -103,24 +87,98 @@ def outer_update(
     for k, t in merged.items():
         if not all_finite(t):
             raise NonFiniteUpdate(f"fragment {fragment}: the merged outer gradient of {k!r} is not finite")
-    phase = value.phase + share if per_cycle else value.phase
-    accum: Tensors = {}
-    whole_cycle = share == 1.0 and not value.accum and value.phase == math.floor(value.phase)
-    if not per_cycle or whole_cycle:
-        raw, outer = value.outer.stepped(value.raw, merged, lr=lr)  # into new tensors: value is kept
-    else:
-        outer = value.outer.copy()
-        outer.lr = lr
-        raw = {k: t.clone() for k, t in value.raw.items()}
-        outer.gradient_part(raw, merged, fraction=share)
-        accum = {k: (value.accum[k] + share * g) if value.accum else share * g for k, g in merged.items()}
-        if math.floor(phase) > math.floor(value.phase):
-            outer.close_cycle(raw, accum)
-            accum = {}
+    raw, outer = value.outer.stepped(value.raw, merged, lr=lr)  # into new tensors: value is kept
     encoded = encode_version(fragment=fragment, version=value.version + 1, new_value=raw,
                              prev_published=value.published, publish_codec=publish_codec,
-                             block_size=block_size, keyframe_every=keyframe_every, qmax=publish_qmax)
+                             block_size=block_size, keyframe_every=keyframe_every, qmax=publish_qmax,
+                             density=publish_density)
     for k, t in encoded.published.items():
         if not all_finite(t) or not all_finite(raw[k]):
             raise NonFiniteUpdate(f"fragment {fragment}: the new value of {k!r} is not finite")
-    return FragmentValue(value.version + 1, encoded.published, raw, outer, cycle, accum, phase), encoded
+    return FragmentValue(value.version + 1, encoded.published, raw, outer, cycle), encoded
+
+
+# ------------------------------------------------------------------ decide, then apply
+@dataclass(frozen=True)
+class Decision:
+    """What one merge does, decided by the syncer before any tensor moves; the ledger and
+    outer fields of the manifest it commits (``manifest_fields``), and all ``apply_decision``
+    needs besides the previous value. ``used`` entries carry their effective weight
+    (``LedgerEntry.effective_weight``) and, for a resend on a merged base, ``increment_of``."""
+
+    fragment: int
+    version: int  # the version it makes
+    used: tuple[LedgerEntry, ...]
+    closed: tuple[LedgerEntry, ...] = ()  # superseded / refused, with reasons
+    lr: float = 0.0
+    cycle: float = 0.0  # the fragment's cycle clock at ``version``
+    cycle_advance: float = 0.0
+    high_water: Mapping[str, int] = field(default_factory=dict)
+    quorum_size: int = 0
+    grace_s: float = 0.0
+
+    @property
+    def weights(self) -> list[float]:
+        return [e.effective_weight for e in self.used]
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, *, default_lr: float) -> "Decision":
+        """The decision a committed manifest records (replay and audit). Manifests of older
+        writers lack the outer fields: ``default_lr`` (the run's outer lr), one cycle per
+        version."""
+        return cls(m.fragment, m.version, m.used, tuple(e for e in m.contributions if not e.used),
+                   lr=float(default_lr if m.outer_lr is None else m.outer_lr), cycle=m.cycle_clock,
+                   cycle_advance=float(m.cycle_advance or 0.0), high_water=dict(m.high_water),
+                   quorum_size=int(m.quorum_size or 0), grace_s=float(m.grace_s or 0.0))
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """The manifest's fields this decision fills (the rest: who committed, payloads)."""
+        return dict(fragment=self.fragment, version=self.version,
+                    contributions=[e.to_json() for e in self.used + self.closed], quorum_size=self.quorum_size,
+                    grace_s=self.grace_s, high_water=dict(self.high_water), outer_lr=self.lr, cycle=self.cycle,
+                    cycle_advance=self.cycle_advance)
+
+
+@dataclass(frozen=True)
+class ApplyRules:
+    """The run's fixed settings an update applies (run.json; the same for every version)."""
+
+    merge: str
+    publish_codec: str
+    block_size: int
+    keyframe_every: int
+    publish_qmax: int | None = None
+    publish_density: float | None = None  # the sparse codec's (run.json codec_density)
+
+    @classmethod
+    def of(cls, config: Any) -> "ApplyRules":
+        return cls(merge=config.merge, publish_codec=config.publish_codec,
+                   block_size=config.codec_block, keyframe_every=config.keyframe_every,
+                   publish_qmax=config.publish_qmax, publish_density=config.codec_density)
+
+
+class Inputs(Protocol):
+    """The tensors an update reads: held in memory by a committing syncer, fetched from the
+    bucket (sha256-checked) by a replay."""
+
+    def delta(self, entry: LedgerEntry) -> Tensors:
+        """The decoded contribution of a used entry."""
+
+    def base(self, version: int) -> Tensors:
+        """The published value of ``version`` (a contribution's base)."""
+
+
+def apply_decision(previous: FragmentValue, decision: Decision, *, rules: ApplyRules,
+                   inputs: Inputs) -> tuple[FragmentValue, EncodedVersion]:
+    """The next version from ``previous`` and ``decision``: each used contribution's outer
+    gradient (``contribution_gradient``), then ``outer_update``. Pure but for ``inputs``'
+    reads; raises NonFiniteUpdate, or whatever ``inputs`` raises when a tensor cannot be read."""
+    assert decision.version == previous.version + 1, (decision.version, previous.version)
+    grads = [contribution_gradient(inputs.delta(e), current=previous.published,
+                                   base=inputs.base(int(e.base_version)) if e.base_version != previous.version
+                                   else None)
+             for e in decision.used]
+    return outer_update(previous, fragment=decision.fragment, grads=grads, weights=decision.weights,
+                        lr=decision.lr, method=rules.merge, publish_codec=rules.publish_codec,
+                        block_size=rules.block_size, keyframe_every=rules.keyframe_every, cycle=decision.cycle,
+                        publish_qmax=rules.publish_qmax, publish_density=rules.publish_density)

@@ -12,6 +12,7 @@ the real outer gradient.
     .venv/bin/python scripts/bench_codec.py                      # ~100M values for throughput
     .venv/bin/python scripts/bench_codec.py --numel 4000000 --json /tmp/codec.json   # CPU/CI-sized
     .venv/bin/python scripts/bench_codec.py --codecs int4 --blocks 64,128,256 --numel 4000000
+    .venv/bin/python scripts/bench_codec.py --codecs int4,sparse --numel 4000000 --density 0.02
 """
 
 from __future__ import annotations
@@ -122,16 +123,16 @@ def rel_error(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> float:
     return num / den
 
 
-def measure_sizes(codec: str, block_size: int | None, before, grad) -> dict:
+def measure_sizes(codec: str, block_size: int | None, before, grad, *, density: float | None = None) -> dict:
     """Bytes/param and relative error of the upload (outer gradient) and of the
     download (published delta after one outer step) for one codec."""
     numel = sum(v.numel() for v in grad.values())
-    up = encode_tensors(grad, codec=codec, block_size=block_size)
+    up = encode_tensors(grad, codec=codec, block_size=block_size, density=density)
     dec, _ = decode_tensors(up)
     # syncer side: global = before; one Nesterov outer step on the (merged) outer gradient
     new_global = {k: v.clone() for k, v in before.items()}
     OuterOptimizer(lr=0.7, momentum=0.9).step(new_global, grad)
-    down, published = encode_published_delta(before, new_global, codec=codec, block_size=block_size)
+    down, published = encode_published_delta(before, new_global, codec=codec, block_size=block_size, density=density)
     true_step = {k: before[k] - new_global[k] for k in before}
     pub_step = {k: before[k] - published[k] for k in before}
     return {
@@ -142,7 +143,8 @@ def measure_sizes(codec: str, block_size: int | None, before, grad) -> dict:
     }
 
 
-def measure_throughput(codec: str, block_size: int | None, grad, *, numel: int, repeats: int) -> dict:
+def measure_throughput(codec: str, block_size: int | None, grad, *, numel: int, repeats: int,
+                       density: float | None = None) -> dict:
     flat = torch.cat([v.flatten() for v in grad.values()])
     x = {"x": flat.repeat(-(-numel // flat.numel()))[:numel].contiguous()}
     threads = torch.get_num_threads()
@@ -151,7 +153,7 @@ def measure_throughput(codec: str, block_size: int | None, grad, *, numel: int, 
         enc_s = dec_s = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            data = encode_tensors(x, codec=codec, block_size=block_size)
+            data = encode_tensors(x, codec=codec, block_size=block_size, density=density)
             t1 = time.perf_counter()
             decode_tensors(data, max_numel=numel)
             t2 = time.perf_counter()
@@ -171,6 +173,7 @@ def main() -> None:
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--blocks", default=None,
                     help="comma-separated block sizes for the block codecs (int8, int4); default: each codec's own")
+    ap.add_argument("--density", type=float, default=None, help="sparse: values sent per chunk (default 0.02)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -178,12 +181,13 @@ def main() -> None:
     rows = []
     for codec in args.codecs.split(","):
         blocks = [DEFAULT_BLOCK_SIZE.get(codec)]
-        if args.blocks and blocks[0] is not None:
+        if args.blocks and codec in ("int8", "int4"):
             blocks = [int(b) for b in args.blocks.split(",")]
         for block in blocks:
-            row = {"codec": codec, "block_size": block}
-            row.update(measure_sizes(codec, block, before, grad))
-            row.update(measure_throughput(codec, block, grad, numel=args.numel, repeats=args.repeats))
+            density = args.density if codec == "sparse" else None
+            row = {"codec": codec, "block_size": block, **({"density": density or 0.02} if codec == "sparse" else {})}
+            row.update(measure_sizes(codec, block, before, grad, density=density))
+            row.update(measure_throughput(codec, block, grad, numel=args.numel, repeats=args.repeats, density=density))
             rows.append(row)
 
     print(f"outer gradient: {info['num_params']:,} params, H={info['sync_every']} AdamW steps after "

@@ -19,8 +19,8 @@ Every arm trains on M * N * batch tokens:
                 of M = 4 (M*B must be divisible by 8)
 
 Lock-step is Streaming DiLoCo: K = M, mean merge, plain overwrite on receive, no lr
-scaling, exact published values. The decoupled arms use the run defaults (outer gradient against
-the current value, outer_lr_scaling = participation) unless --outer-gradient / --outer-lr-scaling say otherwise.
+scaling, exact published values. The decoupled arms use the run defaults (outer_lr_scaling =
+participation) unless --outer-lr-scaling says otherwise.
 Per arm the JSON has val_loss, ratio_to_dp and merged_token_fraction: tokens of the
 used ledger entries (averaged over fragments) / tokens the learners trained.
 
@@ -71,14 +71,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--lr-schedule", default="cosine")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's default")
-    ap.add_argument("--outer-lr-scaling", default="participation", help="decoupled arms: participation (the run default), cycle or none")
-    ap.add_argument("--outer-gradient", default="current", help="decoupled arms: current (the run default) or delta")
+    ap.add_argument("--outer-lr-scaling", default="participation", help="decoupled arms: participation (the run default) or none")
     ap.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                     help="decoupled arms: learners without error feedback on their contributions")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--codec-block", type=int, default=None, help="default: the run's (64 for int4)")
     ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (3 for int4)")
+    ap.add_argument("--codec-density", type=float, default=None, help="sparse: default the run's (0.02)")
+    ap.add_argument("--publish-codec", default=None, help="default: the run's (= --codec)")
+    ap.add_argument("--error-feedback-decay", type=float, default=None,
+                    help="default: the run's (0.95 for sparse, 1 otherwise)")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
     ap.add_argument("--grace-max", type=float, default=None, help="default: the run's")
     ap.add_argument("--chaos-mean-s", type=float, default=40.0, help="mean seconds between kills, per learner")
@@ -106,13 +109,13 @@ def init_flags(args, *, arm: str) -> dict:
     M = args.learners
     flags = dict(task=args.task, fragments=args.fragments, sync_every=args.sync_every,
                  overlap_steps=args.overlap_steps, codec=args.codec, codec_block=args.codec_block,
-                 codec_qmax=args.codec_qmax, inner_lr=args.inner_lr,
+                 codec_qmax=args.codec_qmax, codec_density=args.codec_density, publish_codec=args.publish_codec,
+                 error_feedback_decay=args.error_feedback_decay, inner_lr=args.inner_lr,
                  warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, total_steps=args.steps_per_learner,
                  batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
                  max_staleness=16, quorum=1, mode="decoupled", merge="rda")
-    flags.update(outer_lr_scaling=args.outer_lr_scaling, outer_gradient=args.outer_gradient,
-                 error_feedback=args.error_feedback)
+    flags.update(outer_lr_scaling=args.outer_lr_scaling, error_feedback=args.error_feedback)
     if arm == "lockstep":  # Streaming DiLoCo (init fixes the merge, receive, lr scaling and publish codec)
         flags.update(mode="lockstep", quorum=M)
     elif arm == "diloco":  # classic DiLoCo: the whole model every H steps, waited for, sent exactly

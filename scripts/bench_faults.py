@@ -110,7 +110,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _same_value(a: FragmentValue, b: FragmentValue) -> bool:
     return (a.version, a.outer.num_steps, a.cycle) == (b.version, b.outer.num_steps, b.cycle) \
         and _same(a.outer.state_tensors(), b.outer.state_tensors()) and _same(a.raw, b.raw) \
-        and _same(a.published, b.published) and _same(a.accum, b.accum)
+        and _same(a.published, b.published)
 
 
 def replay_check(cluster: benchlib.Cluster) -> dict[str, int]:
@@ -150,7 +150,7 @@ def replay_check(cluster: benchlib.Cluster) -> dict[str, int]:
                     print(f"fragment {p}: checkpoint refused by its loader: {exc}")
                     out["checkpoints_refused"] += 1
                     continue
-                shapes = replay.checkpoint_shapes(plan, p, accum=False)
+                shapes = replay.checkpoint_shapes(plan, p)
                 momentum = {k: t for k, t in tensors.items() if k in plan.fragment_shapes(p)}
                 raw = {k[len(replay.RAW_PREFIX):]: t for k, t in tensors.items() if k.startswith(replay.RAW_PREFIX)}
                 out["checkpoints_replayed"] += 1

@@ -175,7 +175,7 @@ TIMED = (
     ("ddiloco_cli.learner.session", "SessionWriter.beat"), ("ddiloco_cli.learner.receiver", "Receiver._manifests_since"),
     ("ddiloco_cli.quantized", "Quantized.dense"), ("ddiloco_cli.codec", "_quantize"),
     ("ddiloco_cli.codec", "_quantize_together"), ("ddiloco_cli.codec", "_quantize_flat"),
-    ("ddiloco_cli.records", "sha256_hex"), ("ddiloco_cli.ledger", "read_latest_hint"),
+    ("ddiloco_cli.records", "sha256_hex"),
 )
 
 

@@ -33,6 +33,7 @@ M_max = throughput * H * step_s / 1e9 learners.
     .venv/bin/python scripts/bench_syncer.py --width 256 --rounds 2 --codecs int4 --ms 1,2   # smoke
     .venv/bin/python scripts/bench_syncer.py --profile int4:8              # cProfile one config (main thread)
     .venv/bin/python scripts/bench_syncer.py --codecs int4 --ms 8 --shards 1,2   # scaling over sharded processes
+    .venv/bin/python scripts/bench_syncer.py --codecs int4,sparse --ms 4,8       # sparse (Top-k 2%) against int4
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: 
                               base_version=base_version, c_tokens=512 * (i + 1), c_steps=24, step=seq,
                               nonce=records.new_nonce(), created_s=time.time())
         data = codec.encode_tensors(delta, codec=run["codec"], block_size=int(run["codec_block"]), metadata=header,
-                                    zstd_level=zstd_level, qmax=run.get("codec_qmax"))
+                                    zstd_level=zstd_level, qmax=run.get("codec_qmax"), density=run.get("codec_density"))
         assert store.put_if_absent(layout.contribution_key(fragment, lid, seq), data)
         nbytes += len(data)
     return nbytes

@@ -133,6 +133,35 @@ def grad_sync(net: nn.Module, *, enabled: bool) -> Iterator[None]:
         yield
 
 
+def train_step(task: Task, net: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[Any], *, lr: float,
+               clip: float, grad_accum: int = 1, device: torch.device | None = None,
+               forward: Callable[..., Any] | None = None,
+               autocast: contextlib.AbstractContextManager | None = None) -> tuple[torch.Tensor, int]:
+    """One inner step: set the lr, forward/backward over ``grad_accum`` micro-batches of
+    ``batches``, clip, ``optimizer.step()``. Returns (the last micro-batch's loss, tokens
+    trained). ``ddiloco learn`` and the deterministic simulation both train with it."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    forward = forward or net
+    n_tok = 0
+    for micro in range(grad_accum):
+        batch = next(batches) if device is None else move_batch(task, next(batches), device)
+        n_tok += int(task.num_tokens(batch))
+        with grad_sync(net, enabled=micro == grad_accum - 1):
+            with autocast or contextlib.nullcontext():
+                loss = task.loss(forward, batch)
+            (loss / grad_accum if grad_accum > 1 else loss).backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_([t for t in net.parameters() if t.requires_grad], clip)
+    optimizer.step()
+    if device is not None and device.type == "xla":
+        import torch_xla  # noqa: PLC0415 - only on XLA devices
+
+        torch_xla.sync()
+    return loss, n_tok
+
+
 class Learner:
     """One learner (island) of a run: ``train()`` runs inner steps until --steps, the
     run's total_steps or SIGTERM."""
@@ -178,28 +207,10 @@ class Learner:
             drawn = 0
             while not sync.should_stop and (end_step is None or sync.step_count < end_step):
                 t0 = time.perf_counter()
-                # determine the lr
                 lr = lr_at(sync.step_count, inner)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                # forward / backward / update
-                optimizer.zero_grad(set_to_none=True)
-                n_tok = 0
-                for micro in range(opts.grad_accum):
-                    batch = move_batch(task, next(batches), self.device)
-                    drawn += 1
-                    n_tok += int(task.num_tokens(batch))
-                    with grad_sync(net, enabled=micro == opts.grad_accum - 1):
-                        with autocast:
-                            loss = task.loss(forward, batch)
-                        (loss / opts.grad_accum if opts.grad_accum > 1 else loss).backward()
-                if clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                if self.device.type == "xla":
-                    import torch_xla  # noqa: PLC0415 - only on XLA devices
-
-                    torch_xla.sync()
+                loss, n_tok = train_step(task, net, optimizer, batches, lr=lr, clip=clip, grad_accum=opts.grad_accum,
+                                         device=self.device, forward=forward, autocast=autocast)
+                drawn += opts.grad_accum
                 sync.step(num_tokens=n_tok, data_state=data_state(drawn))
                 # timing and logging
                 step, s = sync.step_count, sync.stats

@@ -102,15 +102,20 @@ class Receiver(threading.Thread):
     the refusal scan read next (the reader keeps them). Every ``LIST_EVERY``-th poll of a
     fragment LISTs its manifests instead, in case the versions after the one held were
     garbage-collected. The ``latest`` hint is not read: it would cost a GET and a parse
-    on every poll, and one more manifest GET on every poll that finds a version."""
+    on every poll, and one more manifest GET on every poll that finds a version.
+
+    ``run`` (the thread) repeats ``tick``; a driver without threads (the deterministic
+    simulation) calls ``tick`` itself, at the time it returns, on its own ``clock``."""
 
     LIST_EVERY = 8
     BACKLOG_SLOWDOWN = 4
     MAX_BACKOFF = 8  # the younger fragments' polls, at most this much rarer again while they find nothing
 
     def __init__(self, store: Store, readers: dict[int, FragmentReader], *, learner_id: str, min_poll_s: float,
-                 stats: LearnerStats, pace_s: Callable[[], float] = lambda: 0.0):
+                 stats: LearnerStats, pace_s: Callable[[], float] = lambda: 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__(name="ddiloco-receiver", daemon=True)
+        self.clock = clock
         self.store, self.readers, self.min_poll_s, self.stats = store, readers, min_poll_s, stats
         self.learner_id = learner_id
         self.pace_s = pace_s
@@ -152,7 +157,7 @@ class Receiver(threading.Thread):
             if first:
                 self.polled_t[p] = -math.inf
             else:
-                self.polled_t.setdefault(p, time.monotonic())
+                self.polled_t.setdefault(p, self.clock())
         if first:  # else the thread's next wake-up (for the first in line, due sooner) comes first
             self.wake.set()
 
@@ -203,17 +208,24 @@ class Receiver(threading.Thread):
     def run(self) -> None:
         while not self.stopping.is_set():
             self.wake.clear()  # before looking: a want() from now on ends the wait below
-            due, wait_s = self._due(time.monotonic())
-            for p, have, younger in due:
-                try:
-                    found = self._fetch(p, have)
-                except Exception as exc:  # noqa: BLE001 - never stop training over a bad download
-                    log.warning("fragment %d: download failed: %s", p, exc)
-                    found = True  # there is a version (or the bucket is in trouble): keep polling as often
-                self._polled(younger, found)
-            if not due:  # nothing wanted (wait_s None: until the loop registers a fragment), or not yet due
+            polled, wait_s = self.tick()
+            if not polled:  # nothing wanted (wait_s None: until the loop registers a fragment), or not yet due
                 self.num_waits += 1
                 self.wake.wait(wait_s)
+
+    def tick(self) -> tuple[bool, float | None]:
+        """Poll every wanted fragment that is due now (downloading the newer versions found).
+        Returns (whether any was polled, seconds until the next one is due; None: nothing
+        wanted)."""
+        due, wait_s = self._due(self.clock())
+        for p, have, younger in due:
+            try:
+                found = self._fetch(p, have)
+            except Exception as exc:  # noqa: BLE001 - never stop training over a bad download
+                log.warning("fragment %d: download failed: %s", p, exc)
+                found = True  # there is a version (or the bucket is in trouble): keep polling as often
+            self._polled(younger, found)
+        return bool(due), wait_s
 
     def _fetch(self, p: int, have: tuple[int, Tensors]) -> bool:
         """Poll p; when a newer version is there, download and decode it. Returns whether
@@ -271,4 +283,5 @@ class Receiver(threading.Thread):
     def close(self) -> None:
         self.stopping.set()
         self.wake.set()
-        self.join(timeout=10)
+        if self.is_alive():
+            self.join(timeout=10)

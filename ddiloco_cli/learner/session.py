@@ -16,6 +16,7 @@ a run that requires signatures, signed: PROTOCOL.md, "Signatures", [A3]).
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import socket
@@ -98,7 +99,8 @@ def _live(held: HeldBy | None, lease_s: float) -> bool:
             and not _crashed_here(held.record))
 
 
-def check_id_free(store: Store, learner_id: str, *, lease_s: float) -> HeldBy | None:
+def check_id_free(store: Store, learner_id: str, *, lease_s: float,
+                  sleep: Callable[[float], None] = time.sleep) -> HeldBy | None:
     """Raise UsageError when a live session holds ``learner_id``; else return the
     previous session's heartbeat (or None).
 
@@ -111,7 +113,7 @@ def check_id_free(store: Store, learner_id: str, *, lease_s: float) -> HeldBy | 
     wait_s = lease_s - held.age_s + LEASE_MARGIN_S
     log.info("learner id %r has a running heartbeat (%s); waiting %.1fs to see whether that session is alive",
              learner_id, describe(held), wait_s)
-    time.sleep(wait_s)
+    sleep(wait_s)
     again = read_heartbeat(store, learner_id)
     if not _live(again, lease_s):
         return again
@@ -175,6 +177,7 @@ class SessionWriter(threading.Thread):
         self._state: dict[str, Any] | None = None
         self._state_written: dict[str, Any] | None = None
         self._alert: str | None = None  # what is wrong; the syncer's liveness is added when logged
+        self._next_beat = -math.inf  # when tick writes the next heartbeat (on self.clock)
 
     @property
     def check_every_s(self) -> float:
@@ -275,16 +278,22 @@ class SessionWriter(threading.Thread):
                 f"{b.age_s:.1f}s old): it may be waiting for a quorum or failing to commit")
 
     def run(self) -> None:
-        next_beat = 0.0
         while not self.stopping.is_set():
-            self._raise_alert()
-            now = time.monotonic()
-            if now >= next_beat:
-                self.write_state()
-                self.beat()
-                next_beat = now + self.every_s
-            self.wakeup.wait(max(0.0, next_beat - time.monotonic()))
+            wait_s = self.tick()
+            self.wakeup.wait(wait_s)
             self.wakeup.clear()
+
+    def tick(self) -> float:
+        """Log a pending alert; write the data state and the heartbeat when a beat is due.
+        Returns seconds until the next beat (``run`` waits that long; a driver without
+        threads, the deterministic simulation, calls ``tick`` again then)."""
+        self._raise_alert()
+        now = self.clock()
+        if now >= self._next_beat:
+            self.write_state()
+            self.beat()
+            self._next_beat = now + self.every_s
+        return max(0.0, self._next_beat - self.clock())
 
     def close(self, *, final_beat: bool = True) -> None:
         self.stopping.set()
@@ -294,6 +303,30 @@ class SessionWriter(threading.Thread):
         self.write_state(force=True)
         if final_beat:
             self.beat(check=True)  # the last word: never over a newer session's heartbeat
+
+
+def running_phases(store: Store, *, learner_id: str, config: Any, trust: signing.Trust) -> list[float] | None:
+    """The send-schedule phases (step + offset, aged to now by their step time) of the other
+    running learners, from their heartbeats (``schedule.aligned_offset`` puts a starting
+    learner in phase with them). Advisory: an unreadable or foreign heartbeat is skipped;
+    None when the heartbeats cannot be read at all."""
+    try:
+        beats = ledger.read_heartbeats(store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
+    except (DdilocoError, OSError) as exc:  # the store failed past its retries: start unshifted
+        log.warning("schedule offset 0: the learners' heartbeats cannot be read (%s)", exc)
+        return None
+    H, phases = config.sync_every, []
+    for b in beats:
+        rec = b.record
+        step_s, offset = rec.get("step_time_s") or 0.0, rec.get("schedule_offset", 0)
+        if (rec["learner_id"] == learner_id or rec["state"] != "running" or b.age_s > config.lease_s
+                or step_s <= 0 or not isinstance(offset, int) or not 0 <= offset < H
+                or not trust.admits(rec, key=b.key, role="learner", member_id=rec["learner_id"])):
+            continue
+        if b.age_s / step_s > H / 2:  # too many steps since it was written to tell its phase
+            continue
+        phases.append(rec["step"] + offset + b.age_s / step_s)
+    return phases
 
 
 def jsonable(data: Any) -> Any:

@@ -31,7 +31,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +38,11 @@ import torch
 import torch.nn as nn
 
 from ddiloco_cli import layout, ledger, records, signing
+from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.learner.island import Island
 from ddiloco_cli.learner.receiver import InFlight, Ready, Receiver, receive_rule
-from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state
+from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state, running_phases
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
 from ddiloco_cli.published import FragmentReader
@@ -68,6 +68,8 @@ class SyncOptions:
     stall_alert: bool = True  # warn when no new version arrived in 2*H steps
     align_schedule: bool = True  # decoupled: start the send schedule in phase with the running learners
     key_path: str | None = None  # signing key admitted for this learner id (runs that require signatures)
+    clock: Clock = WALL  # every time and wait of the learner's logic (a virtual clock in the simulation)
+    threads: bool = True  # False: no worker threads; a driver runs the uploader, receiver and heartbeat steps
 
 
 def check_learner_id(learner_id: str) -> None:
@@ -104,6 +106,7 @@ class DiLoCoSync:
         check_learner_id(learner_id)
         self.store = url if not isinstance(url, str) else open_store(url, options=storage_options)
         self.learner_id, self.opts = learner_id, options
+        self.clock = options.clock
         self.config = config if config is not None else read_run_config(self.store)
         self.run_id = self.config.run_id
         self.plan = ledger.read_plan(self.store, run_id=self.run_id)
@@ -117,8 +120,9 @@ class DiLoCoSync:
         # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
         self.keep_progress = self.config.keep_overlap_progress and self.tau > 0 and not self.lockstep
         # [L8] take the version that merged this learner's contribution, not one merged without it
-        # (whose own merge would come later, against a base the learner has already left)
-        self.await_own = self.config.await_own_merge and not self.lockstep
+        # (whose own merge would come later, against a base the learner has already left); always,
+        # in decoupled mode, since --take-newest was retired (PROTOCOL.md "Retired settings")
+        self.await_own = not self.lockstep
         self.total_steps = self.config.total_steps
         # receive as theta += Theta_new - theta_at_send on the parameters themselves (the alpha = 0
         # case of receive_rule, summed in another order), the increment computed by the receiver
@@ -176,8 +180,9 @@ class DiLoCoSync:
         signer = signing.signer_for_run(self.store, run=self.config, key_path=self.opts.key_path,
                                         member_id=self.learner_id, role="learner") if io else None
         self.session = int(self.store.now() * 1e6) if io else 0
-        self.started_s = time.time()
-        held = check_id_free(self.store, self.learner_id, lease_s=self.config.lease_s) if io else None
+        self.started_s = self.clock.time()
+        held = check_id_free(self.store, self.learner_id, lease_s=self.config.lease_s,
+                             sleep=self.clock.sleep) if io else None
         if held is not None:
             # carry step, tokens and byte counters over (a hint: keeps the LR schedule and totals continuous)
             rec, s = held.record, self.stats
@@ -197,19 +202,20 @@ class DiLoCoSync:
             self.schedule_offset = self.island.agree([self._aligned_offset(trust) if io else 0])[0]
         if io:
             self._uploader = Uploader(self.store, codec_name=self.config.codec, block_size=self.config.codec_block,
-                                      qmax=self.config.codec_qmax,
+                                      qmax=self.config.codec_qmax, density=self.config.codec_density,
                                       maxsize=self.opts.upload_queue, stats=self.stats,
                                       num_workers=self.opts.upload_workers, newest_wins=not self.lockstep,
-                                      signer=signer, on_residual=self._keep_residual if self.error_feedback else None)
+                                      signer=signer, on_residual=self._keep_residual if self.error_feedback else None,
+                                      threads=self.opts.threads, clock=self.clock.monotonic)
             self._receiver = Receiver(self.store, self.readers, learner_id=self.learner_id,
                                       min_poll_s=self.opts.min_poll_s, stats=self.stats,
-                                      pace_s=lambda: self.stats.step_time_s)
+                                      pace_s=lambda: self.stats.step_time_s, clock=self.clock.monotonic)
             self._writer = SessionWriter(self.store, learner_id=self.learner_id, session=self.session,
                                          make_record=self._heartbeat_record, run_id=self.run_id,
                                          lease_s=self.config.lease_s, every_s=self.config.heartbeat_s,
-                                         signer=signer)
+                                         signer=signer, clock=None if self.opts.threads else self.clock.monotonic)
             self._writer.beat()  # announce ourselves before any contribution
-            for worker in (self._uploader, self._receiver, self._writer):
+            for worker in (self._uploader, self._receiver, self._writer) if self.opts.threads else ():
                 worker.start()
         if self.opts.handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -257,8 +263,8 @@ class DiLoCoSync:
             quiet = step - max(self._last_arrival_step, self._last_alert_step)
             # every 2*H quiet steps, and never more often than alert_every_s: with short steps
             # (12 ms, H = 4) 2*H steps are 100 ms, and every alert reads the syncers' heartbeats
-            if quiet >= 2 * self.H and time.monotonic() - self._last_alert_t >= self.alert_every_s():
-                self._last_alert_step, self._last_alert_t = step, time.monotonic()
+            if quiet >= 2 * self.H and self.clock.monotonic() - self._last_alert_t >= self.alert_every_s():
+                self._last_alert_step, self._last_alert_t = step, self.clock.monotonic()
                 self._writer.alert_stalled(step=step, since_step=self._last_arrival_step)
         self._update_stop()
         return received
@@ -337,30 +343,16 @@ class DiLoCoSync:
             num_contributions=s.num_contributions, blocked_s=s.blocked_s,
             versions={str(p): v for p, v in s.versions.items()}, device=str(self.island.device),
             session=self.session, host=socket.gethostname(), pid=os.getpid(), started_s=self.started_s,
-            time_s=time.time(), schedule_offset=self.schedule_offset, **self.heartbeat_fields,
+            time_s=self.clock.time(), schedule_offset=self.schedule_offset, **self.heartbeat_fields,
         )
 
     def _aligned_offset(self, trust: signing.Trust) -> int:
         """The schedule offset that puts this learner's sends in phase with the live learners'
-        (from their heartbeats: steps, step time and offset, aged by the store's clock), so that
-        learners of one speed send each fragment together and are merged at once. Advisory: an
-        unreadable or foreign heartbeat is skipped, and none gives 0."""
-        phases = []
-        try:
-            beats = ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
-        except (DdilocoError, OSError) as exc:  # the store failed past its retries: start unshifted
-            log.warning("schedule offset 0: the learners' heartbeats cannot be read (%s)", exc)
+        (``session.running_phases``), so that learners of one speed send each fragment together
+        and are merged at once; 0 when the heartbeats cannot be read."""
+        phases = running_phases(self.store, learner_id=self.learner_id, config=self.config, trust=trust)
+        if phases is None:
             return 0
-        for b in beats:
-            rec = b.record
-            step_s, offset = rec.get("step_time_s") or 0.0, rec.get("schedule_offset", 0)
-            if (rec["learner_id"] == self.learner_id or rec["state"] != "running" or b.age_s > self.config.lease_s
-                    or step_s <= 0 or not isinstance(offset, int) or not 0 <= offset < self.H
-                    or not trust.admits(rec, key=b.key, role="learner", member_id=rec["learner_id"])):
-                continue
-            if b.age_s / step_s > self.H / 2:  # too many steps since it was written to tell its phase
-                continue
-            phases.append(rec["step"] + offset + b.age_s / step_s)
         offset = aligned_offset(self.stats.step, phases, sync_every=self.H)
         if phases:
             log.info("schedule offset %d: in phase with %d running learner(s)", offset, len(phases))
@@ -395,12 +387,16 @@ class DiLoCoSync:
         with self._residual_lock:
             residual = self._residual.get(p)
         if residual is not None:  # the part of the last contribution the codec did not carry [L6]
-            torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+            decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
+            if decay == 1.0:
+                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+            else:
+                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
         c_steps, c_tokens = self.counters.snapshot(p)
         header = records.make(
             "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
             base_version=base_version, c_tokens=c_tokens, c_steps=max(1, c_steps), step=step,
-            nonce=records.new_nonce(), created_s=time.time(),
+            nonce=records.new_nonce(), created_s=self.clock.time(),
         )
         self.stats.blocked_s += self._uploader.submit(layout.contribution_key(p, self.learner_id, seq), delta, header)
         return theta
@@ -426,9 +422,9 @@ class DiLoCoSync:
 
     def _take(self, p: int, flight: InFlight) -> Ready | None:
         """Rank 0: a ready newer version of p, or None (lock-step: wait for the one
-        that merged our contribution; decoupled with await_own_merge: ``_own_or_newest``)."""
+        that merged our contribution; decoupled: ``_own_or_newest``)."""
         receiver = self._receiver
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         alert_every_s = self.alert_every_s()
         next_alert = t0 + alert_every_s
         while True:
@@ -445,13 +441,13 @@ class DiLoCoSync:
                 got = None
             if got is not None or not self.lockstep or self.stop_reason is not None:
                 break
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if self.opts.stall_alert and now >= next_alert:
                 self._writer.alert_waiting(step=self.stats.step, fragment=p, waited_s=now - t0)
                 next_alert = now + alert_every_s
-            time.sleep(0.005)
+            self.clock.sleep(0.005)
         if self.lockstep:
-            self.stats.blocked_s += time.monotonic() - t0
+            self.stats.blocked_s += self.clock.monotonic() - t0
         return self._own_or_newest(p, flight, got) if self.await_own else got
 
     def _accounts_for(self, got: Ready, flight: InFlight) -> bool:

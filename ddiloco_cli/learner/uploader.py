@@ -25,23 +25,25 @@ Tensors = dict[str, torch.Tensor]
 
 
 def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int, key: str,
-                       signer: signing.Signer | None = None, qmax: int | None = None) -> bytes:
+                       signer: signing.Signer | None = None, qmax: int | None = None,
+                       density: float | None = None) -> bytes:
     """The object a learner creates at ``key`` (contributions/pP/LEARNER/SEQ.safetensors),
     signed by ``signer`` when the run requires signatures."""
     return encode_contribution(delta, header, codec_name=codec_name, block_size=block_size, key=key,
-                               signer=signer, qmax=qmax)[0]
+                               signer=signer, qmax=qmax, density=density)[0]
 
 
 def encode_contribution(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int, key: str,
                         signer: signing.Signer | None = None, residual: bool = False,
-                        qmax: int | None = None) -> tuple[bytes, Tensors | None]:
+                        qmax: int | None = None, density: float | None = None) -> tuple[bytes, Tensors | None]:
     """``contribution_bytes``, and with ``residual`` also what the encoding leaves out of
     ``delta`` (error feedback, PROTOCOL [L6]); None without."""
     if residual:
         data, left_out = codec.encode_with_residual(delta, codec=codec_name, block_size=block_size, metadata=header,
-                                                    qmax=qmax)
+                                                    qmax=qmax, density=density)
     else:
-        data = codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header, qmax=qmax)
+        data = codec.encode_tensors(delta, codec=codec_name, block_size=block_size, metadata=header, qmax=qmax,
+                                    density=density)
         left_out = None
     if signer is not None:
         data = signing.sign_payload(data, kind="contribution", run_id=header["run_id"], key=key, signer=signer)
@@ -63,9 +65,12 @@ class Uploader:
 
     def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats,
                  num_workers: int = 2, newest_wins: bool = True, signer: signing.Signer | None = None,
-                 on_residual: Callable[[int, Tensors], None] | None = None, qmax: int | None = None):
+                 on_residual: Callable[[int, Tensors], None] | None = None, qmax: int | None = None,
+                 density: float | None = None, threads: bool = True, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # times how long submit blocked on a full queue
         self.store, self.codec_name, self.block_size, self.stats = store, codec_name, block_size, stats
         self.qmax = qmax  # the run's codec_qmax: the largest |code| the encoder writes
+        self.density = density  # the run's codec_density (sparse)
         self.signer = signer
         # error feedback: called with (fragment, what the encoded payload does not carry) once it is uploaded
         self.on_residual = on_residual
@@ -75,7 +80,7 @@ class Uploader:
         self.failed = 0
         self.replaced = 0
         self.threads = [threading.Thread(target=self._run, name=f"ddiloco-uploader-{i}", daemon=True)
-                        for i in range(num_workers)]
+                        for i in range(num_workers if threads else 0)]
 
     def start(self) -> None:
         for t in self.threads:
@@ -92,9 +97,9 @@ class Uploader:
                         self.queue.queue[i] = item
                         self.replaced += 1
                         return 0.0
-        t0 = time.monotonic()
+        t0 = self.clock()
         self.queue.put(item)
-        return time.monotonic() - t0
+        return self.clock() - t0
 
     def _run(self) -> None:
         while True:
@@ -106,10 +111,27 @@ class Uploader:
             finally:
                 self.queue.task_done()
 
+    def take_next(self) -> tuple[str, Tensors, dict[str, Any]] | None:
+        """The oldest queued (key, delta, header), or None when the queue is empty (driver mode)."""
+        try:
+            item = self.queue.get_nowait()
+        except queue.Empty:
+            return None
+        self.queue.task_done()
+        return item
+
+    def encode(self, key: str, delta: Tensors, header: dict[str, Any]) -> tuple[bytes, Tensors | None]:
+        """The contribution's bytes, and what they leave out of ``delta`` (error feedback)."""
+        return encode_contribution(delta, header, codec_name=self.codec_name, block_size=self.block_size,
+                                   key=key, signer=self.signer, residual=self.on_residual is not None,
+                                   qmax=self.qmax, density=self.density)
+
     def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
-        data, residual = encode_contribution(delta, header, codec_name=self.codec_name, block_size=self.block_size,
-                                             key=key, signer=self.signer, residual=self.on_residual is not None,
-                                             qmax=self.qmax)
+        data, residual = self.encode(key, delta, header)
+        self.finish(key, header, data, residual)
+
+    def finish(self, key: str, header: dict[str, Any], data: bytes, residual: Tensors | None) -> None:
+        """Upload an encoded contribution (retried), then hand its residual back and count it."""
         try:  # each attempt is a whole store call (retried inside); this waits out a longer outage
             created = retrying(lambda: self.store.put_if_absent(key, data), what=f"upload of {key}",
                                policy=OUTAGE_POLICY)
@@ -127,7 +149,11 @@ class Uploader:
             self.stats.num_contributions += 1
 
     def close(self) -> None:
-        """Finish every queued upload, then stop."""
+        """Finish every queued upload, then stop (without threads: upload them here, in turn)."""
+        if not self.threads:
+            while (item := self.take_next()) is not None:
+                self._upload(*item)
+            return
         for _ in self.threads:
             self.queue.put(None)
         for t in self.threads:

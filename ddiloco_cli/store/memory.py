@@ -1,13 +1,15 @@
 """An in-process bucket for unit tests: ``memory://name``.
 
 Buckets live in a process-global dict keyed by name, so two ``open_store``
-calls with the same name share data (within one process only). Thread-safe.
+calls with the same name share data (within one process only). Thread-safe. ``clock`` (default: ``time.time``) stamps object times and answers ``now()``:
+the deterministic simulation passes its virtual clock.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from ddiloco_cli.store import check_key
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError
@@ -18,8 +20,9 @@ _BUCKETS: dict[str, dict[str, tuple[bytes, float]]] = {}
 
 
 class MemoryStore:
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, clock: Callable[[], float] = time.time):
         self.name = name
+        self.clock = clock
         self.url = f"memory://{name}"
         with _LOCK:
             self._objects = _BUCKETS.setdefault(name, {})
@@ -31,13 +34,13 @@ class MemoryStore:
             existing = self._objects.get(key)
             if existing is not None:
                 return existing[0] == data
-            self._objects[key] = (data, time.time())
+            self._objects[key] = (data, self.clock())
             return True
 
     def put(self, key: str, data: bytes) -> None:
         check_key(key)
         with _LOCK:
-            self._objects[key] = (bytes(data), time.time())
+            self._objects[key] = (bytes(data), self.clock())
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         check_key(key)
@@ -69,7 +72,7 @@ class MemoryStore:
         return []  # writes are atomic in memory: nothing is ever left half-written
 
     def now(self) -> float:
-        return time.time()
+        return self.clock()
 
 
 def drop_bucket(name: str) -> None:

@@ -35,7 +35,7 @@ CASES = [
     # init: every setting is validated before anything is written
     (["init", "NEW", "--inner-lr", "nan"], 2, "--inner-lr: must be a finite number"),
     (["init", "NEW", "--outer-lr", "inf"], 2, "--outer-lr: must be a finite number"),
-    (["init", "NEW", "--outer-momentum", "0"], 2, "--outer-momentum"),  # Nesterov needs momentum > 0
+    (["init", "NEW", "--outer-momentum", "1"], 2, "--outer-momentum"),  # momentum in [0, 1): 0 is plain SGD
     (["init", "NEW", "--gc-grace", "-1"], 2, "--gc-grace: must be > 0"),
     (["init", "NEW", "--gc-grace", "0"], 2, "--gc-grace: must be > 0"),
     (["init", "NEW", "--grace-max", "nan"], 2, "--grace-max"),

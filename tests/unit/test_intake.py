@@ -45,7 +45,7 @@ def _take(decode_threads: int):
         assert all(c.sha256 == records.sha256_hex(s.store.get(c.key)) for cs in st.pending.values() for c in cs)
     pending = {p: {lid: [(c.seq, c.key, c.norm, c.delta) for c in cs] for lid, cs in st.pending.items()}
                for p, st in s.states.items()}
-    closed = {p: [(e["learner_id"], e["seq"], e["status"]) for e in st.closed] for p, st in s.states.items()}
+    closed = {p: [(e.learner_id, e.seq, e.status) for e in st.closed] for p, st in s.states.items()}
     return s, quarantined, pending, closed
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from ddiloco_cli.learner import receive_rule
-from ddiloco_cli.merge import alpha_merge
 
 
 def _fragment(seed: int) -> dict[str, torch.Tensor]:
@@ -31,13 +30,14 @@ def test_receive_rule_keeps_or_discards_overlap_progress(keep, alpha):
     assert all(torch.equal(local[k], before[k]) for k in local), "the rule must not modify its inputs"
 
 
-def test_receive_rule_is_bit_identical_to_alpha_merge():
-    """The _foreach form computes exactly what the per-tensor alpha_merge does."""
+def test_receive_rule_is_bit_identical_to_the_per_tensor_alpha_merge():
+    """The _foreach form computes exactly what local <- alpha * local + (1 - alpha) * target
+    does tensor by tensor (target: the new global value plus the progress since the send)."""
     theta_send, new_global, local = _fragment(3), _fragment(4), _fragment(5)
     got = receive_rule(local, new_global, theta_send, alpha=0.3, keep_progress=True)
     for k in local:
         want = local[k].clone()
-        alpha_merge(want, new_global[k] + (local[k] - theta_send[k]), 0.3)
+        want.mul_(0.3).add_(new_global[k] + (local[k] - theta_send[k]), alpha=1.0 - 0.3)
         assert torch.equal(got[k], want), k
 
 

@@ -529,19 +529,6 @@ def test_a_decoupled_learner_takes_the_version_that_merged_its_contribution_L8(o
             assert sync.base[0][0] == 1 and 0 not in sync.in_flight
 
 
-def test_take_newest_receives_whatever_is_newest_at_t_plus_tau():
-    """--take-newest (await_own_merge false): the first newer version is taken at t + tau."""
-    store = _run(num_fragments=1, sync_every=8, overlap_steps=1, await_own_merge=False)
-    model = load_task(TINY).build_model()
-    with DiLoCoSync(store, model, learner_id="w") as sync:
-        for _ in range(8):
-            sync.step(num_tokens=1)
-        _publish(store, version=1, prev=sync.base[0][1], high_water={"other": 3})
-        _until_ready(sync, 1)
-        assert sync.step(num_tokens=1) == [0]
-        assert sync.base[0][0] == 1
-
-
 class _Later(StoreWrapper):
     """The store's clock ``by_s`` ahead: every object it holds looks that much older."""
 

@@ -1,4 +1,4 @@
-"""Token weights, RDA, weighted mean, finiteness checks, alpha merge."""
+"""Token weights, RDA, the weighted mean, finiteness checks."""
 
 import math
 
@@ -10,16 +10,19 @@ from hypothesis import strategies as st
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
 from ddiloco_cli.merge import (
     all_finite,
-    alpha_merge,
     check_finite,
     is_embedding_key,
     merge_outer_gradients,
     rda,
     token_weight,
-    weighted_mean,
 )
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+
+
+def weighted_mean(vectors, weights):
+    """The merge's `mean` method on one tensor."""
+    return merge_outer_gradients([{"x": v} for v in vectors], weights, method="mean")["x"]
 
 
 def vec_lists(min_size=1):
@@ -145,21 +148,6 @@ def test_is_embedding_key():
         assert is_embedding_key(k)
     for k in ("h.0.attn.c_attn.weight", "layers.3.mlp.up_proj.weight", "ln_f.bias"):
         assert not is_embedding_key(k)
-
-
-def test_alpha_merge():
-    local = torch.tensor([1.0, 2.0, 3.0])
-    g = torch.tensor([3.0, 2.0, 1.0])
-    alpha_merge(local, g, 0.0)
-    assert torch.equal(local, g) and local.data_ptr() != g.data_ptr()
-    local = torch.tensor([1.0, 2.0, 3.0])
-    alpha_merge(local, g, 0.5)
-    assert torch.equal(local, torch.tensor([2.0, 2.0, 2.0]))
-    local = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
-    alpha_merge(local, g, 0.25)
-    assert torch.allclose(local.float(), torch.tensor([2.5, 2.0, 1.5]))
-    with pytest.raises(UsageError, match="--alpha"):
-        alpha_merge(local, g, 1.5)
 
 
 def test_tiny_weights_and_huge_values_stay_finite():

@@ -16,11 +16,11 @@ def test_outer_lr_follows_participation(scaling):
     store = open_store(f"memory://lr-{uuid.uuid4().hex}")
     init_run(store, RunSpec(num_fragments=2, sync_every=4, outer_lr=0.8, outer_lr_scaling=scaling))
     s = Syncer(store, options=SyncerOptions(gc=False))
-    s.live_learners = {"a", "b", "c", "d"}
+    s.learners.live = {"a", "b", "c", "d"}
     want = {1: 0.2, 2: 0.4, 4: 0.8, 5: 0.8} if scaling == "participation" else {1: 0.8, 2: 0.8, 4: 0.8, 5: 0.8}
-    assert {m: s._outer_lr(m) for m in want} == pytest.approx(want)
-    s.live_learners = set()  # nobody known alive (no heartbeats yet): no scaling
-    assert s._outer_lr(1) == pytest.approx(0.8)
+    assert {m: s.decider.outer_lr(m) for m in want} == pytest.approx(want)
+    s.learners.live = set()  # nobody known alive (no heartbeats yet): no scaling
+    assert s.decider.outer_lr(1) == pytest.approx(0.8)
 
 
 def test_unknown_scaling_is_refused_naming_the_flag():

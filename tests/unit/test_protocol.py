@@ -138,7 +138,7 @@ def test_every_object_is_versioned_json_or_safetensors_W1(run_store):
     s = live_syncer(run_store)
     drive(run_store, s, rounds=2)
     kinds = {"run.json": "run", "plan.json": "plan", "manifests": "manifest", "epochs": "epoch",
-             "syncers/heartbeats": "syncer_heartbeat", "heartbeat.json": "learner_heartbeat", "latest": "latest"}
+             "syncers/heartbeats": "syncer_heartbeat", "heartbeat.json": "learner_heartbeat"}
     seen = set()
     for info in run_store.list(""):
         data = run_store.get(info.key)

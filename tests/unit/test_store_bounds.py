@@ -61,7 +61,7 @@ def test_the_largest_legitimate_contribution_fits(run_store):
 
 def test_the_largest_legitimate_checkpoint_fits(run_store):
     plan = _plan(run_store)
-    shapes = replay.checkpoint_shapes(plan, 0, accum=True)
+    shapes = replay.checkpoint_shapes(plan, 0)
     data = codec.encode_tensors({k: torch.randn(s) for k, s in shapes.items()}, codec="none", metadata={"x": "y"})
     assert len(data) <= max_bytes_for(layout.checkpoint_key(0, 2, "n"), plan)
 

@@ -1,0 +1,186 @@
+"""The simulated bucket: one in-memory object map, seen by each actor through a
+``SimStore`` that charges every request's latency and transfer time to the actor's
+``TurnClock``.
+
+A write made during a turn becomes visible to the others only when it would have
+finished (``visible_at`` = the actor's clock after the transfer); until then readers
+see the object's previous content (or nothing). Reads see what was visible at the
+moment of the request. A conditional create (``put_if_absent``) decides on what
+exists, visible or not: the object store serialises creates of one key.
+
+Costs per request: the link's round trip + the store's own latency + a seeded
+uniform jitter, plus bytes / bandwidth. A view with ``parallel`` > 1 (the syncer's
+intake keeps that many contribution downloads in flight) overlaps the latencies of
+its contribution GETs: each costs its latency / parallel plus its transfer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from ddiloco_cli import layout
+from ddiloco_cli.clock import VIRTUAL_EPOCH_S
+from ddiloco_cli.simtrain.loop import TurnClock
+from ddiloco_cli.store import check_key
+from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError
+
+KEEP_VERSIONS = 4
+# a heartbeat is charged as this many bytes: its exact size carries the host's name and pid,
+# which would make the virtual times depend on the process that runs the simulation
+HEARTBEAT_BYTES = 1024
+
+
+def charged_bytes(key: str, data: bytes) -> int:
+    if key.startswith(layout.SYNCER_HEARTBEAT_PREFIX) or key.endswith("/heartbeat.json"):
+        return HEARTBEAT_BYTES
+    return len(data)  # overwritten objects: the newest versions kept for readers that may not see the last one yet
+
+
+@dataclass(frozen=True)
+class Link:
+    up_bps: float  # bytes per second
+    down_bps: float
+    latency_s: float  # per request: round trip + the store's own time
+    jitter_s: float = 0.0
+
+    @staticmethod
+    def of(*, up_mbps: float, down_mbps: float, rtt_ms: float, jitter_ms: float, store_latency_ms: float) -> "Link":
+        return Link(up_mbps * 1e6 / 8, down_mbps * 1e6 / 8, (rtt_ms + store_latency_ms) / 1e3, jitter_ms / 1e3)
+
+
+class SimBucket:
+    """key -> versions [(visible_at, data)], oldest first."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, list[tuple[float, bytes]]] = {}
+        self.num_requests = 0
+        self.last_contribution_t = 0.0  # when the newest contribution became visible
+        self.last_write_t = 0.0  # when the last write lands
+        self.crash = None  # a crash.CrashPlan: called before and after every write
+
+    def visible(self, key: str, t: float) -> tuple[float, bytes] | None:
+        for version in reversed(self.objects.get(key, ())):
+            if version[0] <= t:
+                return version
+        return None
+
+    def write(self, key: str, data: bytes, visible_at: float) -> None:
+        self.last_write_t = max(self.last_write_t, visible_at)
+        if key.startswith(layout.CONTRIBUTION_ROOT):
+            self.last_contribution_t = max(self.last_contribution_t, visible_at)
+        versions = self.objects.setdefault(key, [])
+        versions.append((visible_at, data))
+        versions.sort(key=lambda v: v[0])
+        del versions[:-KEEP_VERSIONS]
+
+    def peek(self, key: str) -> bytes | None:
+        """The newest content of ``key``, visible or not (the harness's own reads)."""
+        versions = self.objects.get(key)
+        return versions[-1][1] if versions else None
+
+
+class SimStore:
+    """One actor's connection to the ``SimBucket`` (a ddiloco ``Store``)."""
+
+    def __init__(self, bucket: SimBucket, clock: TurnClock, link: Link, *, name: str, seed: str,
+                 parallel: int = 1, free: bool = False):
+        self.bucket, self.clock, self.link = bucket, clock, link
+        self.url = f"sim://{name}"
+        self.name = name
+        self.in_commit = False  # the syncer's connection: inside Syncer.commit (crash points)
+        self.parallel = parallel
+        self.free = free  # the harness's own reads: no cost
+        self._rng = random.Random(seed)
+        self._charge_before_write = 0.0
+        self.bytes_up = self.bytes_down = 0
+        self.num_requests = 0
+        self.contributions_listed_t = -1.0  # the start of the turn that last LISTed contributions
+
+    # ------------------------------------------------------------ costs
+    def _request(self, *, up: int = 0, down: int = 0, overlapped: bool = False) -> None:
+        if self.free:
+            return
+        self.num_requests += 1
+        self.bucket.num_requests += 1
+        latency = self.link.latency_s
+        if self.link.jitter_s > 0:
+            latency += self._rng.random() * self.link.jitter_s
+        if overlapped:
+            latency /= self.parallel
+        self.clock.spent += latency + up / self.link.up_bps + down / self.link.down_bps
+        self.bytes_up += up
+        self.bytes_down += down
+
+    def charge_before_next_write(self, seconds: float) -> None:
+        """Compute time that precedes this turn's next write (the syncer's merge: its cost
+        is known before, its result is written after)."""
+        self._charge_before_write = seconds
+
+    def _pay_pending(self) -> None:
+        if self._charge_before_write:
+            self.clock.spent += self._charge_before_write
+            self._charge_before_write = 0.0
+
+    # ------------------------------------------------------------ Store
+    def _crash_point(self, key: str, phase: str) -> None:
+        if self.bucket.crash is not None:
+            self.bucket.crash.on_write(self, key, phase)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        check_key(key)
+        self._crash_point(key, "before")
+        self._pay_pending()
+        data = bytes(data)
+        existing = self.bucket.peek(key)
+        self._request(up=charged_bytes(key, data))
+        if existing is not None:
+            return existing == data
+        self.bucket.write(key, data, self.clock.monotonic())
+        self._crash_point(key, "after")
+        return True
+
+    def put(self, key: str, data: bytes) -> None:
+        check_key(key)
+        self._crash_point(key, "before")
+        self._pay_pending()
+        self._request(up=charged_bytes(key, data))
+        self.bucket.write(key, bytes(data), self.clock.monotonic())
+        self._crash_point(key, "after")
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        check_key(key)
+        found = self.bucket.visible(key, self.clock.monotonic())
+        if found is None:
+            self._request()
+            raise NotFound(key)
+        data = found[1]
+        if max_bytes is not None and len(data) > max_bytes:
+            self._request()
+            raise ObjectTooLargeError(key, size=len(data), max_bytes=max_bytes)
+        self._request(down=charged_bytes(key, data), overlapped=self.parallel > 1 and key.startswith(layout.CONTRIBUTION_ROOT))
+        return data
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        t = self.clock.monotonic()
+        if prefix.startswith(layout.CONTRIBUTION_ROOT):
+            # the turn's start, not t: a write visible before t may still be made by an event after it
+            self.contributions_listed_t = self.clock.loop.now
+        out = []
+        for key in sorted(k for k in self.bucket.objects if k.startswith(prefix)):
+            found = self.bucket.visible(key, t)
+            if found is not None:
+                out.append(ObjectInfo(key=key, size=len(found[1]), mtime_s=VIRTUAL_EPOCH_S + found[0]))
+        self._request(down=64 * len(out))
+        return out
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        self._request()
+        self.bucket.objects.pop(key, None)
+
+    def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False) -> list[ObjectInfo]:
+        return []
+
+    def now(self) -> float:
+        return self.clock.time()

@@ -1,0 +1,191 @@
+"""The deterministic simulation's parts (ddiloco_cli/simtrain): the event loop, the
+simulated bucket's costs and visibility, the scenario, the report's arithmetic, and one
+tiny whole run against the real syncer and learner code."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddiloco_cli.errors import UsageError
+from ddiloco_cli.simtrain.arms import concat, dp_step_s
+from ddiloco_cli.simtrain.bucket import Link, SimBucket, SimStore
+from ddiloco_cli.simtrain.loop import EventLoop, Timer, TurnClock
+from ddiloco_cli.simtrain.report import percentile, time_to_reach
+from ddiloco_cli.simtrain.scenario import Scenario, load_scenario
+from ddiloco_cli.store.base import NotFound
+
+
+def test_event_loop_runs_in_time_order_and_ties_in_insertion_order():
+    loop, seen = EventLoop(), []
+    for t, name in [(2.0, "c"), (1.0, "a"), (1.0, "b"), (0.5, "first")]:
+        loop.at(t, seen.append, name)
+    loop.run(done=lambda: False)
+    assert seen == ["first", "a", "b", "c"] and loop.now == 2.0
+
+
+def test_timer_keeps_the_earliest_wakeup_and_drops_cancelled_ones():
+    loop, fired = EventLoop(), []
+    timer = Timer(loop, lambda: fired.append(loop.now))
+    timer.arm(5.0)
+    timer.arm(3.0)  # earlier: replaces
+    timer.arm(4.0)  # later: ignored
+    loop.run(done=lambda: False)
+    assert fired == [3.0]
+    timer.arm(7.0)
+    timer.cancel()
+    loop.run(done=lambda: False)
+    assert fired == [3.0]
+
+
+def _store(bucket, loop, *, latency_s=0.1, bps=1000.0, parallel=1):
+    clock = TurnClock(loop)
+    return SimStore(bucket, clock, Link(bps, bps, latency_s), name="t", seed="s", parallel=parallel), clock
+
+
+def test_a_write_is_visible_to_others_only_when_it_would_have_finished():
+    loop, bucket = EventLoop(), SimBucket()
+    writer, wclock = _store(bucket, loop)
+    reader, rclock = _store(bucket, loop)
+    assert writer.put_if_absent("a/x", b"0123456789")  # 0.1 s latency + 10 B / 1000 B/s
+    assert wclock.spent == pytest.approx(0.11)
+    with pytest.raises(NotFound):
+        reader.get("a/x")  # at t = 0 it is still uploading
+    assert reader.list("a/") == []
+    loop.now = 0.2
+    rclock.begin()
+    assert reader.get("a/x") == b"0123456789"
+    assert rclock.spent == pytest.approx(0.11)
+    assert not writer.put_if_absent("a/x", b"other")  # a create decides on what exists, visible or not
+
+
+def test_an_overwrite_leaves_the_old_content_visible_until_it_lands():
+    loop, bucket = EventLoop(), SimBucket()
+    writer, wclock = _store(bucket, loop)
+    reader, _ = _store(bucket, loop)
+    writer.put("hb", b"old")
+    loop.now = 1.0
+    wclock.begin()
+    writer.put("hb", b"new")
+    assert reader.get("hb") == b"old"
+    loop.now = 2.0
+    assert reader.get("hb") == b"new"
+
+
+def test_parallel_intake_overlaps_the_latency_of_contribution_gets_only():
+    loop, bucket = EventLoop(), SimBucket()
+    bucket.write("contributions/p00000/a/00000001.safetensors", b"x" * 100, 0.0)
+    bucket.write("fragments/x", b"x" * 100, 0.0)
+    store, clock = _store(bucket, loop, latency_s=0.4, bps=1e9, parallel=4)
+    store.get("contributions/p00000/a/00000001.safetensors")
+    assert clock.spent == pytest.approx(0.1, rel=1e-3)
+    clock.begin()
+    store.get("fragments/x")
+    assert clock.spent == pytest.approx(0.4, rel=1e-3)
+
+
+def test_scenario_file_flags_and_quick(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('learners = 3\nspeeds = "two"\n[run]\nsync_every = 8\noverlap_steps = 4\n[[joins]]\nlearner = 1\nat_s = 30\n')
+    sc = load_scenario(str(path), learners=5, steps_per_learner=None)
+    assert sc.learners == 5 and sc.run_config().sync_every == 8 and sc.join_s(1) == 30.0
+    assert [f for f, _ in sc.speed_factors()] == [1.0, 1.5, 1.0, 1.5, 1.0]
+    assert load_scenario(str(path), quick=True).learners == 2
+    with pytest.raises(UsageError, match="unknown keys"):
+        load_scenario(None, bogus=1)
+    with pytest.raises(UsageError, match="unknown RunConfig"):
+        load_scenario(None, run={"nope": 1})
+
+
+def test_lognormal_speeds_and_preemptions_are_seeded():
+    a = Scenario(learners=4, speeds="lognormal", sigma=0.5, mtbf_s=100.0, seed=3)
+    b = Scenario(learners=4, speeds="lognormal", sigma=0.5, mtbf_s=100.0, seed=4)
+    assert a.speed_factors() == Scenario(**vars(a)).speed_factors() != b.speed_factors()
+    trace = a.preemptions(0, 1000.0)
+    assert trace and all(back - down == pytest.approx(a.downtime_s) for down, back in trace)
+    assert all(t1[0] >= t0[1] for t0, t1 in zip(trace, trace[1:]))
+
+
+def test_time_to_reach_interpolates_and_percentiles():
+    curve = [(10.0, 3.0), (20.0, 2.0), (30.0, 1.5)]
+    assert time_to_reach(curve, 2.5) == pytest.approx(15.0)
+    assert time_to_reach(curve, 3.5) == 10.0
+    assert time_to_reach(curve, 1.0) is None
+    assert percentile([5, 1, 3, 2, 4], 0.5) == 3 and percentile([], 0.5) is None
+
+
+def test_dp_step_time_is_compute_plus_a_ring_all_reduce():
+    sc = Scenario(learners=4, step_s=1.0, up_mbps=100.0, down_mbps=100.0, rtt_ms=50.0)
+    # 2 (M-1)/M x 4 B x 1e6 params = 6e6 B at 12.5e6 B/s, + 6 one-way latencies of 25 ms
+    assert dp_step_s(sc, 1_000_000) == pytest.approx(1.0 + 0.48 + 0.15)
+    assert dp_step_s(Scenario(learners=1, step_s=2.0), 10**9) == 2.0
+
+
+def test_concat_joins_tuples_of_tensors():
+    import torch
+
+    a, b = (torch.zeros(2, 3), torch.ones(2, 3)), (torch.ones(1, 3), torch.zeros(1, 3))
+    x, y = concat([a, b])
+    assert x.shape == (3, 3) and y.shape == (3, 3) and float(x[2].sum()) == 3.0
+
+
+def test_a_tiny_run_merges_every_contribution_with_the_real_code():
+    from ddiloco_cli.simtrain import simulate_train
+
+    sc = Scenario(learners=2, steps_per_learner=32, step_s=0.5, eval_points=1, eval_batches=2, arms=("decoupled",),
+                  run={"sync_every": 8, "overlap_steps": 4, "num_fragments": 2})
+    r = simulate_train(sc)["decoupled"]
+    assert r["ledger"]["merged_token_fraction"] == pytest.approx(1.0)
+    assert r["ledger"]["refused"] == 0 and r["ledger"]["used"] > 0
+    assert r["val_loss"] < 4.5  # the untrained tiny GPT is at 4.59
+
+
+def _tiny(**over) -> Scenario:
+    base = dict(learners=2, steps_per_learner=32, step_s=0.5, eval_points=1, eval_batches=1, arms=("decoupled",),
+                run={"sync_every": 8, "overlap_steps": 4, "num_fragments": 2})
+    return Scenario(**{**base, **over})
+
+
+def test_a_standby_syncer_takes_over_during_an_outage_and_nothing_is_lost():
+    from ddiloco_cli.simtrain import simulate_train
+
+    outage = [{"at_s": 5.0, "duration_s": 1000.0}]
+    alone = simulate_train(_tiny(syncer_outages=outage))["decoupled"]
+    covered = simulate_train(_tiny(syncer_outages=outage, standby=True))["decoupled"]
+    assert alone["virtual_s"] > 1005.0  # the merges wait for the primary's return
+    assert covered["virtual_s"] < 100.0 and covered["syncer_epochs"] == 2
+    for r in (alone, covered):
+        assert r["ledger"]["merged_token_fraction"] == pytest.approx(1.0)
+
+
+def test_preempted_learners_come_back_as_new_sessions_and_finish():
+    from ddiloco_cli.simtrain import simulate_train
+
+    r = simulate_train(_tiny(mtbf_s=6.0, downtime_s=2.0, joins=[{"learner": 1, "at_s": 3.0}]))["decoupled"]
+    assert r["preemptions"] > 0 and r["sessions"] == 2 + r["preemptions"]
+    assert r["ledger"]["used"] > 0 and r["ledger"]["refused"] == 0
+
+
+def test_crash_points_of_a_commit_and_a_send_lose_nothing_and_replay_bit_exactly():
+    from ddiloco_cli.simtrain.crash import Point, crash_scenario, points_of, run_point, verify
+
+    scenario = crash_scenario(1, steps=12)
+    world, plan = run_point(scenario, None)
+    assert verify(world) == []
+    points = points_of(plan)
+    assert {p.target for p in points} == {"syncer", "learner"}
+    chosen = [Point("syncer", plan.counts["syncer"] // 2, "before"), Point("syncer", plan.counts["syncer"] // 2, "after"),
+              Point("learner", 1, "after"), Point("learner", 2, "queued")]
+    for point in chosen:
+        world, crashed = run_point(scenario, point)
+        assert crashed.fired and world.loop.crashes, point
+        assert verify(world) == [], point
+
+
+def test_verify_catches_a_state_that_a_replay_does_not_reproduce():
+    from ddiloco_cli.simtrain.crash import crash_scenario, run_point, verify
+
+    world, _ = run_point(crash_scenario(2, steps=8), None)
+    state = world.syncer.syncer.states[0]
+    key = next(iter(state.current.raw))
+    state.current.raw[key] = state.current.raw[key] + 1e-3
+    assert any("differs" in problem for problem in verify(world))
