@@ -194,7 +194,8 @@ class FragmentPlan:
             else:
                 shape, dtype = v
                 have[name] = (tuple(shape), dtype_name(dtype))
-        hint = "the learner's model must match the run's model (same --model / config as `ddiloco init`)"
+        hint = ("the learner's model must match the run's model: the same task (--task, and its arguments "
+                "after `?`) as `ddiloco init` used; `ddiloco inspect URL` shows it")
         for name, (shape, dtype) in want.items():
             if name not in have:
                 raise UsageError(f"model mismatch: tensor {name!r} of the run is missing from this model; {hint}")
