@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
-from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli import codecnames as codec, layout, ledger, records
 from ddiloco_cli.errors import ProtocolError, UsageError
 from ddiloco_cli.store.base import Store
 
@@ -203,12 +203,12 @@ class RunConfig:
             object.__setattr__(self, "codec_qmax", codec.DEFAULT_QMAX.get(self.codec))
         sparse_run = "sparse" in (self.codec, self.publish_codec)
         if self.codec_density is None and sparse_run:
-            object.__setattr__(self, "codec_density", codec.sparse.DEFAULT_DENSITY)
+            object.__setattr__(self, "codec_density", codec.SPARSE_DEFAULT_DENSITY)
         if self.publish_density is None:  # published deltas: the uploads' density unless given
             object.__setattr__(self, "publish_density", self.codec_density)
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
             object.__setattr__(self, "error_feedback_decay", 0.95 if self.codec == "sparse" else 1.0)
-        if self.codec_density is not None and codec.sparse.topk(self.codec_density, self.codec_block) < 1:
+        if self.codec_density is not None and codec.topk(self.codec_density, self.codec_block) < 1:
             raise _bad("codec-density", "too small for the block size")
         try:
             codec.check_qmax(self.codec, self.codec_qmax)
@@ -237,7 +237,7 @@ class RunConfig:
     @property
     def codec_topk(self) -> int | None:
         """Values per chunk of the sparse codec's uploads (None for the other codecs)."""
-        return codec.sparse.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
+        return codec.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
 
     # ----------------------------------------------------------- run.json
     def to_record(self, *, run_id: str, created_s: float | None = None) -> dict[str, Any]:
