@@ -564,18 +564,27 @@ def export(
     hf_dir: Annotated[Optional[str], typer.Option(
         "--hf-dir", metavar="DIR",
         help="Write a Hugging Face save_pretrained directory instead (tasks built on transformers)")] = None,
+    push_to_hub: Annotated[Optional[str], typer.Option(
+        "--push-to-hub", metavar="OWNER/NAME",
+        help="With --hf-dir: also upload the directory to this Hugging Face Hub model repository")] = None,
     task: TaskOverride = None,
     storage_option: StorageOpts = None,
 ) -> None:
     """Assemble the latest global model into one safetensors file (run config in its metadata),
-    or with --hf-dir into a directory AutoModelForCausalLM.from_pretrained loads."""
+    or with --hf-dir into a directory AutoModelForCausalLM.from_pretrained and AutoTokenizer load."""
     from ddiloco_cli.export import export_hf, export_model
 
     if (output is None) == (hf_dir is None):
         raise UsageError("give either OUT.safetensors or --hf-dir DIR")
+    if push_to_hub and not hf_dir:
+        raise UsageError("--push-to-hub uploads an --hf-dir export: add --hf-dir DIR")
     store = _store(url, storage_option)
     info = export_hf(store, hf_dir, task_spec=task) if hf_dir else export_model(store, output, task_spec=task)
     console.print(f"wrote {info['path']}: {info['num_params']:,} parameters, versions {info['versions']}", soft_wrap=True)
+    if push_to_hub:
+        from ddiloco_cli.hfexport import push_to_hub as push
+
+        console.print(f"pushed {info['path']} to {push(hf_dir, push_to_hub)}", soft_wrap=True)
 
 
 @app.command("eval")

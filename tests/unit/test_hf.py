@@ -69,3 +69,30 @@ def test_export_hf_dir_refuses_a_model_that_is_not_transformers(tmp_path):
     result = invoke("export", built.url, "--hf-dir", str(tmp_path / "hf"))
     assert result.exit_code == 2 and "not a transformers model" in result.output, result.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_hf_dir_has_tokenizer_card_and_pushes_to_a_local_hub(tmp_path, monkeypatch):
+    built = build_run(str(tmp_path / "run"), rounds=1, num_fragments=2, task=TINY_LLAMA)
+    out, hub = tmp_path / "hf", tmp_path / "hub"
+    monkeypatch.setenv("DDILOCO_HUB_DIR", str(hub))
+    result = invoke("export", built.url, "--hf-dir", str(out), "--push-to-hub", "me/tiny")
+    assert result.exit_code == 0, result.output
+    for where in (out, hub / "me" / "tiny"):
+        tok = transformers.AutoTokenizer.from_pretrained(str(where))
+        text = "to be, or not ü"
+        assert tok(text)["input_ids"] == list(text.encode()), "token id = UTF-8 byte, no special tokens"
+        assert tok.decode(list(text.encode())) == text
+        card = (where / "README.md").read_text()
+        assert built.run["run_id"] in card and "| num_fragments | `2` |" in card and "validation loss" in card
+        assert transformers.AutoModelForCausalLM.from_pretrained(str(where)).config.vocab_size == 256
+    refused = invoke("export", built.url, str(tmp_path / "m.safetensors"), "--push-to-hub", "me/tiny")
+    assert refused.exit_code == 2 and "--hf-dir" in refused.output
+
+
+def test_llama_derived_sizes_scale_with_hidden_size():
+    small = load_task("ddiloco_cli.tasks.hf:causal_lm?config=llama&hidden_size=64&num_hidden_layers=2"
+                      "&num_attention_heads=4").config
+    assert small.intermediate_size == round(11008 * 64 / 4096)
+    given = load_task("ddiloco_cli.tasks.hf:causal_lm?config=llama&hidden_size=64&intermediate_size=100"
+                      "&num_attention_heads=4").config
+    assert given.intermediate_size == 100, "a size given is kept"
