@@ -42,7 +42,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ddiloco_cli import codec, layout, records
+from ddiloco_cli import layout, records
+from ddiloco_cli.container import parse_safetensors
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, UsageError
 from ddiloco_cli.store.base import NotFound, Store
@@ -219,7 +220,7 @@ def verify_record(record: dict[str, Any], *, run_id: str, key: str, allowed: Col
 def _payload_parts(data: bytes, where: str) -> tuple[dict[str, Any], int, Any, bytes]:
     """(header without the signature entry, offset of the data section, the signature
     value or None, digest of the body)."""
-    header, data_start = codec._parse_safetensors(data, where)
+    header, data_start = parse_safetensors(data, where)
     meta = header.get("__metadata__")
     meta = dict(meta) if isinstance(meta, dict) else meta
     sig = None
