@@ -61,6 +61,7 @@ def learn(
     non-blocking receives. SIGTERM leaves cleanly; after kill -9 the same command rejoins."""
     _setup_logging(verbose)
     from ddiloco_cli.learner import Learner, LearnerOptions
+    from ddiloco_cli.learner.progress import summary
     from ddiloco_cli.live import learner_view
     from ddiloco_cli.runconfig import wait_for_run_config
 
@@ -88,8 +89,10 @@ def learn(
     writer = None
     finished = False
     try:
-        with learner_view(console, learner_id) as on_progress:
-            learner = Learner(store, options=opts, on_progress=on_progress)  # checks the id and the run first
+        learner = Learner(store, options=opts)  # checks the id and the run first
+        with learner_view(console, learner_id, session_steps=steps,
+                          total_steps=learner.config.total_steps) as on_progress:
+            learner.on_progress = on_progress
             if os.environ.get("RANK", "0") == "0":  # one metrics writer per island: rank 0 does the bucket I/O
                 writer = metrics.open_writer(store, role="learner", writer_id=learner_id,
                                              log_with=[t.value for t in log_with or ()], log_dir=log_dir)
@@ -100,7 +103,7 @@ def learn(
         if writer:
             writer.close()
         island = _end_distributed(finished)
-    log.info("learner %s: %s", learner_id, reason)
+    log.info("%s", summary(learner_id, reason, learner.stats))
     if island:
         _exit_island_rank()
 

@@ -144,7 +144,11 @@ def _store(url: str, opts: list[str] | None):
 
 
 def _setup_logging(verbose: bool) -> None:
+    """Log lines to stderr (Rich on a terminal). Under torchrun, ranks other than 0 log
+    warnings and errors only, so an island's lines are not repeated per rank."""
     level = logging.DEBUG if verbose else logging.INFO
+    if os.environ.get("RANK", "0") not in ("", "0") and not verbose:
+        level = logging.WARNING
     if sys.stderr.isatty():
         from rich.logging import RichHandler
 
