@@ -162,7 +162,8 @@ def metrics(
     url: Url,
     tensorboard: Annotated[Optional[str], typer.Option(
         "--tensorboard", metavar="DIR", help="Write TensorBoard event files under DIR (one run per writer)")] = None,
-    csv_path: Annotated[Optional[str], typer.Option("--csv", metavar="FILE", help="Write one CSV row per record")] = None,
+    csv_path: Annotated[Optional[str], typer.Option(
+        "--csv", metavar="FILE", help="Write one CSV row per record (-: to stdout)")] = None,
     storage_option: StorageOpts = None,
 ) -> None:
     """Export the run's metrics history (learners' and syncers' records) to TensorBoard or CSV."""
@@ -176,7 +177,8 @@ def metrics(
         n = m.write_tensorboard(records, tensorboard)
         console.print(f"wrote {n} scalars from {len(records)} records to {tensorboard} (tensorboard --logdir {tensorboard})", soft_wrap=True)
     else:
-        console.print(f"wrote {m.write_csv(records, csv_path)} records to {csv_path}", soft_wrap=True)
+        where = "stdout" if csv_path == "-" else csv_path
+        console.print(f"wrote {m.write_csv(records, csv_path)} records to {where}", soft_wrap=True)
 
 
 @app.command()

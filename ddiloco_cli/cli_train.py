@@ -19,6 +19,14 @@ LogTarget = Enum("LogTarget", {n: n for n in LOGGERS}, type=str)  # type: ignore
 LogWith = Annotated[Optional[list[LogTarget]], typer.Option(
     "--log-with", metavar="tensorboard|wandb|mlflow", help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local files); repeatable")]
 LogDir = Annotated[str, typer.Option("--log-dir", metavar="DIR", help="Directory for --log-with output")]
+WandbProject = Annotated[Optional[str], typer.Option(
+    "--wandb-project", metavar="NAME", envvar="WANDB_PROJECT", show_envvar=True,
+    help="W&B project for --log-with wandb (default: ddiloco)")]
+
+
+def _use_wandb_project(name: str | None) -> None:
+    if name:  # the W&B logger (metric_loggers.wandb_project) and wandb itself read it
+        os.environ["WANDB_PROJECT"] = name
 
 
 # ----------------------------------------------------------------------- learn
@@ -45,6 +53,7 @@ def learn(
              "instead of exiting at once")] = None,
     log_with: LogWith = None,
     log_dir: LogDir = "ddiloco-logs",
+    wandb_project: WandbProject = None,
     task: TaskOverride = None,
     precision: Annotated[str, typer.Option(
         metavar="fp32|bf16", help="bf16: forward under bf16 autocast (weights and optimizer stay fp32)")] = "fp32",
@@ -60,6 +69,7 @@ def learn(
     """Run one learner (one island): inner AdamW steps, background fragment uploads,
     non-blocking receives. SIGTERM leaves cleanly; after kill -9 the same command rejoins."""
     _setup_logging(verbose)
+    _use_wandb_project(wandb_project)
     from ddiloco_cli.learner import Learner, LearnerOptions
     from ddiloco_cli.learner.progress import summary
     from ddiloco_cli.live import learner_view
@@ -182,6 +192,7 @@ def sync(
              "written to the run's metrics)")] = None,
     log_with: LogWith = None,
     log_dir: LogDir = "ddiloco-logs",
+    wandb_project: WandbProject = None,
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
 ) -> None:
@@ -197,6 +208,7 @@ def sync(
 
     frags = parse_fragment_spec(fragments)  # before any logging or bucket access: a typo fails fast
     _setup_logging(verbose)
+    _use_wandb_project(wandb_project)
     import torch
 
     # one intra-op thread: the merge and encode are passes over cache-sized ranges, too short to

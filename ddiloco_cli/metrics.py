@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -396,15 +397,22 @@ def latest_global_eval(store: Store, *, infos: Iterable[ObjectInfo]) -> dict[str
 
 
 def write_csv(records: list[Record], path: str) -> int:
-    """One row per record: role, writer_id, then every field seen (sorted). Returns rows."""
-    fields = sorted({k for r in records for k in r.fields} - {"t", "step"})
+    """One row per record: role, writer_id, then every field seen (sorted), to the file
+    ``path`` or, for ``-``, to stdout. Returns rows."""
+    if path == "-":
+        return _csv_rows(records, sys.stdout)
     check_output_path(path)
     make_parent(path)
     with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["role", "writer_id", "t", "step", *fields])
-        for r in records:
-            w.writerow([r.role, r.writer_id, r.fields["t"], r.fields["step"], *(r.fields.get(k, "") for k in fields)])
+        return _csv_rows(records, f)
+
+
+def _csv_rows(records: list[Record], f) -> int:
+    fields = sorted({k for r in records for k in r.fields} - {"t", "step"})
+    w = csv.writer(f)
+    w.writerow(["role", "writer_id", "t", "step", *fields])
+    for r in records:
+        w.writerow([r.role, r.writer_id, r.fields["t"], r.fields["step"], *(r.fields.get(k, "") for k in fields)])
     return len(records)
 
 
