@@ -11,13 +11,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from ddiloco_cli.clibase import StorageOpts, TaskOverride, Url, Verbose, _number, _setup_logging, _store, app, console
+from ddiloco_cli.clibase import (StorageOpts, TaskOverride, Url, Verbose, _number, _setup_logging, _store, app, console,
+                                help_panels)
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.metrics import LOGGERS
 
 LogTarget = Enum("LogTarget", {n: n for n in LOGGERS}, type=str)  # type: ignore[misc]
 LogWith = Annotated[Optional[list[LogTarget]], typer.Option(
-    "--log-with", metavar="tensorboard|wandb|mlflow", help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local files); repeatable")]
+    "--log-with", metavar="tensorboard|wandb|mlflow", help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local SQLite); repeatable")]
 LogDir = Annotated[str, typer.Option("--log-dir", metavar="DIR", help="Directory for --log-with output")]
 WandbProject = Annotated[Optional[str], typer.Option(
     "--wandb-project", metavar="NAME", envvar="WANDB_PROJECT", show_envvar=True,
@@ -31,6 +32,12 @@ def _use_wandb_project(name: str | None) -> None:
 
 # ----------------------------------------------------------------------- learn
 @app.command()
+@help_panels({
+    "Learner": ["learner_id", "device", "steps", "threads", "precision", "grad_accum", "compile_model", "parallel"],
+    "Data": ["task", "shard", "num_shards"],
+    "Bucket": ["wait_for_run", "poll", "key", "storage_option"],
+    "Logging": ["log_with", "log_dir", "wandb_project", "verbose"],
+})
 def learn(
     url: Url,
     learner_id: Annotated[str, typer.Option(
@@ -166,6 +173,11 @@ def _exit_island_rank() -> None:
 
 # ------------------------------------------------------------------------ sync
 @app.command()
+@help_panels({
+    "Syncer": ["fragments", "syncer_id", "poll", "no_gc", "max_versions", "max_runtime", "eval_every"],
+    "Bucket": ["key", "storage_option"],
+    "Logging": ["log_with", "log_dir", "wandb_project", "verbose"],
+})
 def sync(
     url: Url,
     fragments: Annotated[Optional[str], typer.Option(
