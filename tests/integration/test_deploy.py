@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import yaml
@@ -136,6 +137,11 @@ def test_dockerfile_variants_and_entrypoint():
     cpu = re.search(r"cpu\)\s+pip install \"torch==\$\{TORCH_VERSION\}\" --index-url https://download.pytorch.org/whl/cpu", text)
     assert cpu and re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M), "CPU variant installs torch first, from the CPU index"
     assert text.index("torch==") < text.index('pip install ".['), "torch before ddiloco"
+    extras = set(re.search(r"^ARG EXTRAS=(\S+)$", text, re.M).group(1).split(","))
+    assert {"hf", "yaml"} <= extras, "export --hf-dir and --config x.yaml work in the image"
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert extras <= set(tomllib.load(f)["project"]["optional-dependencies"]), extras
+    assert "DDILOCO_KEY=" in text and "-o 1000" in text, "the key mount for the non-root user is documented"
     for src in re.findall(r"^COPY (.+) \./", text, re.M):
         for path in src.split():
             assert os.path.exists(os.path.join(ROOT, path)), path

@@ -75,6 +75,12 @@ def test_alive_follows_heartbeat_age_and_state(built):
     assert alive == {LEARNER: True, "bob": False, "carol": False}
     (syncer,) = status["syncers"]
     assert not syncer["alive"] and syncer["heartbeat_age_s"] > lease_s
+    # one state column: what each is doing, or why it is not alive
+    rows = {line.split()[0]: line.split()[1:3] for line in _text(render_status(status)).splitlines()
+            if line.strip() and line.split()[0] in (LEARNER, "bob", "carol")}
+    assert rows == {LEARNER: ["●", "running"], "bob": ["○", "left"], "carol": ["○", "down"]}, rows
+    header = next(line for line in _text(render_status(status)).splitlines() if line.split()[:2] == ["learner", "state"])
+    assert header.split().count("state") == 1
 
 
 def test_pending_contributions_show_as_backlog(built):
