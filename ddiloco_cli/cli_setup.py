@@ -49,7 +49,7 @@ def init(
     --force-clean).
     """
     from ddiloco_cli.runconfig import default_config_toml, load_config_file
-    from ddiloco_cli.runinit import init_run
+    from ddiloco_cli.runinit import init_or_join
     from ddiloco_cli.signing import default_require_signatures, load_admin_key
 
     if print_config:
@@ -65,10 +65,13 @@ def init(
     spec = RunConfig.from_flags(values)
     require = default_require_signatures(url) if require_signatures is None else require_signatures
     admin = load_admin_key(admin_key, create=True) if require else None
-    run = init_run(_store(url, storage_option), spec, force_clean=force_clean,
-                   note=lambda line: console.print(line, highlight=False, soft_wrap=True), admin=admin)
+    run, created = init_or_join(_store(url, storage_option), spec, force_clean=force_clean,
+                                note=lambda line: console.print(line, highlight=False, soft_wrap=True), admin=admin)
     if json_out:
         out.print_json(json.dumps(run))
+    elif not created:
+        console.print(f"run {run['run_id']} exists at {url} with the same settings; nothing was changed",
+                      highlight=False, soft_wrap=True)
     else:
         console.print(f"[green]created run {run['run_id']}[/] at {url}: P={spec.num_fragments} H={spec.sync_every} "
                       f"tau={spec.overlap_steps} K={spec.quorum} codec={spec.codec} mode={spec.mode}",
