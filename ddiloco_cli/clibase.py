@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape  # messages quote bucket content: never read it as markup
 from typer.core import TyperGroup
 
-from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.errors import DdilocoError, StoreUnavailableError
 from ddiloco_cli.store.base import TransientStoreError
 
 
@@ -40,7 +40,7 @@ class _Commands(TyperGroup):
         except DdilocoError as exc:
             _fail(str(exc), exc.exit_code)
         except TransientStoreError as exc:
-            _fail(f"the bucket kept failing after retries: {exc}", 3)
+            _fail(f"the bucket kept failing after retries: {exc}", StoreUnavailableError.exit_code)
         except KeyboardInterrupt:
             console.print("interrupted")
             raise typer.Exit(130) from None

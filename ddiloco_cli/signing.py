@@ -259,6 +259,10 @@ def _run_fields(run: RunLike) -> tuple[str, Mapping[str, Any]]:
     return run.run_id, run.extra
 
 
+def run_id_of(run: RunLike) -> str:
+    return _run_fields(run)[0]
+
+
 def requires_signatures(run: RunLike) -> bool:
     """Whether a run (run.json record or RunConfig) requires signatures."""
     return _run_fields(run)[1].get("require_signatures") is True
@@ -417,7 +421,7 @@ def signer_for_run(store: Store, *, run: RunLike, key_path: str | os.PathLike | 
     flag = "--key"
     if key_path is None:
         raise UsageError(f"this run requires signatures: pass {flag} PATH (create a key with `ddiloco keys new PATH`; "
-                         f"the run's admin admits it with `ddiloco admit {store.url} {member_id} PUBKEY"
+                         f"the run's admin admits it with `ddiloco admit {store.url} {member_id or 'NAME'} PUBKEY"
                          f"{' --role syncer' if role == 'syncer' else ''}`)")
     signer = load_key(key_path)
     ring = KeyRing(store, run=run)
