@@ -197,7 +197,8 @@ class FragmentPlan:
             else:
                 shape, dtype = v
                 have[name] = (tuple(shape), dtype_name(dtype))
-        hint = "the learner's model must match the run's model (same --model / config as `ddiloco init`)"
+        hint = ("the learner's model must be the run's: the task `ddiloco init --task` named (run.json's "
+                "`task`), with the same source (a learner's --task must build the same model)")
         for name, (shape, dtype) in want.items():
             if name not in have:
                 raise UsageError(f"model mismatch: tensor {name!r} of the run is missing from this model; {hint}")

@@ -114,18 +114,26 @@ def load_key(path: str | os.PathLike, *, what: str = "key") -> Signer:
         mode = path.stat().st_mode
         data = path.read_bytes()
     except FileNotFoundError:
+        if what == "admin key":  # made by `ddiloco init`, never by `keys new`
+            raise UsageError(f"admin key {path}: no such file; the run's admin key is the one `ddiloco init` made "
+                             "(its --admin-key, default ~/.config/ddiloco/admin.pem on the machine that ran it): "
+                             "pass that file with --admin-key") from None
         raise UsageError(f"{what} {path}: no such file (create one with `ddiloco keys new {path}`)") from None
     except OSError as exc:
         raise UsageError(f"{what} {path}: cannot read it ({exc.strerror})") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise UsageError(f"{what} {path}: other users can read this private key (mode {stat.S_IMODE(mode):o}); "
-                         f"run `chmod 600 {path}`")
+    if _HEX64.fullmatch(data.strip().decode("ascii", "replace")):
+        private_path = str(path).removesuffix(".pub")
+        raise UsageError(f"{what} {path}: this is a public key; pass the private key file"
+                         f"{f' ({private_path})' if private_path != str(path) else ''}")
     try:
         private = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{what} {path}: not an unencrypted PEM private key ({exc})") from None
     if not isinstance(private, Ed25519PrivateKey):
         raise UsageError(f"{what} {path}: not an ed25519 key (create one with `ddiloco keys new`)")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UsageError(f"{what} {path}: other users can read this private key (mode {stat.S_IMODE(mode):o}); "
+                         f"run `chmod 600 {path}`")
     return Signer.from_private(private, path=path)
 
 

@@ -73,6 +73,22 @@ def test_bad_key_files_give_clear_errors(tmp_path):
             signing.load_key(locked)
     with pytest.raises(UsageError, match="64 hex digits"):
         signing.parse_public_key("abc")
+    # issue 26 item 6: a .pub file is named as such before any chmod advice; the admin key is not `keys new`'s
+    pub = tmp_path / "shared.pem.pub"
+    pub.chmod(0o644)
+    with pytest.raises(UsageError, match=r"this is a public key; pass the private key file \(.*shared.pem\)$"):
+        signing.load_key(pub)
+    with pytest.raises(UsageError, match="the one `ddiloco init` made") as exc:
+        signing.load_admin_key(tmp_path / "missing-admin.pem", create=False)
+    assert "keys new" not in str(exc.value)
+
+
+def test_syncer_without_a_key_is_told_the_admit_command_with_a_name(keys):
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    run = {"run_id": RUN, "require_signatures": True, "admin_key": keys["admin"].public_key}
+    with pytest.raises(UsageError, match="--role syncer") as exc:
+        signing.signer_for_run(store, run=run, key_path=None, member_id=None, role="syncer")
+    assert "None" not in str(exc.value) and "admit memory://" in str(exc.value) and " NAME PUBKEY" in str(exc.value)
 
 
 def test_default_requirement_follows_the_url():
