@@ -58,6 +58,10 @@ def learn(
         "--wait-for-run", metavar="SECONDS", parser=_number("--wait-for-run", allow_inf=True),
         help="Wait up to SECONDS (inf: forever) for the run to be created, polling with backoff, "
              "instead of exiting at once")] = None,
+    wait_for_admission: Annotated[Optional[float], typer.Option(
+        "--wait-for-admission", metavar="SECONDS", parser=_number("--wait-for-admission", allow_inf=True),
+        help="In a run that requires signatures: make the --key file if missing, print its public key and "
+             "the admin's `ddiloco admit` command, and wait up to SECONDS (inf: forever) for the admission")] = None,
     log_with: LogWith = None,
     log_dir: LogDir = "ddiloco-logs",
     wandb_project: WandbProject = None,
@@ -96,6 +100,16 @@ def learn(
         wait_for_run_config(store, timeout_s=wait_for_run, on_wait=lambda waited_s: log.info(
             "no run at %s yet (waited %.0f s of %s): waiting for `ddiloco init`", store.url, waited_s,
             "no limit" if math.isinf(wait_for_run) else f"{wait_for_run:g} s"))
+    from ddiloco_cli import ledger
+
+    if wait_for_run is None and not ledger.run_exists(store):
+        raise ledger.RunNotFoundError(f"no ddiloco run at {store.url}: create it with `ddiloco init {url}`, or start "
+                                      "learners before it with --wait-for-run SECONDS (inf: wait forever)")
+    if wait_for_admission is not None and os.environ.get("RANK", "0") == "0":
+        from ddiloco_cli.admission import wait_for_admission as wait_admitted
+
+        wait_admitted(store, run=ledger.read_run(store), member_id=learner_id, key_path=key,
+                      timeout_s=wait_for_admission, say=log.info)
     if threads:
         import torch
 

@@ -27,7 +27,7 @@ from rich.markup import escape  # messages quote bucket content: never read it a
 from typer._click.exceptions import ClickException
 from typer.core import TyperArgument, TyperGroup
 
-from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.errors import DdilocoError, StoreUnavailableError
 from ddiloco_cli.store.base import TransientStoreError
 
 
@@ -42,7 +42,7 @@ class _Commands(TyperGroup):
         except DdilocoError as exc:
             _fail(str(exc), exc.exit_code)
         except TransientStoreError as exc:
-            _fail(f"the bucket kept failing after retries: {exc}", 3)
+            _fail(f"the bucket kept failing after retries: {exc}", StoreUnavailableError.exit_code)
         except KeyboardInterrupt:
             console.print("interrupted")
             raise typer.Exit(130) from None

@@ -64,7 +64,8 @@ def _table(title: str, *columns: str) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for c in columns:
         table.add_column(c, justify="left" if c in ("learner", "syncer", "key", "reason", "state", "fragments",
-                                                     "field", "value", "category") else "right")
+                                                     "field", "value", "category", "id", "role", "admitted",
+                                                     "problem") else "right")
     return table
 
 
@@ -259,6 +260,24 @@ def render_inspect(report: dict[str, Any]) -> RenderableType:
         table = _table("orphans", "key", "size", "age", "reason")
         rows = [(o["key"], fmt_bytes(o["size"]), fmt_age(o["age_s"]), o["reason"]) for o in report["orphans"]]
         parts.append(_cut(table, rows, 4))
+    if report.get("signatures") is not None:
+        parts.append(_admissions_view(report["signatures"]["required"], report["signatures"]["admissions"]))
     for error in report["errors"]:
         parts.append(Text(f"error: {error}", style="red"))
     return _stack(parts)
+
+
+def render_admissions(run: dict[str, Any], admissions: list[dict[str, Any]]) -> RenderableType:
+    """`ddiloco keys list`: whether the run requires signatures, then its admissions."""
+    return _admissions_view(run.get("require_signatures") is True, admissions)
+
+
+def _admissions_view(required: bool, admissions: list[dict[str, Any]]) -> RenderableType:
+    if not required:
+        return Text("signatures: not required (anyone with write access to the bucket can contribute)", style="dim")
+    table = _table(f"admissions (signatures required; {len(admissions)})", "id", "role", "key", "admitted", "problem")
+    rows = [(a["id"], a["role"] or "-", f"{a['fingerprint']}..." if a["fingerprint"] else "-",
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["admitted_s"])) if a["admitted_s"] else "-",
+             a["problem"] or "") for a in admissions]
+    return _cut(table, rows, 5) if rows else Text("signatures: required; no key admitted yet (`ddiloco admit`)",
+                                                  style="yellow")

@@ -130,6 +130,9 @@ def load_key(path: str | os.PathLike, *, what: str = "key") -> Signer:
         raise UsageError(f"{what} {path}: not an unencrypted PEM private key ({exc})") from None
     if not isinstance(private, Ed25519PrivateKey):
         raise UsageError(f"{what} {path}: not an ed25519 key (create one with `ddiloco keys new`)")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UsageError(f"{what} {path}: other users can read this private key (mode {stat.S_IMODE(mode):o}); "
+                         f"run `chmod 600 {path}`")
     return Signer.from_private(private, path=path)
 
 
@@ -268,6 +271,10 @@ def _run_fields(run: RunLike) -> tuple[str, Mapping[str, Any]]:
     if isinstance(run, Mapping):
         return run["run_id"], run
     return run.run_id, run.extra
+
+
+def run_id_of(run: RunLike) -> str:
+    return _run_fields(run)[0]
 
 
 def requires_signatures(run: RunLike) -> bool:

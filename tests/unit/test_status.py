@@ -207,6 +207,16 @@ def test_versions_behind_eta_throughput_and_training_window(built):
     assert "throughput" in text and "ETA" in text and "behind" in text
 
 
+def test_learners_table_has_one_state_column(built):
+    """Issue 26 item 3: no empty-headed column repeating the state (`○ left   left`)."""
+    write_learner_heartbeat(built.store, built.run, "carol", state="left")
+    text = _text(render_status(run_status(built.store)))
+    carol = next(line for line in text.splitlines() if line.lstrip().startswith("carol"))
+    assert "○ left" in carol and carol.count("left") == 1, carol
+    header = next(line for line in text.splitlines() if "learner" in line and "step" in line)
+    assert header.split()[:3] == ["learner", "state", "step"], header
+
+
 def test_alerts_no_syncer_and_piling_up(built):
     assert run_status(built.store)["alerts"] == []
     for seq in range(50, 50 + PILE_UP):
