@@ -72,14 +72,25 @@ class Judge:
             return Verdict(QUARANTINE, "not a valid contribution name"), "", -1
         return ACCEPTED, parsed[1], parsed[2]
 
+    def signature(self, data: bytes, *, key: str, learner_id: str, where: str) -> Verdict:
+        """[A2] on the raw bytes, before anything decodes them: signed by ``learner_id``'s
+        admitted key (always accepted in a run that does not require signatures)."""
+        try:
+            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)
+        except (InvalidPayloadError, ProtocolError) as exc:
+            return Verdict(QUARANTINE, str(exc))
+        return ACCEPTED
+
     def payload(self, data: bytes, *, fragment: int, key: str, learner_id: str, seq: int, where: str,
-                decoded: tuple[DecodedTensors, dict[str, Any]] | InvalidPayloadError) -> Verdict:
+                decoded: tuple[DecodedTensors, dict[str, Any]] | InvalidPayloadError,
+                signature_checked: bool = False) -> Verdict:
         """The bytes of a contribution: signed by its learner [A2] (checked first: a forged
         payload is reported as such), decoded within the plan's keys and shapes (``decoded``
         is the decoder's result or its error), a header that names its key and this run, the
         run's codec, and a learner the run knows (a heartbeat)."""
         try:
-            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)
+            if not signature_checked:  # intake checks it before decoding (``signature``)
+                self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)
             if isinstance(decoded, InvalidPayloadError):
                 raise decoded
             tensors, header = decoded

@@ -82,7 +82,7 @@ def _context(store: Store, options: SyncerOptions) -> SyncContext:
     judge = Judge(config=config, trust=trust, is_known_learner=learners.is_known)
     intake = Intake(fenced, config=config, plan=plan, syncer_id=syncer_id,
                     epoch=lambda: lease.epoch.epoch if lease.epoch else 0, judge=judge,
-                    decode_threads=options.decode_threads, clock=clock)
+                    decode_threads=options.decode_threads, clock=clock, signer=signer)
     readers = {p: FragmentReader(fenced, run_id=config.run_id, plan=plan, fragment=p, trust=trust) for p in fragments}
     return SyncContext(fenced, config, plan, syncer_id, clock, trust, signer, lease, judge, intake, learners,
                        readers, ApplyRules.of(config))
