@@ -57,6 +57,7 @@ MISPLACED = pytest.StashKey[bool]()
 EXPECTED_S = {
     "test_same_seed_is_bit_identical_even_under_load_and_seeds_differ": 60,
     "test_quick_scenario_reports_every_arm_with_the_stable_keys": 40,
+    "test_the_simulation_refuses_nothing_through_a_syncer_outage": 25,
     "test_signed_run_with_real_processes_A1_A2": 200,
     "test_survives_kill9_of_learner_and_syncer": 182,
     "test_syncer_kill9_at_random_points_loses_nothing_and_replays_bit_exactly": 155,
