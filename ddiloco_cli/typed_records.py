@@ -161,6 +161,7 @@ class SyncerHeartbeat(_Record):
     num_merges: int | None = None
     num_quarantined: int | None = None
     time_s: float | None = None
+    alerts: tuple[str, ...] | None = None  # what the syncer cannot fix itself (``status`` shows them)
     signature: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
