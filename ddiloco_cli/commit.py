@@ -136,8 +136,7 @@ class Committer:
         state.current = new
         for e in decision.used:
             state.tips[e.learner_id] = e
-        state.cycles[new.version] = new.cycle
-        self.decider.trim_cycles(state)
+        self.decider.remember_shares(state, decision)
         state.high_water = dict(decision.high_water)
         state.norms.extend(c.norm for c in contributions)
         state.pending.clear()

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ddiloco_cli.intake import REFUSED, USED, Contribution
-from ddiloco_cli.replay import manifest_cycle
+from ddiloco_cli import staleness
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.syncstate import FragmentState, SyncContext
 from ddiloco_cli.update import Decision
@@ -20,6 +20,7 @@ from ddiloco_cli.update import Decision
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+SHARES_KEPT = 256  # versions whose clock shares a syncer keeps in memory
 BASE_CACHE_MIN = 8  # published values of recent versions kept for contributions' bases (at least)
 
 
@@ -79,7 +80,7 @@ class Decider:
             for c in cs:
                 verdict = self.ctx.judge.admission(
                     base_version=c.base_version, version=state.version,
-                    staleness=lambda c=c: state.current.cycle - self.cycle_of(state, c.base_version),
+                    staleness=lambda c=c: self.staleness(state, c),
                     read_base=lambda c=c: self.base_value(state, c.base_version),
                     norm=c.norm, norms=state.norms)
                 if verdict.accepted:
@@ -93,17 +94,26 @@ class Decider:
             else:
                 del state.pending[lid]
 
-    def cycle_of(self, state: FragmentState, version: int) -> float:
-        if version not in state.cycles:
-            state.cycles[version] = manifest_cycle(self.ctx.readers[state.fragment].manifest(version))
-        return state.cycles[version]
+    def staleness(self, state: FragmentState, c: Contribution) -> float:
+        """The cycles other learners merged since ``c``'s base ([M5], ``staleness.others_work``)."""
+        return staleness.others_work(c.learner_id, base_version=c.base_version, version=state.version,
+                                     shares_of=lambda v: self.shares_of(state, v),
+                                     limit=float(self.config.max_staleness))
 
-    def trim_cycles(self, state: FragmentState) -> None:
-        """Forget the clock of versions beyond the staleness bound (re-read from the manifest
-        if a contribution names one: it is refused anyway)."""
-        oldest_cycle = state.current.cycle - float(self.config.max_staleness) - 1
-        for v in [v for v, c in state.cycles.items() if c < oldest_cycle and v != state.version]:
-            del state.cycles[v]
+    def shares_of(self, state: FragmentState, version: int) -> tuple[float, dict[str, float]]:
+        """``staleness.version_shares`` of ``version``: remembered, else from its manifest."""
+        if version not in state.shares:
+            manifest = self.ctx.readers[state.fragment].manifest(version)
+            state.shares[version] = staleness.version_shares(manifest, sync_every=self.config.sync_every)
+        return state.shares[version]
+
+    def remember_shares(self, state: FragmentState, decision: Decision) -> None:
+        """The shares of the version ``decision`` just committed; only the newest SHARES_KEPT
+        versions are kept (older ones are re-read from their manifests when a base names them)."""
+        state.shares[decision.version] = staleness.version_shares(decision.manifest_fields(),
+                                                                  sync_every=self.config.sync_every)
+        for v in [v for v in state.shares if v <= decision.version - SHARES_KEPT]:
+            del state.shares[v]
 
     def base_value(self, state: FragmentState, version: int) -> Tensors | None:
         """The published value of a contribution's base version (None: the base is the current
@@ -167,10 +177,11 @@ class Decider:
         return lr
 
     def cycle_advance(self, contributions: list[Contribution]) -> float:
-        """How far this merge moves the fragment's cycle clock: the inner steps it merges over
-        H x the learners taking part (live, or in this merge)."""
+        """How far this merge moves the fragment's cycle clock: the inner steps it merges, each
+        contribution's capped at H, over H x the learners taking part (live, or in this merge)."""
         learners = self.ctx.learners.live | {c.learner_id for c in contributions}
-        return sum(max(0, c.merged_steps) for c in contributions) / (self.config.sync_every * max(1, len(learners)))
+        return staleness.cycle_advance(((c.learner_id, c.merged_steps) for c in contributions),
+                                       sync_every=self.config.sync_every, num_learners=len(learners))
 
     def link_increments(self, state: FragmentState, contributions: list[Contribution]) -> None:
         """A learner that sends again on the base of a contribution already merged (it had not

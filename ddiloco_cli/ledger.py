@@ -65,7 +65,8 @@ def read_run(store: Store) -> dict[str, Any]:
     try:
         data = store.get(layout.RUN_CONFIG)
     except NotFound:
-        raise RunNotFoundError(f"no ddiloco run at {store.url} (create one with `ddiloco init {store.url}`)") from None
+        raise RunNotFoundError(f"no ddiloco run at {store.url} (create one with `ddiloco init {store.url}`; "
+                               f"`learn --wait-for-run SECONDS` waits for it)") from None
     return records.loads(data, "run", where=f"{store.url}/{layout.RUN_CONFIG}")
 
 

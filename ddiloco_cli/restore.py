@@ -52,7 +52,6 @@ class Restorer:
         value = restore_value(ctx.store, config=ctx.config, plan=ctx.plan, fragment=p, reader=reader,
                               fetch=ctx.intake.fetch_used, latest=latest, republish=self.republish_missing)
         state = FragmentState(p, value, dict(Manifest.from_json(reader.manifest(latest)).high_water))
-        state.cycles[latest] = value.cycle
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
             try:
                 entries = Manifest.from_json(reader.manifest(v)).contributions
@@ -90,7 +89,7 @@ class Restorer:
             return False
         hw = fresh.high_water
         state.current, state.high_water = fresh.current, hw
-        state.cycles, state.tips = fresh.cycles, fresh.tips
+        state.shares, state.tips = fresh.shares, fresh.tips
         state.pending = {lid: kept for lid, cs in state.pending.items()
                          if (kept := [c for c in cs if c.seq > hw.get(lid, -1)])}
         state.closed = [e for e in state.closed if e.seq > hw.get(e.learner_id, -1)]

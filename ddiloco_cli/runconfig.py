@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
-from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli import codecnames as codec, layout, ledger, records
 from ddiloco_cli.errors import ProtocolError, UsageError
 from ddiloco_cli.store.base import Store
 
@@ -156,6 +156,10 @@ class RunConfig:
                                                   "29% fewer bytes than its whole range, 7; 127 for int8)")
     codec_density: float | None = _f(None, "codec-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0, optional=True,
                                      metavar="X", help="Sparse codec: fraction of each chunk's values sent (Top-k; default 0.02)")
+    publish_density: float | None = _f(None, "publish-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0,
+                                       optional=True, metavar="X",
+                                       help="Sparse published deltas: fraction of each chunk's values sent "
+                                            "(default: --codec-density)")
     publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True,
                                    help="Codec of published fragment deltas (default: --codec)")
     keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT,
@@ -199,10 +203,12 @@ class RunConfig:
             object.__setattr__(self, "codec_qmax", codec.DEFAULT_QMAX.get(self.codec))
         sparse_run = "sparse" in (self.codec, self.publish_codec)
         if self.codec_density is None and sparse_run:
-            object.__setattr__(self, "codec_density", codec.sparse.DEFAULT_DENSITY)
+            object.__setattr__(self, "codec_density", codec.SPARSE_DEFAULT_DENSITY)
+        if self.publish_density is None:  # published deltas: the uploads' density unless given
+            object.__setattr__(self, "publish_density", self.codec_density)
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
             object.__setattr__(self, "error_feedback_decay", 0.95 if self.codec == "sparse" else 1.0)
-        if self.codec_density is not None and codec.sparse.topk(self.codec_density, self.codec_block) < 1:
+        if self.codec_density is not None and codec.topk(self.codec_density, self.codec_block) < 1:
             raise _bad("codec-density", "too small for the block size")
         try:
             codec.check_qmax(self.codec, self.codec_qmax)
@@ -231,7 +237,7 @@ class RunConfig:
     @property
     def codec_topk(self) -> int | None:
         """Values per chunk of the sparse codec's uploads (None for the other codecs)."""
-        return codec.sparse.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
+        return codec.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
 
     # ----------------------------------------------------------- run.json
     def to_record(self, *, run_id: str, created_s: float | None = None) -> dict[str, Any]:
@@ -469,7 +475,8 @@ def default_config_toml() -> str:
             value = defaults[f.name].default
             if value is None:
                 note = {"publish_codec": "the run's codec", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
-                        "codec_density": "0.02 for sparse", "error_feedback_decay": "0.95 for sparse, 1 otherwise",
+                        "codec_density": "0.02 for sparse", "publish_density": "--codec-density",
+                        "error_feedback_decay": "0.95 for sparse, 1 otherwise",
                         }.get(f.name, "64 for int4, 256 for int8, 4096 for sparse")
                 lines.append(f"# {flag(f)} =   (default: {note})")
             else:

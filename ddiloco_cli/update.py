@@ -148,13 +148,13 @@ class ApplyRules:
     block_size: int
     keyframe_every: int
     publish_qmax: int | None = None
-    publish_density: float | None = None  # the sparse codec's (run.json codec_density)
+    publish_density: float | None = None  # the sparse codec's (run.json publish_density)
 
     @classmethod
     def of(cls, config: Any) -> "ApplyRules":
         return cls(merge=config.merge, publish_codec=config.publish_codec,
                    block_size=config.codec_block, keyframe_every=config.keyframe_every,
-                   publish_qmax=config.publish_qmax, publish_density=config.codec_density)
+                   publish_qmax=config.publish_qmax, publish_density=config.publish_density)
 
 
 class Inputs(Protocol):

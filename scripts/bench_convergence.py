@@ -80,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (3 for int4)")
     ap.add_argument("--codec-density", type=float, default=None, help="sparse: default the run's (0.02)")
     ap.add_argument("--publish-codec", default=None, help="default: the run's (= --codec)")
+    ap.add_argument("--publish-density", type=float, default=None, help="sparse: default --codec-density")
     ap.add_argument("--error-feedback-decay", type=float, default=None,
                     help="default: the run's (0.95 for sparse, 1 otherwise)")
     ap.add_argument("--grace-gamma", type=float, default=0.5)
@@ -110,6 +111,7 @@ def init_flags(args, *, arm: str) -> dict:
     flags = dict(task=args.task, fragments=args.fragments, sync_every=args.sync_every,
                  overlap_steps=args.overlap_steps, codec=args.codec, codec_block=args.codec_block,
                  codec_qmax=args.codec_qmax, codec_density=args.codec_density, publish_codec=args.publish_codec,
+                 publish_density=args.publish_density,
                  error_feedback_decay=args.error_feedback_decay, inner_lr=args.inner_lr,
                  warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, total_steps=args.steps_per_learner,
                  batch_size=args.batch_size, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,

@@ -78,6 +78,7 @@ EXPECTED_S = {
     "test_own_loop_example": 39,
     "test_status_check_fails_when_the_syncer_is_killed": 37,
     "test_learner_warns_within_2h_steps_when_the_syncer_dies": 36,
+    "test_goodput_counts_from_the_first_session_across_a_kill_and_restart": 50,
     "test_concurrent_builders_do_not_corrupt_token_files": 31,
     "test_exactly_one_winner_per_round_and_no_torn_reads[gcs]": 30,
     "test_env_vars_name_the_run_and_show_in_help": 26,
