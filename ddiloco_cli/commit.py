@@ -138,7 +138,7 @@ class Committer:
             state.tips[e.learner_id] = e
         self.decider.remember_shares(state, decision)
         state.high_water = dict(decision.high_water)
-        state.norms.extend(c.norm for c in contributions)
+        state.norms.extend(c.norm * c.clip for c in contributions)  # as merged: a clipped one counts at the bound
         state.pending.clear()
         state.closed.clear()
         state.seen = {k for k in state.seen if _above_high_water(k, state.high_water)}

@@ -52,6 +52,7 @@ class Restorer:
         value = restore_value(ctx.store, config=ctx.config, plan=ctx.plan, fragment=p, reader=reader,
                               fetch=ctx.intake.fetch_used, latest=latest, republish=self.republish_missing)
         state = FragmentState(p, value, dict(Manifest.from_json(reader.manifest(latest)).high_water))
+        norms: list[float] = []  # newest first: the norm bound's running median, as the ledger recorded it
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
             try:
                 entries = Manifest.from_json(reader.manifest(v)).contributions
@@ -60,6 +61,9 @@ class Restorer:
             for e in reversed(entries):
                 if e.used:
                     state.tips.setdefault(e.learner_id, e)
+                    if e.norm is not None:
+                        norms.append(float(e.norm))
+        state.norms.extend(reversed(norms[:state.norms.maxlen]))
         return state
 
     def republish_missing(self, version: int, payloads: list[tuple[str, bytes]]) -> None:

@@ -177,3 +177,46 @@ def test_a_deleted_newest_manifest_is_put_back_and_learners_get_one_line(tmp_pat
     with pytest.raises(ProtocolError, match="version 4 of fragment 0 is missing") as err:
         reader.read(5)
     assert "\n" not in str(err.value) and "inspect" in str(err.value)
+
+
+# ------------------------------------------------------------ bounded influence
+def test_one_learners_share_of_a_merge_is_capped_and_replayed(tmp_path):
+    from support.runs import beat, contribution, live_syncer, make_run, restored, step
+
+    from ddiloco_cli.decide import MAX_SHARE
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, quorum=3)
+    for lid in "abc":
+        beat(store, lid)
+    s = live_syncer(store, fragments=[0])
+    contribution(store, 0, "a", 1, c_tokens=64, c_steps=2)
+    contribution(store, 0, "b", 1, c_tokens=48, c_steps=2)
+    contribution(store, 0, "c", 1, c_tokens=2**40, c_steps=2)  # counters that would swamp the merge
+    assert step(s, 0)
+    used = {e["learner_id"]: e for e in ledger.read_manifest(store, 0, 1)["contributions"]}
+    eff = {lid: e["weight"] * e.get("discount", 1.0) * e.get("share_cap", 1.0) for lid, e in used.items()}
+    assert "share_cap" not in used["a"] and "share_cap" not in used["b"]
+    assert MAX_SHARE == 0.5 and eff["c"] == pytest.approx(eff["a"] + eff["b"])  # half the merge's weight
+    r = restored(store)
+    assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in s.states[0].current.raw.items())
+
+
+def test_a_merge_of_weight_zero_takes_no_outer_step_momentum_included(tmp_path):
+    from support.runs import beat, contribution, live_syncer, make_run, restored, step
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, outer_momentum=0.9)
+    beat(store, "a")
+    s = live_syncer(store, fragments=[0])
+    contribution(store, 0, "a", 1)
+    assert step(s, 0)  # momentum is not zero now
+    before = {k: t.clone() for k, t in s.states[0].current.raw.items()}
+    contribution(store, 0, "a", 2, base_version=1, c_tokens=0, c_steps=2)  # claims no work: weight 0
+    assert step(s, 0)
+    m = ledger.read_manifest(store, 0, 2)
+    assert m["outer_steps"] == 1 and m["contributions"][0]["weight"] == 0
+    assert all(torch.equal(t, s.states[0].current.raw[k]) for k, t in before.items())
+    r = restored(store)
+    assert r.states[0].outer.num_steps == 1
+    assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in before.items())
