@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
 SHARES_KEPT = 256  # versions whose clock shares a syncer keeps in memory
+MAX_SHARE = 0.5  # one learner's share of a merge's weight, when two or more others have weight
 BASE_CACHE_MIN = 8  # published values of recent versions kept for contributions' bases (at least)
 
 
@@ -65,6 +66,23 @@ def grace_window_steps(config: RunConfig) -> int:
     return tau
 
 
+def cap_shares(contributions: list[Contribution]) -> None:
+    """Cap one learner's share of a merge's weight at MAX_SHARE when at least two other
+    learners with any weight take part (``Contribution.share_cap``, recorded in the ledger so
+    a replay merges the same): a learner with inflated counters cannot swamp the others. With
+    one other learner (or only learners of weight 0) nothing is capped: two honest learners
+    can differ in weight by any factor (batch size squared times speed); the counter bounds
+    of [V2] hold there."""
+    by_learner: dict[str, float] = {}
+    for c in contributions:
+        by_learner[c.learner_id] = by_learner.get(c.learner_id, 0.0) + c.weight * c.discount
+    for c in contributions:
+        others = [w for lid, w in by_learner.items() if lid != c.learner_id and w > 0]
+        own = by_learner[c.learner_id]
+        limit = MAX_SHARE / (1.0 - MAX_SHARE) * sum(others) if len(others) >= 2 else own
+        c.share_cap = limit / own if own > limit else 1.0
+
+
 class Decider:
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
@@ -84,7 +102,7 @@ class Decider:
                     read_base=lambda c=c: self.base_value(state, c.base_version),
                     norm=c.norm, norms=state.norms)
                 if verdict.accepted:
-                    c.staleness, c.discount = verdict.staleness, verdict.discount
+                    c.staleness, c.discount, c.clip = verdict.staleness, verdict.discount, verdict.clip
                     kept.append(c)
                 else:
                     log.warning("fragment %d: refused %s: %s", state.fragment, c.key, verdict.reason)
@@ -156,6 +174,7 @@ class Decider:
         """What merging ``contributions`` into the next version does: their weights and
         increments, the outer lr, the cycle advance, and the superseded/refused entries."""
         self.link_increments(state, contributions)
+        cap_shares(contributions)
         advance = self.cycle_advance(contributions)
         used = tuple(c.entry(USED) for c in contributions)
         high_water = dict(state.high_water)

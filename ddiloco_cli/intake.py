@@ -69,6 +69,8 @@ class Contribution:
     # ({seq, key, sha256, c_tokens, c_steps}); this one's delta and counters include it, so only
     # the increment's tokens and steps count. None otherwise.
     increment_of: dict[str, Any] | None = None
+    clip: float = 1.0  # its delta scaled by this to the norm bound (``Judge.admission``)
+    share_cap: float = 1.0  # its weight cut by this: one learner's share of a merge is capped (``decide``)
 
     @property
     def merged_tokens(self) -> int:
@@ -90,7 +92,10 @@ class Contribution:
             c_tokens=self.c_tokens, c_steps=self.c_steps, weight=self.weight, status=status,
             staleness=self.staleness if used else None, discount=self.discount if used else None,
             merged_tokens=self.merged_tokens if used else None, increment_of=self.increment_of if used else None,
-            reason=reason or None, carried_by=carried_by)
+            reason=reason or None, carried_by=carried_by,
+            clip=self.clip if used and self.clip < 1.0 else None,
+            share_cap=self.share_cap if used and self.share_cap < 1.0 else None,
+            norm=self.norm * self.clip if used else None)
 
 
 def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:

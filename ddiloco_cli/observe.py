@@ -417,6 +417,7 @@ def alerts(*, fragments: list[dict[str, Any]], syncers: list[dict[str, Any]],
         if orphaned:
             spec = format_fragment_spec(orphaned)
             out.append(f"fragments {spec} have no live syncer: start `ddiloco sync --fragments {spec}`")
+    out.extend(a for s in alive for a in s.get("alerts", []))  # what a serving syncer cannot repair
     piled = [f for f in fragments if f["max_pending_per_learner"] >= PILE_UP]
     if piled:
         worst = max(f["max_pending_per_learner"] for f in piled)
@@ -452,6 +453,7 @@ def _syncer_status(scan: _Scan, fragments: list[dict[str, Any]], lease_s: float)
             "backlog": sum(by_fragment[p]["pending"] for p in owned if p in by_fragment),
             "num_merges": rec.get("num_merges") if rec else None,
             "num_quarantined": rec.get("num_quarantined") if rec else None,
+            "alerts": list(rec.get("alerts") or []) if rec and beating else [],
         })
     return out
 

@@ -173,13 +173,34 @@ class Inputs(Protocol):
         """The published value of ``version`` (a contribution's base)."""
 
 
+def clipped(delta: Tensors, clip: float | None) -> Tensors:
+    """A used contribution's delta as merged: scaled by its ledger entry's ``clip`` (the norm
+    bound, ``judge.norm_clip``), or itself, bit for bit, when it was not clipped."""
+    if clip is None or clip >= 1.0:
+        return delta
+    return {k: delta[k] * float(clip) for k in delta}
+
+
+def hold(previous: FragmentValue, decision: Decision, *, rules: ApplyRules) -> tuple[FragmentValue, EncodedVersion]:
+    """The version a merge of total weight 0 makes (counters that claim no work): no outer
+    step and no momentum step; the raw value and optimizer carry over, and the payload
+    publishes only what the residual still owes."""
+    encoded = encode_version(fragment=decision.fragment, version=decision.version, new_value=previous.raw,
+                             prev_published=previous.published, publish_codec=rules.publish_codec,
+                             block_size=rules.block_size, keyframe_every=rules.keyframe_every,
+                             qmax=rules.publish_qmax, density=rules.publish_density)
+    return FragmentValue(decision.version, encoded.published, previous.raw, previous.outer, decision.cycle), encoded
+
+
 def apply_decision(previous: FragmentValue, decision: Decision, *, rules: ApplyRules,
                    inputs: Inputs) -> tuple[FragmentValue, EncodedVersion]:
     """The next version from ``previous`` and ``decision``: each used contribution's outer
     gradient (``contribution_gradient``), then ``outer_update``. Pure but for ``inputs``'
     reads; raises NonFiniteUpdate, or whatever ``inputs`` raises when a tensor cannot be read."""
     assert decision.version == previous.version + 1, (decision.version, previous.version)
-    grads = [contribution_gradient(inputs.delta(e), current=previous.published,
+    if not any(w > 0 for w in decision.weights):
+        return hold(previous, decision, rules=rules)
+    grads = [contribution_gradient(clipped(inputs.delta(e), e.clip), current=previous.published,
                                    base=inputs.base(int(e.base_version)) if e.base_version != previous.version
                                    else None)
              for e in decision.used]

@@ -33,12 +33,35 @@ def verify_run(store: Store) -> list[str]:
     for p in scan.fragment_ids():
         _verify_fragment(scan, p, problems)
     _epochs(scan)
-    _heartbeats(scan, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")
+    beats = _heartbeats(scan, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")
     _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
     _quarantined(scan)
     _verify_checkpoints(scan, problems)
+    _verify_tips(scan, beats, problems)
     problems.extend(audit_ledger(store, run_id=scan.run_id, fragments=scan.fragment_ids()).problems)
     return problems
+
+
+def _verify_tips(scan: _Scan, beats: list[tuple[dict[str, Any], float]], problems: list[str]) -> None:
+    """A newest manifest deleted leaves no gap: what tells of it is a version some syncer
+    reported in its heartbeat, or checkpointed, above the newest manifest there is."""
+    claimed: dict[int, tuple[int, str]] = {}
+    for rec, _ in beats:
+        for p, v in (rec.get("versions") or {}).items():
+            if str(p).isdigit() and int(v) > claimed.get(int(p), (-1, ""))[0]:
+                claimed[int(p)] = (int(v), layout.syncer_heartbeat_key(rec["epoch"]))
+    for info in scan.under(layout.CHECKPOINT_ROOT):
+        parsed = layout.parse_checkpoint_key(info.key)
+        if parsed is not None and parsed[1] > claimed.get(parsed[0], (-1, ""))[0]:
+            claimed[parsed[0]] = (parsed[1], info.key)
+    for p in scan.fragment_ids():
+        versions = [v for i in scan.under(layout.manifest_prefix(p))
+                    if (v := layout.parse_num(i.key)) is not None and i.key == layout.manifest_key(p, v)]
+        newest = max(versions, default=-1)
+        v, where = claimed.get(p, (-1, ""))
+        if v > newest:
+            problems.append(f"{layout.manifest_key(p, newest + 1)}: missing: {where} names version {v} of fragment "
+                            f"{p}, but its newest manifest is {newest} (a committed manifest was deleted)")
 
 
 def _verify_fragment(scan: _Scan, p: int, problems: list[str]) -> None:
