@@ -20,13 +20,11 @@ history"). These objects are non-authoritative: nothing in training reads them.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
 import os
 import re
-import sys
 import threading
 import time
 import uuid
@@ -38,6 +36,7 @@ from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import DdilocoError, ProtocolError, UsageError
 from ddiloco_cli.metric_loggers import (LOGGERS, MetricsLogger, MlflowLogger, TensorBoardLogger, WandbLogger,
                                         make_logger)
+from ddiloco_cli.metrics_files import check_output_path, make_parent, write_csv, write_tensorboard
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, Store
 
 log = logging.getLogger(__name__)
@@ -396,70 +395,6 @@ def latest_global_eval(store: Store, *, infos: Iterable[ObjectInfo]) -> dict[str
     return None if best is None else {"val_loss": best["global_val_loss"], "t": best["t"], "step": best["step"]}
 
 
-def write_csv(records: list[Record], path: str) -> int:
-    """One row per record: role, writer_id, then every field seen (sorted), to the file
-    ``path`` or, for ``-``, to stdout. Returns rows."""
-    if path == "-":
-        return _csv_rows(records, sys.stdout)
-    check_output_path(path)
-    make_parent(path)
-    with open(path, "w", newline="") as f:
-        return _csv_rows(records, f)
-
-
-def _csv_rows(records: list[Record], f) -> int:
-    fields = sorted({k for r in records for k in r.fields} - {"t", "step"})
-    w = csv.writer(f)
-    w.writerow(["role", "writer_id", "t", "step", *fields])
-    for r in records:
-        w.writerow([r.role, r.writer_id, r.fields["t"], r.fields["step"], *(r.fields.get(k, "") for k in fields)])
-    return len(records)
-
-
-def write_tensorboard(records: list[Record], log_dir: str) -> int:
-    """One TensorBoard run per writer (``<log_dir>/<role>/<id>``), a scalar per numeric
-    field at the record's step, wall time = the record's time. Returns the scalars written."""
-    check_output_path(log_dir, directory=True)
-    os.makedirs(log_dir, exist_ok=True)
-    loggers: dict[tuple[str, str], TensorBoardLogger] = {}
-    n = 0
-    try:
-        for r in records:
-            logger = loggers.get((r.role, r.writer_id))
-            if logger is None:
-                logger = loggers[(r.role, r.writer_id)] = TensorBoardLogger(os.path.join(log_dir, r.role, r.writer_id))
-            n += logger.log(r.fields, role=r.role, writer_id=r.writer_id)
-    finally:
-        for logger in loggers.values():
-            logger.close()
-    return n
-
-
-def check_output_path(path: str, *, directory: bool = False) -> None:
-    """Refuse, with a one-line UsageError and before any bucket read, a local output
-    path that cannot be written: a file path that is a directory (or a directory path
-    that is a file), or one whose nearest existing ancestor is a file or not writable.
-    Missing parent directories are fine: writers make them (``make_parent``)."""
-    if not directory and os.path.isdir(path):
-        raise UsageError(f"{path} is a directory; give a file name, e.g. {os.path.join(path, 'model.safetensors')}")
-    if directory and os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"cannot write {path}: it is a file, not a directory")
-    ancestor = os.path.abspath(path) if directory else os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UsageError(f"cannot write {path}: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK):
-        raise UsageError(f"cannot write {path}: no permission to write in {ancestor}")
-
-
-def make_parent(path: str) -> str:
-    """Create the parent directory of a checked output file; return it."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    return parent
-
-
 def plot_run(store: Store, out_path: str) -> dict[str, Any]:
     """Draw the demo's loss picture from a run's metrics history: every learner's training
     loss (a gap while it was gone, a red line where it restarted) and the global model's
@@ -501,5 +436,5 @@ def plot_run(store: Store, out_path: str) -> dict[str, Any]:
             "path": out_path}
 
 
-__all__ = ["MetricsWriter", "latest_global_eval", "open_writer", "learner_progress_hook", "syncer_progress_hook", "chain", "add_versions_behind", "plot_run", "Record", "read_metrics", "parse_line", "write_csv", "write_tensorboard",
+__all__ = ["MetricsWriter", "latest_global_eval", "open_writer", "learner_progress_hook", "syncer_progress_hook", "chain", "add_versions_behind", "plot_run", "Record", "read_metrics", "parse_line", "write_csv", "write_tensorboard", "check_output_path", "make_parent",
            "MetricsLogger", "TensorBoardLogger", "WandbLogger", "MlflowLogger", "make_logger", "writer_id_from", "LOGGERS"]
