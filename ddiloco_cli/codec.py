@@ -43,6 +43,7 @@ import torch
 import zstandard
 
 from ddiloco_cli import records, sparse
+from ddiloco_cli.codecnames import CODECS, DEFAULT_BLOCK_SIZE, DEFAULT_QMAX, check_qmax  # noqa: F401 (re-exported)
 from ddiloco_cli.container import METADATA_KEY, payload_codec
 from ddiloco_cli.container import compressor as _compressor
 from ddiloco_cli.container import decompressed as _decompressed
@@ -55,12 +56,6 @@ from ddiloco_cli.quantized import (PER_BYTE, QABS, QMAX, DecodedTensors, Quantiz
                                    q_values)
 
 FORMAT_VERSION = 1
-CODECS = ("none", "bf16", "int8", "int4", "sparse")
-DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64, "sparse": sparse.DEFAULT_CHUNK}
-# the bound on |code| a new run's encoders use when init is not given one: int4 at 3 (7 levels
-# of its 15) sends 29% fewer bytes each way, and both sides feed the error back (docs/design.md,
-# "Coarser codes"); a run.json without the setting means the codec's whole range (QMAX)
-DEFAULT_QMAX = {"int8": 127, "int4": 3}
 _MAX_NDIM = 8
 _MAX_NUMEL = 1 << 40  # per payload, whatever the caller's bounds: 4 TB of fp32
 
@@ -331,17 +326,6 @@ def _dequantize(raw: bytes, codec: str, n: int, block: int) -> torch.Tensor:
 
 
 # --- encode / decode ----------------------------------------------------------------
-
-
-def check_qmax(codec: str, qmax: int | None) -> None:
-    """An encoder's bound on |q| must be one the codec can hold: 1..QMAX (int4: 7, int8: 127);
-    other codecs have none."""
-    if qmax is None:
-        return
-    if codec not in QMAX:
-        raise UsageError(f"--codec-qmax applies to int4 and int8 only, not to codec {codec!r}")
-    if isinstance(qmax, bool) or not isinstance(qmax, int) or not 1 <= qmax <= QMAX[codec]:
-        raise UsageError(f"--codec-qmax for {codec} must be an integer in [1, {QMAX[codec]}], got {qmax!r}")
 
 
 def _check_codec(codec: str, block_size: int | None, qmax: int | None = None) -> int:

@@ -47,6 +47,7 @@ class Committer:
     def __init__(self, ctx: SyncContext, decider: Decider, restorer: Restorer, *, beat: Callable[[], None]):
         self.ctx, self.decider, self.restorer = ctx, decider, restorer
         self.beat = beat  # write the lease's heartbeat now
+        self.committed_manifests: dict[int, tuple[int, bytes]] = {}  # per fragment: the last one we created
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
         """Merge the pending contributions into the next version. Returns False when nothing
@@ -99,16 +100,33 @@ class Committer:
         syncer committed that version first."""
         ctx = self.ctx
         manifest = self.manifest(decision, new, encoded)
+        self._put_back_previous(state)
         with ctx.stage("commit"):
             ctx.stats.bytes_out += upload_payloads(ctx.store, encoded)
             ctx.lease.before_commit(self.beat)
             won = ledger.commit_manifest(ctx.store, manifest)
+        if won:
+            self.committed_manifests[state.fragment] = (new.version, records.dumps(manifest))
         if not won:
             ctx.lease.check_fence()
             log.warning("fragment %d: version %d was committed by another syncer; reloading", state.fragment,
                         new.version)
             self.restorer.reload(state)
         return won
+
+    def _put_back_previous(self, state: FragmentState) -> None:
+        """A newest manifest gone from the bucket (deleted by hand or a faulty tool) would leave
+        a gap under the version about to be committed, and learners could not read past it.
+        The syncer holds the bytes of the last manifest it created: it puts them back (proof
+        enough: it wrote them, under its epoch). One LIST per commit."""
+        held = self.committed_manifests.get(state.fragment)
+        if held is None or held[0] != state.version:
+            return
+        key = layout.manifest_key(state.fragment, state.version)
+        if not any(info.key == key for info in self.ctx.store.list(key)):
+            log.warning("fragment %d: manifest %s/%s is gone; putting back the one this syncer committed",
+                        state.fragment, self.ctx.store.url, key)
+            self.ctx.store.put_if_absent(key, held[1])
 
     def _committed(self, state: FragmentState, decision: Decision, new: FragmentValue,
                    contributions: list[Contribution]) -> None:
@@ -118,10 +136,9 @@ class Committer:
         state.current = new
         for e in decision.used:
             state.tips[e.learner_id] = e
-        state.cycles[new.version] = new.cycle
-        self.decider.trim_cycles(state)
+        self.decider.remember_shares(state, decision)
         state.high_water = dict(decision.high_water)
-        state.norms.extend(c.norm for c in contributions)
+        state.norms.extend(c.norm * c.clip for c in contributions)  # as merged: a clipped one counts at the bound
         state.pending.clear()
         state.closed.clear()
         state.seen = {k for k in state.seen if _above_high_water(k, state.high_water)}

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ddiloco_cli.intake import REFUSED, USED, Contribution
-from ddiloco_cli.replay import manifest_cycle
+from ddiloco_cli import staleness
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.syncstate import FragmentState, SyncContext
 from ddiloco_cli.update import Decision
@@ -20,6 +20,8 @@ from ddiloco_cli.update import Decision
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+SHARES_KEPT = 256  # versions whose clock shares a syncer keeps in memory
+MAX_SHARE = 0.5  # one learner's share of a merge's weight, when two or more others have weight
 BASE_CACHE_MIN = 8  # published values of recent versions kept for contributions' bases (at least)
 
 
@@ -64,6 +66,23 @@ def grace_window_steps(config: RunConfig) -> int:
     return tau
 
 
+def cap_shares(contributions: list[Contribution]) -> None:
+    """Cap one learner's share of a merge's weight at MAX_SHARE when at least two other
+    learners with any weight take part (``Contribution.share_cap``, recorded in the ledger so
+    a replay merges the same): a learner with inflated counters cannot swamp the others. With
+    one other learner (or only learners of weight 0) nothing is capped: two honest learners
+    can differ in weight by any factor (batch size squared times speed); the counter bounds
+    of [V2] hold there."""
+    by_learner: dict[str, float] = {}
+    for c in contributions:
+        by_learner[c.learner_id] = by_learner.get(c.learner_id, 0.0) + c.weight * c.discount
+    for c in contributions:
+        others = [w for lid, w in by_learner.items() if lid != c.learner_id and w > 0]
+        own = by_learner[c.learner_id]
+        limit = MAX_SHARE / (1.0 - MAX_SHARE) * sum(others) if len(others) >= 2 else own
+        c.share_cap = limit / own if own > limit else 1.0
+
+
 class Decider:
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
@@ -79,11 +98,11 @@ class Decider:
             for c in cs:
                 verdict = self.ctx.judge.admission(
                     base_version=c.base_version, version=state.version,
-                    staleness=lambda c=c: state.current.cycle - self.cycle_of(state, c.base_version),
+                    staleness=lambda c=c: self.staleness(state, c),
                     read_base=lambda c=c: self.base_value(state, c.base_version),
                     norm=c.norm, norms=state.norms)
                 if verdict.accepted:
-                    c.staleness, c.discount = verdict.staleness, verdict.discount
+                    c.staleness, c.discount, c.clip = verdict.staleness, verdict.discount, verdict.clip
                     kept.append(c)
                 else:
                     log.warning("fragment %d: refused %s: %s", state.fragment, c.key, verdict.reason)
@@ -93,17 +112,26 @@ class Decider:
             else:
                 del state.pending[lid]
 
-    def cycle_of(self, state: FragmentState, version: int) -> float:
-        if version not in state.cycles:
-            state.cycles[version] = manifest_cycle(self.ctx.readers[state.fragment].manifest(version))
-        return state.cycles[version]
+    def staleness(self, state: FragmentState, c: Contribution) -> float:
+        """The cycles other learners merged since ``c``'s base ([M5], ``staleness.others_work``)."""
+        return staleness.others_work(c.learner_id, base_version=c.base_version, version=state.version,
+                                     shares_of=lambda v: self.shares_of(state, v),
+                                     limit=float(self.config.max_staleness))
 
-    def trim_cycles(self, state: FragmentState) -> None:
-        """Forget the clock of versions beyond the staleness bound (re-read from the manifest
-        if a contribution names one: it is refused anyway)."""
-        oldest_cycle = state.current.cycle - float(self.config.max_staleness) - 1
-        for v in [v for v, c in state.cycles.items() if c < oldest_cycle and v != state.version]:
-            del state.cycles[v]
+    def shares_of(self, state: FragmentState, version: int) -> tuple[float, dict[str, float]]:
+        """``staleness.version_shares`` of ``version``: remembered, else from its manifest."""
+        if version not in state.shares:
+            manifest = self.ctx.readers[state.fragment].manifest(version)
+            state.shares[version] = staleness.version_shares(manifest, sync_every=self.config.sync_every)
+        return state.shares[version]
+
+    def remember_shares(self, state: FragmentState, decision: Decision) -> None:
+        """The shares of the version ``decision`` just committed; only the newest SHARES_KEPT
+        versions are kept (older ones are re-read from their manifests when a base names them)."""
+        state.shares[decision.version] = staleness.version_shares(decision.manifest_fields(),
+                                                                  sync_every=self.config.sync_every)
+        for v in [v for v in state.shares if v <= decision.version - SHARES_KEPT]:
+            del state.shares[v]
 
     def base_value(self, state: FragmentState, version: int) -> Tensors | None:
         """The published value of a contribution's base version (None: the base is the current
@@ -146,6 +174,7 @@ class Decider:
         """What merging ``contributions`` into the next version does: their weights and
         increments, the outer lr, the cycle advance, and the superseded/refused entries."""
         self.link_increments(state, contributions)
+        cap_shares(contributions)
         advance = self.cycle_advance(contributions)
         used = tuple(c.entry(USED) for c in contributions)
         high_water = dict(state.high_water)
@@ -153,7 +182,8 @@ class Decider:
             high_water[e.learner_id] = max(high_water.get(e.learner_id, -1), e.seq)
         return Decision(state.fragment, state.version + 1, used, tuple(state.closed),
                         lr=self.outer_lr(sum(c.discount for c in contributions)),
-                        cycle=state.current.cycle + advance, cycle_advance=advance, high_water=high_water,
+                        cycle=state.current.cycle + advance, cycle_advance=advance,
+                        intake=self.catch_up_intake(contributions), high_water=high_water,
                         quorum_size=len({c.learner_id for c in contributions}), grace_s=grace_s)
 
     def outer_lr(self, participation: float) -> float:
@@ -166,11 +196,21 @@ class Decider:
             lr *= min(1.0, participation / len(self.ctx.learners.live))
         return lr
 
+    def catch_up_intake(self, contributions: list[Contribution]) -> float:
+        """The part of the merged gradient the momentum buffer takes in: 1/k when the merged
+        contributions cover k > 1 cycles each on average (H steps a cycle; a catch-up after a
+        syncer outage or a late start), else 1. The step applies the catch-up once; the buffer
+        does not carry k cycles of it into the next merges (Nesterov would apply them again)."""
+        steps = sum(max(0, c.merged_steps) for c in contributions)
+        k = steps / (self.config.sync_every * max(1, len(contributions)))
+        return 1.0 / k if k > 1.0 else 1.0
+
     def cycle_advance(self, contributions: list[Contribution]) -> float:
-        """How far this merge moves the fragment's cycle clock: the inner steps it merges over
-        H x the learners taking part (live, or in this merge)."""
+        """How far this merge moves the fragment's cycle clock: the inner steps it merges, each
+        contribution's capped at H, over H x the learners taking part (live, or in this merge)."""
         learners = self.ctx.learners.live | {c.learner_id for c in contributions}
-        return sum(max(0, c.merged_steps) for c in contributions) / (self.config.sync_every * max(1, len(learners)))
+        return staleness.cycle_advance(((c.learner_id, c.merged_steps) for c in contributions),
+                                       sync_every=self.config.sync_every, num_learners=len(learners))
 
     def link_increments(self, state: FragmentState, contributions: list[Contribution]) -> None:
         """A learner that sends again on the base of a contribution already merged (it had not

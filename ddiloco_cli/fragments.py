@@ -17,7 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where tensors are touched: `status` and `inspect` read plans without it
+    import torch
 
 from ddiloco_cli.errors import ProtocolError, UsageError
 
@@ -189,12 +192,13 @@ class FragmentPlan:
         want = self.tensor_shapes()
         have: dict[str, tuple[tuple[int, ...], str]] = {}
         for name, v in named_params.items():
-            if isinstance(v, torch.Tensor):
+            if hasattr(v, "shape") and hasattr(v, "dtype"):  # a tensor
                 have[name] = (tuple(v.shape), dtype_name(v.dtype))
             else:
                 shape, dtype = v
                 have[name] = (tuple(shape), dtype_name(dtype))
-        hint = "the learner's model must match the run's model (same --model / config as `ddiloco init`)"
+        hint = ("the learner's model must match the run's model: the same task (--task, and its arguments "
+                "after `?`) as `ddiloco init` used; `ddiloco inspect URL` shows it")
         for name, (shape, dtype) in want.items():
             if name not in have:
                 raise UsageError(f"model mismatch: tensor {name!r} of the run is missing from this model; {hint}")
@@ -283,6 +287,8 @@ def plan_fragments(
 
 def gather_fragment(plan: FragmentPlan, p: int, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{slice key: fp32 CPU copy} of fragment p of `params` (detached, contiguous)."""
+    import torch
+
     out = {}
     for s in plan.fragments[p]:
         view = s.view_of(params[s.name]).detach()
@@ -298,6 +304,8 @@ def scatter_fragment(
 ) -> None:
     """Copy `values` (keyed by slice key) into fragment p of `params` in place,
     casting to each parameter's dtype and device. Every key must be present."""
+    import torch
+
     with torch.no_grad():
         for s in plan.fragments[p]:
             v = values[s.key]
@@ -309,6 +317,8 @@ def scatter_fragment(
 def assemble_parameters(plan: FragmentPlan, values: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Full fp32 parameters {name: tensor} from per-fragment values keyed by slice key
     (``TensorSlice.key``); row slices are written into rows [row_start, row_end)."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     for name, (shape, _) in plan.tensor_shapes().items():
         out[name] = torch.empty(shape, dtype=torch.float32)

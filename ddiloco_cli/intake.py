@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ddiloco_cli import codec, layout, records
+from ddiloco_cli import codec, layout, records, signing
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.fragments import FragmentPlan
@@ -36,7 +36,8 @@ from ddiloco_cli.merge import norm, token_weight
 from ddiloco_cli.published import expected_shapes
 from ddiloco_cli.quantized import DecodedTensors, sources
 from ddiloco_cli.runconfig import RunConfig
-from ddiloco_cli.judge import Judge
+from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli.judge import Judge, Verdict
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
 from ddiloco_cli.typed_records import REFUSED, SUPERSEDED, USED, LedgerEntry
 
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 Tensors = Mapping[str, torch.Tensor]  # a DecodedTensors for contributions: int4/int8 ones stay as their codes
 
+QUARANTINE_REPORT_MAX_BYTES = 64 << 10  # a report is a few hundred bytes; its reason is cut at 4 KiB
 DECODE_THREADS = min(4, os.cpu_count() or 1)  # contributions decoded at once by one syncer
 
 
@@ -67,6 +69,8 @@ class Contribution:
     # ({seq, key, sha256, c_tokens, c_steps}); this one's delta and counters include it, so only
     # the increment's tokens and steps count. None otherwise.
     increment_of: dict[str, Any] | None = None
+    clip: float = 1.0  # its delta scaled by this to the norm bound (``Judge.admission``)
+    share_cap: float = 1.0  # its weight cut by this: one learner's share of a merge is capped (``decide``)
 
     @property
     def merged_tokens(self) -> int:
@@ -88,7 +92,10 @@ class Contribution:
             c_tokens=self.c_tokens, c_steps=self.c_steps, weight=self.weight, status=status,
             staleness=self.staleness if used else None, discount=self.discount if used else None,
             merged_tokens=self.merged_tokens if used else None, increment_of=self.increment_of if used else None,
-            reason=reason or None, carried_by=carried_by)
+            reason=reason or None, carried_by=carried_by,
+            clip=self.clip if used and self.clip < 1.0 else None,
+            share_cap=self.share_cap if used and self.share_cap < 1.0 else None,
+            norm=self.norm * self.clip if used else None)
 
 
 def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
@@ -125,6 +132,7 @@ class _Fetched:
     header: dict[str, Any] | None = None
     norm: float = 0.0
     error: InvalidPayloadError | None = None  # it does not decode, or cannot be read
+    signature: Verdict | None = None  # [A2], judged on the raw bytes before decoding
 
 
 class Intake:
@@ -134,7 +142,8 @@ class Intake:
 
     def __init__(self, store: Store, *, config: RunConfig, plan: FragmentPlan, syncer_id: str,
                  epoch: Callable[[], int], judge: Judge,
-                 decode_threads: int = DECODE_THREADS, clock: Clock = WALL):
+                 decode_threads: int = DECODE_THREADS, clock: Clock = WALL,
+                 signer: signing.Signer | None = None):
         self.store = store
         self.clock = clock
         self.config = config
@@ -143,7 +152,10 @@ class Intake:
         self.syncer_id = syncer_id
         self.epoch = epoch
         self.judge = judge
+        self.signer = signer  # signs quarantine reports, so a restarted syncer can believe them
         self.bad_keys: set[str] = set()
+        self._reports: dict[str, ObjectInfo] | None = None  # reports found at start, not yet believed
+        self.reports_believed = 0
         self.num_quarantined = 0
         self.bytes_in = 0
         self.decode_threads = decode_threads
@@ -155,25 +167,57 @@ class Intake:
             infos = self.store.list(layout.contribution_prefix(fragments[0]))
         else:
             infos = self.store.list(layout.CONTRIBUTION_ROOT)
+        if self._reports is None:  # once per syncer: the reports earlier syncers left
+            self._reports = {}
+            for rinfo in self.store.list(layout.QUARANTINE_PREFIX):
+                original = layout.parse_quarantine_key(rinfo.key)
+                if original is not None:
+                    self._reports[original] = rinfo
         by_fragment: dict[int, list[ObjectInfo]] = {p: [] for p in fragments}
         for info in infos:
             p = layout.parse_fragment_dir(info.key)
-            if p in by_fragment and info.key not in self.bad_keys:
+            if p in by_fragment and info.key not in self.bad_keys and not self._believe_report(info):
                 by_fragment[p].append(info)
         return by_fragment
 
-    def quarantine(self, key: str, reason: str) -> None:
-        """Record a report (advisory: a restarted syncer re-validates instead of trusting it)."""
+    def quarantine(self, key: str, reason: str, *, size: int | None = None) -> None:
+        """Record a report: a bounded record at ``layout.quarantine_key(key)``, signed in a
+        signed run, which a restarted syncer believes (``_believe_report``) instead of
+        downloading and validating the object again."""
         self.bad_keys.add(key)
         self.num_quarantined += 1
         log.warning("quarantined %s/%s: %s", self.store.url, key, reason)
-        rec = records.make("quarantine", key=key, reason=reason, syncer_id=self.syncer_id, epoch=self.epoch(),
-                           created_s=self.clock.time())
-        self.store.put_if_absent(layout.quarantine_key(key), records.dumps(rec))
+        extra = {} if size is None else {"size": size}
+        rec = records.make("quarantine", key=key, reason=reason[:4096], syncer_id=self.syncer_id, epoch=self.epoch(),
+                           created_s=self.clock.time(), **extra)
+        rkey = layout.quarantine_key(key)
+        if self.signer is not None:
+            rec = signing.sign_record(rec, run_id=self.run_id, key=rkey, signer=self.signer)
+        self.store.put_if_absent(rkey, records.dumps(rec))
+
+    def _believe_report(self, info: ObjectInfo) -> bool:
+        """Whether a report found at start quarantines ``info`` without validating it: the
+        report names this key and this size, and (signed runs) a syncer of the run signed it.
+        Anything else (unreadable, unsigned, another size) is forgotten: the object is
+        validated as if no report existed. Each report is read at most once."""
+        rinfo = self._reports.pop(info.key, None) if self._reports else None
+        if rinfo is None:
+            return False
+        try:
+            rec = records.loads(self.store.get(rinfo.key, max_bytes=QUARANTINE_REPORT_MAX_BYTES), "quarantine",
+                                where=f"{self.store.url}/{rinfo.key}")
+            if rec["key"] != info.key or rec.get("size", info.size) != info.size:
+                return False
+            self.judge.trust.check_record(rec, key=rinfo.key, role="syncer")
+        except (NotFound, UnreadableObjectError, ProtocolError, InvalidPayloadError):
+            return False
+        self.bad_keys.add(info.key)
+        self.reports_believed += 1
+        return True
 
     def load(self, p: int, info: ObjectInfo, learner_id: str, seq: int) -> Contribution | None:
         """The validated contribution, or None: invalid (then quarantined) or gone."""
-        return self._validate(p, info, learner_id, seq, self._fetch(p, info.key))
+        return self._validate(p, info, learner_id, seq, self._fetch(p, info.key, learner_id))
 
     def load_all(self, p: int, items: list[tuple[ObjectInfo, str, int]]) -> Iterator[Contribution | None]:
         """``load(p, info, learner_id, seq)`` of each item, yielded in the items' order. The
@@ -187,7 +231,7 @@ class Intake:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.decode_threads, thread_name_prefix="intake-decode")
-        futures: list[Future[_Fetched]] = [self._pool.submit(self._fetch, p, info.key) for info, _, _ in items]
+        futures: list[Future[_Fetched]] = [self._pool.submit(self._fetch, p, info.key, lid) for info, lid, _ in items]
         try:
             for (info, learner_id, seq), fut in zip(items, futures):
                 yield self._validate(p, info, learner_id, seq, fut.result())
@@ -195,37 +239,43 @@ class Intake:
             for fut in futures:
                 fut.cancel()
 
-    def _fetch(self, p: int, key: str) -> _Fetched:
-        """Download and decode one contribution; thread-safe (reads only). Errors are
-        returned, not raised, for ``_validate`` to report in order."""
+    def _fetch(self, p: int, key: str, learner_id: str) -> _Fetched:
+        """Download one contribution, check its signature on the raw bytes [A2] and only then
+        decode it; thread-safe (reads only). Errors are returned, not raised, for
+        ``_validate`` to report in order."""
         try:
             data = self.store.get(key)
         except NotFound:
             return _Fetched()
         except UnreadableObjectError as exc:  # over its size bound, or not a regular file: never read
             return _Fetched(error=exc)
+        signature = self.judge.signature(data, key=key, learner_id=learner_id, where=f"{self.store.url}/{key}")
+        if not signature.accepted:  # junk costs a hash and a verify, never a zstd or dequantise
+            return _Fetched(data, signature=signature)
         try:
             tensors, header = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
                                                    max_numel=self.plan.fragment_numel(p),
                                                    where=f"{self.store.url}/{key}", keep_codes=True)
         except InvalidPayloadError as exc:
-            return _Fetched(data, error=exc)
-        return _Fetched(data, tensors, header, delta_norm(tensors))
+            return _Fetched(data, error=exc, signature=signature)
+        return _Fetched(data, tensors, header, delta_norm(tensors), signature=signature)
 
     def _validate(self, p: int, info: ObjectInfo, learner_id: str, seq: int, got: _Fetched) -> Contribution | None:
         """The contribution, or None: gone, or judged invalid (then quarantined)."""
         key = info.key
         if got.data is None:
             if got.error is not None:
-                self.quarantine(key, str(got.error))
+                self.quarantine(key, str(got.error), size=info.size)
             return None
         data = got.data
         self.bytes_in += len(data)
-        verdict = self.judge.payload(data, fragment=p, key=key, learner_id=learner_id, seq=seq,
-                                     where=f"{self.store.url}/{key}",
-                                     decoded=got.error if got.error is not None else (got.tensors, got.header))
+        verdict = got.signature
+        if verdict.accepted:
+            verdict = self.judge.payload(data, fragment=p, key=key, learner_id=learner_id, seq=seq,
+                                         where=f"{self.store.url}/{key}", signature_checked=True,
+                                         decoded=got.error if got.error is not None else (got.tensors, got.header))
         if not verdict.accepted:
-            self.quarantine(key, verdict.reason)
+            self.quarantine(key, verdict.reason, size=info.size)
             return None
         header = got.header
         return Contribution(learner_id, seq, key, records.sha256_hex(data), len(data), int(header["base_version"]),

@@ -4,8 +4,8 @@ Every check a syncer makes of a contribution is here, each answering with a ``Ve
 
 * ``accept``: it may be merged (with its staleness in cycles and staleness discount);
 * ``refuse``: valid, but not merged now; it gets a ``refused`` ledger entry whose reason
-  its learner reads (too stale, a base that can no longer be read, a norm far above the
-  running median);
+  its learner reads (too stale, a base that can no longer be read); an accepted one whose
+  norm is far above the running median carries the ``clip`` that scales it to the bound;
 * ``quarantine``: invalid; no ledger entry (its key, seq and header cannot be trusted), a
   quarantine report is its record.
 
@@ -31,7 +31,7 @@ from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import NotFound
 
 ACCEPT, REFUSE, QUARANTINE = "accept", "refuse", "quarantine"
-NORM_BOUND_FACTOR = 100.0  # a contribution whose norm exceeds this many running medians is refused
+NORM_BOUND_FACTOR = 3.0  # a delta whose norm exceeds this many running medians is scaled down to it (clip)
 NORM_WINDOW = 64  # accepted norms in the running median
 NORM_MIN_SAMPLES = 8  # no bound before this many accepted contributions
 
@@ -42,6 +42,7 @@ class Verdict:
     reason: str = ""
     staleness: float = 0.0  # accepted by ``admission``: cycles behind, and its discount
     discount: float = 1.0
+    clip: float = 1.0  # accepted by ``admission``: the factor that scales its delta to the norm bound
 
     @property
     def accepted(self) -> bool:
@@ -49,6 +50,17 @@ class Verdict:
 
 
 ACCEPTED = Verdict(ACCEPT)
+
+
+def norm_clip(norm: float, norms: Collection[float]) -> float:
+    """The factor that scales a delta of ``norm`` down to NORM_BOUND_FACTOR running medians of
+    the merged norms (``norms``, as merged: a clipped one at the bound); 1 within the bound or
+    before NORM_MIN_SAMPLES norms are known. Clipped, not refused: a learner whose data or
+    learning rate makes bigger steps still counts, as far as an honest one could move it."""
+    if len(norms) < NORM_MIN_SAMPLES or norm <= 0:
+        return 1.0
+    bound = NORM_BOUND_FACTOR * statistics.median(norms)
+    return 1.0 if bound <= 0 or norm <= bound else bound / norm
 
 
 def staleness_discount(staleness_cycles: float) -> float:
@@ -72,14 +84,25 @@ class Judge:
             return Verdict(QUARANTINE, "not a valid contribution name"), "", -1
         return ACCEPTED, parsed[1], parsed[2]
 
+    def signature(self, data: bytes, *, key: str, learner_id: str, where: str) -> Verdict:
+        """[A2] on the raw bytes, before anything decodes them: signed by ``learner_id``'s
+        admitted key (always accepted in a run that does not require signatures)."""
+        try:
+            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)
+        except (InvalidPayloadError, ProtocolError) as exc:
+            return Verdict(QUARANTINE, str(exc))
+        return ACCEPTED
+
     def payload(self, data: bytes, *, fragment: int, key: str, learner_id: str, seq: int, where: str,
-                decoded: tuple[DecodedTensors, dict[str, Any]] | InvalidPayloadError) -> Verdict:
+                decoded: tuple[DecodedTensors, dict[str, Any]] | InvalidPayloadError,
+                signature_checked: bool = False) -> Verdict:
         """The bytes of a contribution: signed by its learner [A2] (checked first: a forged
         payload is reported as such), decoded within the plan's keys and shapes (``decoded``
         is the decoder's result or its error), a header that names its key and this run, the
         run's codec, and a learner the run knows (a heartbeat)."""
         try:
-            self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)
+            if not signature_checked:  # intake checks it before decoding (``signature``)
+                self.trust.check_payload(data, kind="contribution", key=key, member_id=learner_id, where=where)
             if isinstance(decoded, InvalidPayloadError):
                 raise decoded
             tensors, header = decoded
@@ -125,12 +148,7 @@ class Judge:
         except (NotFound, ProtocolError, InvalidPayloadError) as exc:
             return Verdict(REFUSE, f"base version {base_version} can no longer be read ({exc}); "
                                    "re-base on the latest version")
-        if len(norms) >= NORM_MIN_SAMPLES:
-            median = statistics.median(norms)
-            if median > 0 and norm > NORM_BOUND_FACTOR * median:
-                return Verdict(REFUSE, f"norm {norm:.4g} exceeds {NORM_BOUND_FACTOR:g}x the running median "
-                                       f"{median:.4g}")
-        return Verdict(ACCEPT, staleness=behind, discount=staleness_discount(behind))
+        return Verdict(ACCEPT, staleness=behind, discount=staleness_discount(behind), clip=norm_clip(norm, norms))
 
     @staticmethod
     def non_finite(norms: Sequence[float], error: Exception) -> tuple[int, Verdict]:

@@ -1,5 +1,6 @@
-"""Read-only observers: ``ddiloco inspect`` (``inspect_run``, ``verify_run``) and
-``ddiloco status`` (``run_status``).
+"""Read-only observers: ``ddiloco inspect`` (``inspect_run``; ``verify_run`` is in
+verify.py, the one observer that decodes payloads and so imports torch) and
+``ddiloco status`` (``run_status``). Neither imports torch: both run in monitors.
 
 Observers never write to the bucket and never trust it: every object is read
 through the same validation as the learners and syncers use, and bad content is
@@ -16,16 +17,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ddiloco_cli import codec, layout, ledger, records, signing
-from ddiloco_cli.audit import audit_ledger
-from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli import layout, ledger, records, signing
+from ddiloco_cli.errors import ProtocolError
 from ddiloco_cli.fragments import FragmentPlan
 from ddiloco_cli.fragspec import format_fragment_spec
 from ddiloco_cli.metrics import latest_global_eval
-from ddiloco_cli.published import expected_shapes
-from ddiloco_cli.replay import checkpoint_shapes
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
@@ -252,8 +248,9 @@ def inspect_run(store: Store) -> dict[str, Any]:
         objects[category]["bytes"] += info.size
     objects["total"] = {"count": len(scan.infos), "bytes": sum(i.size for i in scan.infos)}
 
-    run_summary = None
+    run_summary, signatures = None, None
     if scan.run is not None:
+        signatures = {"required": signing.requires_signatures(scan.run), "admissions": _admissions(scan)}
         keys = ("run_id", "task", "mode", "num_fragments", "sync_every", "overlap_steps", "quorum", "alpha", "merge",
                 "outer_lr", "outer_momentum", "codec", "codec_block", "codec_qmax", "publish_codec", "keyframe_every",
                 "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
@@ -262,140 +259,20 @@ def inspect_run(store: Store) -> dict[str, Any]:
     return {
         "url": store.url, "now_s": scan.now_s, "run": run_summary, "fragments": fragments, "epochs": _epochs(scan),
         "syncers": syncers, "learners": learners, "quarantined": quarantined, "objects": objects,
-        "orphans": orphans, "errors": scan.errors,
+        "orphans": orphans, "signatures": signatures, "errors": scan.errors,
     }
 
 
-# --------------------------------------------------------------------- verify
-def verify_run(store: Store) -> list[str]:
-    """Every inconsistency in the bucket, one line each naming the key; [] when consistent.
+def _admissions(scan: _Scan) -> list[dict[str, Any]]:
+    from ddiloco_cli.admission import list_admissions
 
-    Checks: run.json and plan.json schemas; every manifest (schema, run, fragment and
-    version matching its name); versions contiguous from the oldest retained to the
-    newest; every payload a manifest names exists with the recorded size and sha256
-    and decodes to the plan's shapes; every retained version is readable (a keyframe
-    at or below it plus the deltas after it) and a delta that sits beside a keyframe
-    reproduces it bit for bit; epochs, heartbeats, quarantine records and checkpoint
-    headers are valid. Quarantined contributions and orphans are not problems.
-    """
-    scan = _scan(store)
-    problems = scan.errors  # the scan's record errors are problems too
-    if scan.run is None:
-        return problems
-    for p in scan.fragment_ids():
-        _verify_fragment(scan, p, problems)
-    _epochs(scan)
-    _heartbeats(scan, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")
-    _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
-    _quarantined(scan)
-    _verify_checkpoints(scan, problems)
-    problems.extend(audit_ledger(store, run_id=scan.run_id, fragments=scan.fragment_ids()).problems)
-    return problems
+    try:
+        return list_admissions(scan.store, run=scan.run)
+    except ProtocolError as exc:  # run.json without a usable admin key
+        scan.errors.append(str(exc))
+        return []
 
 
-def _verify_fragment(scan: _Scan, p: int, problems: list[str]) -> None:
-    versions, manifests = _manifests(scan, p)
-    if not versions:
-        problems.append(f"{layout.manifest_prefix(p)}: fragment {p} has no committed version")
-        return
-    present = set(versions)
-    for v in range(versions[0], versions[-1] + 1):
-        if v not in present:
-            problems.append(f"{layout.manifest_key(p, v)}: missing: gap in the versions of fragment {p} "
-                            f"(retained {versions[0]}..{versions[-1]})")
-    shapes = expected_shapes(scan.plan, p) if scan.plan is not None else None
-    numel = scan.plan.fragment_numel(p) if scan.plan is not None else None
-    value: dict[str, torch.Tensor] | None = None
-    prev_v: int | None = None
-    for v in versions:
-        mkey = layout.manifest_key(p, v)
-        m = manifests.get(v)
-        if m is None:  # already reported by _manifests
-            value, prev_v = None, v
-            continue
-        good = _check_payloads(scan, p, m, problems)
-        if shapes is None:
-            continue
-        broken_before = prev_v != v - 1 or value is None
-        new = None
-        if "delta" in good and not broken_before:
-            key, data = good["delta"]
-            try:
-                new = codec.apply_published_delta(value, data, where=key, expected=shapes)
-            except InvalidPayloadError as exc:
-                problems.append(str(exc))
-        if "full" in good:
-            key, data = good["full"]
-            try:
-                full, _ = codec.decode_tensors(data, expected=shapes, max_numel=numel, where=key)
-            except InvalidPayloadError as exc:
-                problems.append(str(exc))
-                full = None
-            if full is not None and new is not None and any(not torch.equal(full[k], new[k]) for k in full):
-                problems.append(f"{good['delta'][0]}: version {v - 1} plus this delta does not reproduce the "
-                                f"keyframe {key}")
-            new = full if full is not None else new
-        if new is None and len(good) == len(m["payloads"]):  # no payload problem explains it
-            why = (f"its delta needs version {v - 1}, which is not readable" if "delta" in good
-                   else "it has no keyframe and no delta from the previous version")
-            problems.append(f"{mkey}: version {v} of fragment {p} is not readable: {why}")
-        value, prev_v = new, v
-
-
-def _check_payloads(scan: _Scan, p: int, m: dict[str, Any], problems: list[str]) -> dict[str, tuple[str, bytes]]:
-    """Fetch every payload of manifest ``m``, checking name, size and sha256.
-    Returns {kind: (key, bytes)} of the good ones."""
-    v = m["version"]
-    mkey = layout.manifest_key(p, v)
-    good = {}
-    for entry in m["payloads"]:
-        key = entry["key"]
-        if not key.startswith(layout.payload_prefix(p)) or layout.parse_num(key) != v:
-            problems.append(f"{mkey}: names payload {key}, which is not a payload of fragment {p} version {v}")
-            continue
-        if entry["kind"] == "delta" and entry.get("base_version") != v - 1:
-            problems.append(f"{mkey}: delta payload {key} has base version {entry.get('base_version')}, not {v - 1}")
-            continue
-        try:
-            data = scan.store.get(key)
-        except NotFound:
-            problems.append(f"{key}: missing (named by {mkey})")
-            continue
-        if len(data) != entry["size"]:
-            problems.append(f"{key}: size {len(data)} != {entry['size']} recorded in {mkey}")
-        elif records.sha256_hex(data) != entry["sha256"]:
-            problems.append(f"{key}: sha256 does not match the one recorded in {mkey}")
-        else:
-            good[entry["kind"]] = (key, data)
-    return good
-
-
-def _verify_checkpoints(scan: _Scan, problems: list[str]) -> None:
-    for info in scan.under(layout.CHECKPOINT_ROOT):
-        parsed = layout.parse_checkpoint_key(info.key)
-        if parsed is None:
-            continue  # a foreign object: inspect lists it under orphans
-        p, v = parsed
-        if scan.plan is None or p >= scan.plan.num_fragments:
-            continue  # nothing to check the tensors against (already reported)
-        shapes = checkpoint_shapes(scan.plan, p)
-        try:
-            tensors, header = codec.decode_tensors(scan.store.get(info.key), where=info.key,
-                                                   max_numel=3 * scan.plan.fragment_numel(p))
-            records.validate(header, "checkpoint", where=info.key)
-        except NotFound:
-            continue  # collected since the LIST
-        except (InvalidPayloadError, ProtocolError) as exc:
-            problems.append(str(exc))
-            continue
-        if (header["run_id"], header["fragment"], header["version"]) != (scan.run_id, p, v):
-            problems.append(f"{info.key}: header names run {header['run_id']} fragment {header['fragment']} "
-                            f"version {header['version']}, not its key's")
-        elif any(k not in shapes or tuple(t.shape) != shapes[k] for k, t in tensors.items()):
-            problems.append(f"{info.key}: checkpoint tensors do not match fragment {p}'s shapes")
-
-
-# --------------------------------------------------------------------- status
 PILE_UP = 3  # pending contributions of one learner on one fragment that mean nothing is merging them
 
 
@@ -540,6 +417,7 @@ def alerts(*, fragments: list[dict[str, Any]], syncers: list[dict[str, Any]],
         if orphaned:
             spec = format_fragment_spec(orphaned)
             out.append(f"fragments {spec} have no live syncer: start `ddiloco sync --fragments {spec}`")
+    out.extend(a for s in alive for a in s.get("alerts", []))  # what a serving syncer cannot repair
     piled = [f for f in fragments if f["max_pending_per_learner"] >= PILE_UP]
     if piled:
         worst = max(f["max_pending_per_learner"] for f in piled)
@@ -575,6 +453,7 @@ def _syncer_status(scan: _Scan, fragments: list[dict[str, Any]], lease_s: float)
             "backlog": sum(by_fragment[p]["pending"] for p in owned if p in by_fragment),
             "num_merges": rec.get("num_merges") if rec else None,
             "num_quarantined": rec.get("num_quarantined") if rec else None,
+            "alerts": list(rec.get("alerts") or []) if rec and beating else [],
         })
     return out
 
@@ -617,6 +496,14 @@ def bytes_moved(learners: list[dict[str, Any]], *, num_params: int) -> dict[str,
     total = up + down
     return {"bytes_up": up, "bytes_down": down, "bytes_total": total, "data_parallel_bytes": dp,
             "reduction": dp / total if total else None}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "verify_run":  # its home is verify.py (torch); imported on first use
+        from ddiloco_cli.verify import verify_run
+
+        return verify_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["CATEGORIES", "PILE_UP", "alerts", "classify", "inspect_run", "verify_run", "run_status", "goodput",

@@ -63,6 +63,8 @@ class Poller:
         items = [(info, learner_id, seq) for seq, learner_id, info in sorted(fresh, key=lambda f: f[0])]
         loads = ctx.intake.load_all(state.fragment, items)  # later ones decode while we take these
         for info, learner_id, seq in items:
+            if state.fragment in self.restorer.unavailable:
+                break  # its ledger did not read back (``_future_base``): the syncer stops serving it
             with ctx.stage("intake"):
                 got = next(loads)
             if got is not None and got.base_version > state.version:
@@ -74,13 +76,14 @@ class Poller:
                 if state.first_pending_t is None:
                     state.first_pending_t = ctx.clock.monotonic()
 
-    def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | LedgerEntry:
+    def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | LedgerEntry | None:
         """A base newer than our version means someone else committed: check the fence (a
         higher epoch halts us), re-read the fragment, and refuse only a base that does not exist."""
         self.ctx.lease.check_fence()
         log.warning("fragment %d: %s names base version %d above ours (%d); re-reading the fragment",
                     state.fragment, c.key, c.base_version, state.version)
-        self.restorer.reload(state)
+        if not self.restorer.reload(state):
+            return None  # the fragment is unavailable now (alerted); taken again once it is restored
         if c.base_version <= state.version:
             return c
         return c.entry(REFUSED, reason=f"base version {c.base_version} does not exist (latest is {state.version})")

@@ -194,7 +194,14 @@ class FragmentReader:
         pending: list[dict[str, Any]] = []
         v = version
         while True:
-            m = self.manifest(v)
+            try:
+                m = self.manifest(v)
+            except NotFound:
+                raise MissingVersionError(
+                    f"{self.store.url}: version {v} of fragment {self.fragment} is missing (a gap in its ledger "
+                    f"below version {version}), so that version cannot be read; the run's syncer puts back what "
+                    f"it can prove, else `ddiloco status --check` alerts: run `ddiloco inspect {self.store.url} "
+                    "--verify` and tell the run's operator") from None
             value = self._full(m)
             if value is not None:
                 break
@@ -208,6 +215,14 @@ class FragmentReader:
                 raise ProtocolError(f"{self.store.url}: version {m['version']} of fragment {self.fragment} has no delta payload")
             value = nxt
         return value
+
+
+class MissingVersionError(ProtocolError, NotFound):
+    """A manifest a read needs is gone: one line for the user (a ProtocolError), and still a
+    NotFound for callers that fall back to an older checkpoint or a keyframe."""
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)
 
 
 def read_global_params(store: Store, *, run_id: str, plan: FragmentPlan,

@@ -25,7 +25,8 @@ from typing import Iterator, Mapping
 import numpy as np
 import torch
 
-QMAX = {"int8": 127, "int4": 7}  # what an encoder writes: |q| <= QMAX
+from ddiloco_cli.codecnames import QMAX  # what an encoder writes: |q| <= QMAX
+
 QABS = {"int8": 128, "int4": 8}  # what a frame can hold: the largest |q| of any byte (q + 128 = 0, q + 8 = 0)
 PER_BYTE = {"int8": 1, "int4": 2}
 _FLT_MAX = float(np.finfo(np.float32).max)

@@ -52,7 +52,7 @@ class Restorer:
         value = restore_value(ctx.store, config=ctx.config, plan=ctx.plan, fragment=p, reader=reader,
                               fetch=ctx.intake.fetch_used, latest=latest, republish=self.republish_missing)
         state = FragmentState(p, value, dict(Manifest.from_json(reader.manifest(latest)).high_water))
-        state.cycles[latest] = value.cycle
+        norms: list[float] = []  # newest first: the norm bound's running median, as the ledger recorded it
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
             try:
                 entries = Manifest.from_json(reader.manifest(v)).contributions
@@ -61,6 +61,9 @@ class Restorer:
             for e in reversed(entries):
                 if e.used:
                     state.tips.setdefault(e.learner_id, e)
+                    if e.norm is not None:
+                        norms.append(float(e.norm))
+        state.norms.extend(reversed(norms[:state.norms.maxlen]))
         return state
 
     def republish_missing(self, version: int, payloads: list[tuple[str, bytes]]) -> None:
@@ -74,12 +77,24 @@ class Restorer:
                 if store.put_if_absent(key, data):
                     self.ctx.stats.bytes_out += len(data)
 
-    def reload(self, state: FragmentState) -> None:
-        """Re-read a fragment someone else advanced; keep what is not in their ledger yet."""
-        fresh = self.restore_fragment(state.fragment)
+    def reload(self, state: FragmentState) -> bool:
+        """Re-read a fragment someone else advanced; keep what is not in their ledger yet.
+        False when its ledger cannot be read (a manifest that is not the version its key
+        names, a gap, a payload gone): the fragment is then unavailable (the syncer stops
+        serving it, alerts, and retries every RESTORE_RETRY_S); nothing is raised."""
+        p = state.fragment
+        try:
+            fresh = self.restore_fragment(p)
+        except (NotFound, InvalidPayloadError, ProtocolError) as exc:
+            why = str(exc) if isinstance(exc, DdilocoError) else f"fragment {p}: {exc!r} is missing"
+            log.error("fragment %d cannot be served: its ledger does not read back (%s); serving the others, "
+                      "retrying every %.0f s; run `ddiloco inspect --verify`", p, why, RESTORE_RETRY_S)
+            self.unavailable[p] = why
+            return False
         hw = fresh.high_water
         state.current, state.high_water = fresh.current, hw
-        state.cycles, state.tips = fresh.cycles, fresh.tips
+        state.shares, state.tips = fresh.shares, fresh.tips
         state.pending = {lid: kept for lid, cs in state.pending.items()
                          if (kept := [c for c in cs if c.seq > hw.get(lid, -1)])}
         state.closed = [e for e in state.closed if e.seq > hw.get(e.learner_id, -1)]
+        return True

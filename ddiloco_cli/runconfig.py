@@ -5,8 +5,9 @@ gets back: ``RunConfig(...)`` (flags, a config file, code) and
 ``RunConfig.from_record`` (a run.json read from the bucket) run the same checks,
 so a value that exists is valid. Each field's metadata is the single table that
 names its command-line flag (also its key in an ``init --config`` file), its
-place in run.json and its allowed range; the codec names and default block
-sizes come from ``ddiloco_cli.codec``.
+place in run.json, its allowed range and its help text (``runflags`` makes `ddiloco
+init`'s options from it: each setting is declared once); the codec names and default
+block sizes come from ``ddiloco_cli.codec``.
 
 Errors name the flag and what to do: ``UsageError`` for user input,
 ``ProtocolError`` for a run.json in the bucket.
@@ -22,9 +23,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
-from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli import codecnames as codec, layout, ledger, records
 from ddiloco_cli.errors import ProtocolError, UsageError
-from ddiloco_cli.store.base import NotFound, Store
+from ddiloco_cli.store.base import Store
 
 # -- choices of the enum fields (the CLI offers exactly these) --
 Codec = Enum("Codec", {c: c for c in codec.CODECS}, type=str)  # type: ignore[misc]
@@ -71,13 +72,17 @@ LAST_VERSION_WITH_RETIRED = "0.1.0"  # the last ddiloco that runs the retired va
 
 def _spec(flag: str, panel: str, *, kind: type | str, lo: float | None = None, hi: float | None = None,
           lo_open: bool = False, hi_open: bool = False, choices: type[Enum] | None = None,
-          json_key: str | None = None, optional: bool = False) -> dict[str, Any]:
+          json_key: str | None = None, optional: bool = False, help: str | None = None,
+          metavar: str | None = None, short: str | None = None, off: str | None = None) -> dict[str, Any]:
     """Field metadata: flag (without ``--``; also the config-file key), panel, kind
     (int, float, bool, str, or tuple for a pair of floats), inclusive or open bounds, enum choices,
     the key in run.json ("inner.lr" for nested ones; default: the field name),
-    and whether None is allowed (then a default is filled in after validation)."""
+    and whether None is allowed (then a default is filled in after validation); for the
+    command line (``runflags`` makes `ddiloco init`'s options from it): the help text, the
+    metavar, a one-letter alias (``-H``) and a bool's off flag (without ``--``)."""
     return {"flag": flag, "panel": panel, "kind": kind, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open,
-            "choices": choices, "json_key": json_key, "optional": optional}
+            "choices": choices, "json_key": json_key, "optional": optional, "help": help, "metavar": metavar,
+            "short": short, "off": off}
 
 
 def _f(default: Any, flag: str, panel: str, **kw: Any) -> Any:
@@ -96,47 +101,92 @@ class RunConfig:
     not know, so they survive a round trip.
     """
 
-    task: str = _f("ddiloco_cli.tasks.gpt:tiny", "task", _T, kind=str)
-    num_fragments: int = _f(4, "fragments", _T, kind=int, lo=1, hi=99_999)  # keys hold 5 digits
-    seed: int = _f(0, "seed", _T, kind=int, lo=0, hi=2**63 - 1)
-    sync_every: int = _f(24, "sync-every", _S, kind=int, lo=1, hi=_MAX_INT)
-    overlap_steps: int = _f(2, "overlap-steps", _S, kind=int, lo=0, hi=_MAX_INT)
-    mode: str = _f("decoupled", "mode", _S, kind=str, choices=Mode)
-    quorum: int = _f(1, "quorum", _M, kind=int, lo=1, hi=_MAX_INT)
-    alpha: float = _f(0.0, "alpha", _M, kind=float, lo=0.0, hi=1.0)
-    keep_overlap_progress: bool = _f(True, "keep-overlap-progress", _M, kind=bool)
-    merge: str = _f("rda", "merge", _M, kind=str, choices=Merge)
-    outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True)
+    task: str = _f("ddiloco_cli.tasks.gpt:tiny", "task", _T, kind=str,
+                   metavar="MODULE:OBJECT", help="module:object (or path.py:object) giving the model, data and loss")
+    num_fragments: int = _f(4, "fragments", _T, kind=int, lo=1, hi=99_999,
+                            short="-P", metavar="P", help="Number of fragments P")  # keys hold 5 digits
+    seed: int = _f(0, "seed", _T, kind=int, lo=0, hi=2**63 - 1,
+                   metavar="N", help="Seed of the initial model")
+    sync_every: int = _f(24, "sync-every", _S, kind=int, lo=1, hi=_MAX_INT,
+                         short="-H", metavar="H", help="Inner steps between two syncs of a fragment (H)")
+    overlap_steps: int = _f(2, "overlap-steps", _S, kind=int, lo=0, hi=_MAX_INT,
+                            metavar="TAU", help="Steps a fragment's sync overlaps with compute (tau)")
+    mode: str = _f("decoupled", "mode", _S, kind=str, choices=Mode,
+                   help="decoupled, or lockstep (the streaming-DiLoCo baseline)")
+    quorum: int = _f(1, "quorum", _M, kind=int, lo=1, hi=_MAX_INT,
+                     short="-K", metavar="K", help="Minimum distinct learners per merge (K)")
+    alpha: float = _f(0.0, "alpha", _M, kind=float, lo=0.0, hi=1.0,
+                      metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*global")
+    keep_overlap_progress: bool = _f(True, "keep-overlap-progress", _M, kind=bool,
+                                     off="discard-overlap-progress",
+                                     help="On receive, keep the steps trained since the send (theta <- Theta_new + "
+                                          "progress) or overwrite them")
+    merge: str = _f("rda", "merge", _M, kind=str, choices=Merge,
+                    help="Radial-Directional Averaging or a token-weighted mean")
+    outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True,
+                         metavar="LR", help="Outer Nesterov learning rate")
     # 0: plain averaged descent, no outer momentum (sparse runs: the learners' error-feedback accumulators are the momentum)
-    outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True)
-    outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling)
-    inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr")
+    outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True,
+                               metavar="X", help="Outer Nesterov momentum (0: plain averaged descent)")
+    outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling,
+                               help="participation: a merge of m of M live learners uses lr*m/M")
+    inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr",
+                         metavar="LR", help="Inner AdamW peak learning rate")
     adam_betas: tuple[float, float] = _f((0.9, 0.95), "adam-betas", _I, kind=tuple, lo=0.0, hi=1.0, hi_open=True,
-                                         json_key="inner.betas")
-    weight_decay: float = _f(0.1, "weight-decay", _I, kind=float, lo=0.0, json_key="inner.weight_decay")
-    warmup_steps: int = _f(20, "warmup-steps", _I, kind=int, lo=0, hi=_MAX_INT, json_key="inner.warmup_steps")
-    lr_schedule: str = _f("cosine", "lr-schedule", _I, kind=str, choices=LrSchedule, json_key="inner.lr_schedule")
-    total_steps: int = _f(1000, "total-steps", _I, kind=int, lo=0, hi=_MAX_INT, json_key="inner.total_steps")
-    grad_clip: float = _f(1.0, "grad-clip", _I, kind=float, lo=0.0, json_key="inner.grad_clip")
-    batch_size: int = _f(16, "batch-size", _I, kind=int, lo=1, hi=_MAX_INT, json_key="inner.batch_size")
-    codec: str = _f("int4", "codec", _C, kind=str, choices=Codec)
-    codec_block: int | None = _f(None, "codec-block", _C, kind=int, lo=2, hi=2**24, optional=True)
-    codec_qmax: int | None = _f(None, "codec-qmax", _C, kind=int, lo=1, hi=127, optional=True)
-    codec_density: float | None = _f(None, "codec-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0, optional=True)
+                                         json_key="inner.betas",
+                                         metavar="B1,B2", help="Inner AdamW betas")
+    weight_decay: float = _f(0.1, "weight-decay", _I, kind=float, lo=0.0, json_key="inner.weight_decay",
+                             metavar="X", help="Inner AdamW weight decay")
+    warmup_steps: int = _f(20, "warmup-steps", _I, kind=int, lo=0, hi=_MAX_INT, json_key="inner.warmup_steps",
+                           metavar="N", help="Inner LR warmup steps")
+    lr_schedule: str = _f("cosine", "lr-schedule", _I, kind=str, choices=LrSchedule, json_key="inner.lr_schedule",
+                          help="Inner LR schedule after warmup")
+    total_steps: int = _f(1000, "total-steps", _I, kind=int, lo=0, hi=_MAX_INT, json_key="inner.total_steps",
+                          metavar="N", help="Inner steps per learner (schedule length; 0: unlimited)")
+    grad_clip: float = _f(1.0, "grad-clip", _I, kind=float, lo=0.0, json_key="inner.grad_clip",
+                          metavar="NORM", help="Gradient-norm clip (0 disables)")
+    batch_size: int = _f(16, "batch-size", _I, kind=int, lo=1, hi=_MAX_INT, json_key="inner.batch_size",
+                         metavar="N", help="Inner batch size per learner")
+    codec: str = _f("int4", "codec", _C, kind=str, choices=Codec,
+                    help="Outer-gradient codec")
+    codec_block: int | None = _f(None, "codec-block", _C, kind=int, lo=2, hi=2**24, optional=True,
+                                 metavar="N", help="Quantization block size (default 64 for int4, 256 for int8; sparse: chunk, 4096)")
+    codec_qmax: int | None = _f(None, "codec-qmax", _C, kind=int, lo=1, hi=127, optional=True,
+                                metavar="Q", help="Largest |code| the int4/int8 encoders write (default 3 for int4: "
+                                                  "29% fewer bytes than its whole range, 7; 127 for int8)")
+    codec_density: float | None = _f(None, "codec-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0, optional=True,
+                                     metavar="X", help="Sparse codec: fraction of each chunk's values sent (Top-k; default 0.02)")
     publish_density: float | None = _f(None, "publish-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0,
-                                       optional=True)
-    publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True)
-    keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT)
-    error_feedback: bool = _f(True, "error-feedback", _C, kind=bool)
-    error_feedback_decay: float | None = _f(None, "error-feedback-decay", _C, kind=float, lo=0.0, hi=1.0, optional=True)
-    grace_gamma: float = _f(0.5, "grace-gamma", _F, kind=float, lo=0.0, hi=1.0, hi_open=True)
-    grace_max_s: float = _f(30.0, "grace-max", _F, kind=float, lo=0.0)
-    max_staleness: int = _f(8, "max-staleness", _F, kind=int, lo=0, hi=_MAX_INT)
-    checkpoint_every: int = _f(10, "checkpoint-every", _F, kind=int, lo=1, hi=_MAX_INT)
-    lease_s: float = _f(10.0, "lease", _F, kind=float, lo=0.0, lo_open=True)
-    heartbeat_s: float = _f(2.0, "heartbeat", _F, kind=float, lo=0.0, lo_open=True)
-    retain_versions: int = _f(16, "retain-versions", _F, kind=int, lo=1, hi=_MAX_INT)
-    gc_grace_s: float = _f(300.0, "gc-grace", _F, kind=float, lo=0.0, lo_open=True)
+                                       optional=True, metavar="X",
+                                       help="Sparse published deltas: fraction of each chunk's values sent "
+                                            "(default: --codec-density)")
+    publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True,
+                                   help="Codec of published fragment deltas (default: --codec)")
+    keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT,
+                             metavar="N", help="Full (exact) payload every N versions")
+    error_feedback: bool = _f(True, "error-feedback", _C, kind=bool,
+                              off="no-error-feedback", help="Learners add what the codec dropped from their last "
+                                                            "contribution of a fragment to the next one")
+    error_feedback_decay: float | None = _f(None, "error-feedback-decay", _C, kind=float, lo=0.0, hi=1.0, optional=True,
+                                            metavar="BETA", help="Learners carry BETA times that residual (e <- BETA*e + "
+                                                                 "delta; default 0.95 for sparse, 1 otherwise)")
+    grace_gamma: float = _f(0.5, "grace-gamma", _F, kind=float, lo=0.0, hi=1.0, hi_open=True,
+                            metavar="X", help="Grace window = gamma * slack of the overlap window")
+    grace_max_s: float = _f(30.0, "grace-max", _F, kind=float, lo=0.0,
+                            metavar="SECONDS", help="Upper bound of the grace window")
+    max_staleness: int = _f(8, "max-staleness", _F, kind=int, lo=0, hi=_MAX_INT,
+                            metavar="N", help="Oldest base accepted, in cycles of the fragment behind the latest "
+                                              "version (discounted beyond 2)")
+    checkpoint_every: int = _f(10, "checkpoint-every", _F, kind=int, lo=1, hi=_MAX_INT,
+                               metavar="N", help="Outer-state checkpoint every N versions")
+    lease_s: float = _f(10.0, "lease", _F, kind=float, lo=0.0, lo_open=True,
+                        metavar="SECONDS", help="Syncer lease")
+    heartbeat_s: float = _f(2.0, "heartbeat", _F, kind=float, lo=0.0, lo_open=True,
+                            metavar="SECONDS", help="Heartbeat interval")
+    retain_versions: int = _f(16, "retain-versions", _F, kind=int, lo=1, hi=_MAX_INT,
+                              metavar="N", help="Versions kept per fragment by GC")
+    gc_grace_s: float = _f(300.0, "gc-grace", _F, kind=float, lo=0.0, lo_open=True,
+                           metavar="SECONDS", help="Age before GC may delete an orphan (> 0)")
     run_id: str = ""
     created_s: float = 0.0
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -153,12 +203,12 @@ class RunConfig:
             object.__setattr__(self, "codec_qmax", codec.DEFAULT_QMAX.get(self.codec))
         sparse_run = "sparse" in (self.codec, self.publish_codec)
         if self.codec_density is None and sparse_run:
-            object.__setattr__(self, "codec_density", codec.sparse.DEFAULT_DENSITY)
+            object.__setattr__(self, "codec_density", codec.SPARSE_DEFAULT_DENSITY)
         if self.publish_density is None:  # published deltas: the uploads' density unless given
             object.__setattr__(self, "publish_density", self.codec_density)
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
             object.__setattr__(self, "error_feedback_decay", 0.95 if self.codec == "sparse" else 1.0)
-        if self.codec_density is not None and codec.sparse.topk(self.codec_density, self.codec_block) < 1:
+        if self.codec_density is not None and codec.topk(self.codec_density, self.codec_block) < 1:
             raise _bad("codec-density", "too small for the block size")
         try:
             codec.check_qmax(self.codec, self.codec_qmax)
@@ -187,7 +237,7 @@ class RunConfig:
     @property
     def codec_topk(self) -> int | None:
         """Values per chunk of the sparse codec's uploads (None for the other codecs)."""
-        return codec.sparse.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
+        return codec.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
 
     # ----------------------------------------------------------- run.json
     def to_record(self, *, run_id: str, created_s: float | None = None) -> dict[str, Any]:

@@ -33,19 +33,16 @@ import torch
 
 from ddiloco_cli.errors import InvalidPayloadError
 
-DEFAULT_CHUNK = 4096
-DEFAULT_DENSITY = 0.02
+from ddiloco_cli.codecnames import SPARSE_DEFAULT_CHUNK as DEFAULT_CHUNK
+from ddiloco_cli.codecnames import SPARSE_DEFAULT_DENSITY as DEFAULT_DENSITY
+from ddiloco_cli.codecnames import topk
+
 MAX_CHUNK = 1 << 16  # a gap fits in 16 bits
 _MAX_BF16_BITS = 0x7F7F  # the largest finite bf16 (16 bits)
 # the largest bf16 whose double is finite in fp32 (2 * s for the +-2 codes)
 _BOUNDED_BF16 = 0x7EFF
 # code -> its multiple of the scale
 _CODE_VALUE = np.array([-2.0, -1.0, 1.0, 2.0], dtype=np.float32)
-
-
-def topk(density: float, chunk: int) -> int:
-    """Values sent per chunk at ``density`` (at least 1, at most the chunk)."""
-    return max(1, min(chunk, int(round(density * chunk))))
 
 
 def check_params(chunk: int, k: int) -> None:

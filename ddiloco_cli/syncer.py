@@ -82,7 +82,7 @@ def _context(store: Store, options: SyncerOptions) -> SyncContext:
     judge = Judge(config=config, trust=trust, is_known_learner=learners.is_known)
     intake = Intake(fenced, config=config, plan=plan, syncer_id=syncer_id,
                     epoch=lambda: lease.epoch.epoch if lease.epoch else 0, judge=judge,
-                    decode_threads=options.decode_threads, clock=clock)
+                    decode_threads=options.decode_threads, clock=clock, signer=signer)
     readers = {p: FragmentReader(fenced, run_id=config.run_id, plan=plan, fragment=p, trust=trust) for p in fragments}
     return SyncContext(fenced, config, plan, syncer_id, clock, trust, signer, lease, judge, intake, learners,
                        readers, ApplyRules.of(config))
@@ -173,7 +173,13 @@ class Syncer:
             self.lease.write_heartbeat(
                 state=state, versions={str(p): s.version for p, s in self.states.items()},
                 quorum_sizes={str(p): s.last_quorum_size for p, s in self.states.items()},
-                num_merges=self.num_merges, num_quarantined=self.num_quarantined)
+                num_merges=self.num_merges, num_quarantined=self.num_quarantined, alerts=self.alerts() or None)
+
+    def alerts(self) -> tuple[str, ...]:
+        """What this syncer cannot repair by itself, for ``status --check`` (in its heartbeat):
+        fragments it cannot serve, and why."""
+        return tuple(f"fragment {p} is not served by syncer {self.syncer_id}: {why}"[:1000]
+                     for p, why in sorted(self.unavailable.items()))[:64]
 
     def _refresh_learners(self) -> None:
         self.learners.refresh()
@@ -265,9 +271,11 @@ class Syncer:
         if self.learners.refresh_due():
             self.learners.refresh()
         fresh = self.poll_contributions()
+        self._drop_unavailable()
         for state in list(self.states.values()):
             if self.maybe_merge(state):
                 self.committed += 1
+        self._drop_unavailable()
         if self.unavailable and self.clock.monotonic() - self._last_restore_t > RESTORE_RETRY_S:
             self._last_restore_t = self.clock.monotonic()
             for p in sorted(self.unavailable):
@@ -279,6 +287,15 @@ class Syncer:
         idle = fresh == 0 and not any(state.pending for state in self.states.values())
         self._pause_s = self.next_poll_s(self._pause_s, idle=idle)
         return self._pause_s
+
+    def _drop_unavailable(self) -> None:
+        """Stop serving a fragment whose ledger could not be re-read (``Restorer.reload``):
+        the others go on; it is retried every RESTORE_RETRY_S and alerted meanwhile."""
+        dropped = [p for p in self.states if p in self.unavailable]
+        for p in dropped:
+            del self.states[p]
+        if dropped:
+            self.heartbeat(force=True)
 
     def _collect_garbage(self) -> None:
         from ddiloco_cli.gc import collect_garbage

@@ -38,7 +38,8 @@ class FragmentState:
     fragment: int
     current: FragmentValue
     high_water: dict[str, int]
-    cycles: dict[int, float] = field(default_factory=dict)  # cycle clock by version (for staleness)
+    # by version: (its clock advance, each learner's share of it), for staleness (staleness.py)
+    shares: dict[int, tuple[float, dict[str, float]]] = field(default_factory=dict)
     pending: dict[str, list[Contribution]] = field(default_factory=dict)  # per learner, seq order
     closed: list[LedgerEntry] = field(default_factory=list)  # superseded/refused entries for the next manifest
     seen: set[str] = field(default_factory=set)

@@ -87,6 +87,9 @@ class LedgerEntry(_Record):
     increment_of: Mapping[str, Any] | None = None
     reason: str | None = None
     carried_by: int | None = None
+    clip: float | None = None  # used: its delta scaled by this to the norm bound (None: 1)
+    share_cap: float | None = None  # used: its weight cut by this to cap its learner's share (None: 1)
+    norm: float | None = None  # used: its delta's norm as merged (after clip), for the running median
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     RECORD_TYPE: ClassVar[str] = "ledger_entry"
@@ -98,8 +101,10 @@ class LedgerEntry(_Record):
 
     @property
     def effective_weight(self) -> float:
-        """The merge weight of a used entry: token weight times staleness discount."""
-        return float(self.weight) * float(1.0 if self.discount is None else self.discount)
+        """The merge weight of a used entry: token weight times staleness discount times the
+        share cap."""
+        return (float(self.weight) * float(1.0 if self.discount is None else self.discount)
+                * float(1.0 if self.share_cap is None else self.share_cap))
 
     @property
     def tokens_merged(self) -> int:
@@ -127,6 +132,7 @@ class Manifest(_Record):
     outer_lr: float | None = None
     cycle: float | None = None
     cycle_advance: float | None = None
+    outer_intake: float | None = None
     signature: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -161,6 +167,7 @@ class SyncerHeartbeat(_Record):
     num_merges: int | None = None
     num_quarantined: int | None = None
     time_s: float | None = None
+    alerts: tuple[str, ...] | None = None  # what the syncer cannot fix itself (``status`` shows them)
     signature: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 

@@ -134,3 +134,15 @@ class Island:
     @staticmethod
     def _full(t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if _is_dtensor(t) else t
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose parameter names the run's plan uses: DDP's ``.module`` and
+    torch.compile's ``._orig_mod`` are peeled off (FSDP2 keeps the names)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model

@@ -40,7 +40,8 @@ import torch.nn as nn
 from ddiloco_cli import layout, ledger, records, signing
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import DdilocoError, UsageError
-from ddiloco_cli.learner.island import Island
+from ddiloco_cli.learner.island import Island, unwrap
+from ddiloco_cli.learner import progress
 from ddiloco_cli.learner.receiver import InFlight, Ready, Receiver, receive_rule
 from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state, running_phases
 from ddiloco_cli.learner.stats import LearnerStats
@@ -75,18 +76,6 @@ class SyncOptions:
 def check_learner_id(learner_id: str) -> None:
     if not layout.valid_learner_id(learner_id):
         raise UsageError(f"--learner-id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module whose parameter names the run's plan uses: DDP's ``.module`` and
-    torch.compile's ``._orig_mod`` are peeled off (FSDP2 keeps the names)."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 class DiLoCoSync:
@@ -151,7 +140,7 @@ class DiLoCoSync:
         self._writer: SessionWriter | None = None
         self._previous_sigterm: Any = None
         self._started = False
-        self.started_s = 0.0
+        self.started_s = self.first_started_s = 0.0
         self.heartbeat_fields = dict(heartbeat_fields or {})  # e.g. the loop's data shard
 
     # ------------------------------------------------------------- public API
@@ -183,6 +172,7 @@ class DiLoCoSync:
         self.started_s = self.clock.time()
         held = check_id_free(self.store, self.learner_id, lease_s=self.config.lease_s,
                              sleep=self.clock.sleep) if io else None
+        self.first_started_s = progress.first_started(held, now_s=self.started_s)  # goodput spans restarts
         if held is not None:
             # carry step, tokens and byte counters over (a hint: keeps the LR schedule and totals continuous)
             rec, s = held.record, self.stats
@@ -343,6 +333,7 @@ class DiLoCoSync:
             num_contributions=s.num_contributions, blocked_s=s.blocked_s,
             versions={str(p): v for p, v in s.versions.items()}, device=str(self.island.device),
             session=self.session, host=socket.gethostname(), pid=os.getpid(), started_s=self.started_s,
+            first_started_s=self.first_started_s,
             time_s=self.clock.time(), schedule_offset=self.schedule_offset, **self.heartbeat_fields,
         )
 

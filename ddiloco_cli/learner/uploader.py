@@ -149,7 +149,11 @@ class Uploader:
             self.stats.num_contributions += 1
 
     def close(self) -> None:
-        """Finish every queued upload, then stop."""
+        """Finish every queued upload, then stop (without threads: upload them here, in turn)."""
+        if not self.threads:
+            while (item := self.take_next()) is not None:
+                self._upload(*item)
+            return
         for _ in self.threads:
             self.queue.put(None)
         for t in self.threads:

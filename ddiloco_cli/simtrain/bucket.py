@@ -95,7 +95,7 @@ class SimStore:
         self._charge_before_write = 0.0
         self.bytes_up = self.bytes_down = 0
         self.num_requests = 0
-        self.contributions_listed_t = -1.0  # when this connection last LISTed contributions
+        self.contributions_listed_t = -1.0  # the start of the turn that last LISTed contributions
 
     # ------------------------------------------------------------ costs
     def _request(self, *, up: int = 0, down: int = 0, overlapped: bool = False) -> None:
@@ -164,7 +164,8 @@ class SimStore:
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         t = self.clock.monotonic()
         if prefix.startswith(layout.CONTRIBUTION_ROOT):
-            self.contributions_listed_t = t
+            # the turn's start, not t: a write visible before t may still be made by an event after it
+            self.contributions_listed_t = self.clock.loop.now
         out = []
         for key in sorted(k for k in self.bucket.objects if k.startswith(prefix)):
             found = self.bucket.visible(key, t)

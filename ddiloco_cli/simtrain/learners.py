@@ -5,6 +5,8 @@ What a learner's threads do in production, each is an actor here with its own
 
 * the training loop: one turn per inner step, at the step's end (``learn.train_step``,
   then ``DiLoCoSync.step``: the send rule, the receive rule, alpha mix, [L8] hold-out);
+  at the end ``DiLoCoSync.close`` in one turn: the flush, the queued uploads, the final
+  heartbeat, one after the other as the closing process does them;
 * the upload workers: ``Uploader.take_next`` / ``encode`` / ``finish``; a full queue
   holds the training loop back until a worker takes an item, as ``submit`` blocks;
 * the receiver: ``Receiver.tick``; a version it downloaded reaches ``ready`` only when
@@ -208,9 +210,11 @@ class SimLearner:
         """The run's total_steps reached: close the session (flush, final heartbeat)."""
         sync = self.sync
         self.clock.begin()
-        self.hclock.begin()
+        # as ``close`` runs in the training process: the last uploads, then the final heartbeat, in turn
+        sync._uploader.store = sync._writer.store = self.store
+        sync._writer.clock = self.clock.monotonic
         sync.close()
-        self.hclock.spent = self.clock.spent = 0.0
+        self.clock.spent = 0.0
         self.finished = True
         self.report.finished_s = self.world.loop.now
         self.recv_timer.cancel()

@@ -95,7 +95,7 @@ class World:
     def done(self) -> bool:
         return all(learner.idle for learner in self.learners) and any(syncer.drained() for syncer in self.syncers)
 
-    def run(self) -> None:
+    def run(self, *, final_eval: bool = True) -> None:
         t0 = time.process_time()
         horizon_s = self.schedule()
         self.loop.run(done=self.done, limit_s=horizon_s)
@@ -103,7 +103,7 @@ class World:
         if not self.done():
             log.warning("simulation cut off at %.0f s of virtual time (learners idle: %s)", self.loop.now,
                         [learner.idle for learner in self.learners])
-        self.final_val = self.evaluate(final=True)
+        self.final_val = self.evaluate(final=True) if final_eval else float("nan")
         self.wall_s = time.process_time() - t0
 
     # ------------------------------------------------------------ evaluation

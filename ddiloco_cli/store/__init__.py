@@ -21,7 +21,8 @@ backend: ``retry_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``,
 the ``DDILOCO_STORE_FAULTS`` environment variable). For the cloud backends:
 ``connect_timeout_s``, ``read_timeout_s``, ``endpoint_url``, ``anon``,
 ``key``/``secret``/``token``, ``region_name``, ``expect_100_continue`` (S3),
-``project``/``token`` (GCS). Environment variables are
+``project``/``token`` (GCS); an unknown option is refused (``BACKEND_OPTIONS``),
+naming the closest known one. Environment variables are
 honoured as usual: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and the AWS
 credential chain for S3; ``STORAGE_EMULATOR_HOST`` (then ``token="anon"``) and
 Google application-default credentials for GCS.
@@ -109,6 +110,34 @@ def parse_storage_options(pairs: list[str]) -> dict:
     return out
 
 
+# the options each cloud backend understands (after the retry_* and faults options are
+# taken); anything else is refused, so a typo never silently falls back to a default
+_COMMON_OPTIONS = ("connect_timeout_s", "read_timeout_s", "endpoint_url", "anon", "token", "requester_pays")
+BACKEND_OPTIONS = {
+    "s3": (*_COMMON_OPTIONS, "key", "secret", "region_name", "region", "expect_100_continue", "profile",
+           "use_ssl", "config_kwargs", "client_kwargs", "s3_additional_kwargs"),
+    "gs": (*_COMMON_OPTIONS, "project", "access", "consistency"),
+}
+
+
+def check_backend_options(scheme: str, options: dict) -> None:
+    """Raise ``UsageError`` for an option the ``scheme`` backend does not know, naming
+    the closest known one (``-o endpoint=...`` -> "did you mean endpoint_url")."""
+    import difflib
+
+    from ddiloco_cli.store.retry import RetryPolicy
+
+    known = BACKEND_OPTIONS[scheme]
+    for name in options:
+        if name in known:
+            continue
+        everything = (*known, *RetryPolicy.OPTIONS, "faults")
+        close = difflib.get_close_matches(name, everything, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"unknown storage option {name!r} for {scheme}://; {hint}"
+                         f"known: {', '.join(sorted(everything))}")
+
+
 def open_store(url: str, *, options: dict | None = None) -> Store:
     """Open the bucket at ``url`` (see the module docstring for the URL forms and
     the layers around the backend).
@@ -157,6 +186,7 @@ def _open_backend(url: str, *, options: dict, policy) -> Store:
             raise UsageError(f"{url!r}: give the in-memory bucket a name, like memory://test")
         return MemoryStore(rest.strip("/"))
     if scheme in ("s3", "gs", "gcs"):
+        check_backend_options("s3" if scheme == "s3" else "gs", options)
         bucket, _, prefix = rest.partition("/")
         if not bucket:
             raise UsageError(f"{url!r} names no bucket; write {scheme}://BUCKET/PREFIX")

@@ -386,6 +386,7 @@ def _single_attempt_gcsfs():
     count is fixed when gcsfs defines the class), so our policy is the only one."""
     global _GCSFS_CLASS
     if _GCSFS_CLASS is None:
+        _quiet_google_loggers()
         import gcsfs
         from gcsfs.retry import retry_request
 
@@ -394,6 +395,19 @@ def _single_attempt_gcsfs():
 
         _GCSFS_CLASS = SingleAttemptGCSFileSystem
     return _GCSFS_CLASS
+
+
+def _quiet_google_loggers() -> None:
+    """gcsfs logs every failed request with its traceback (``logger.exception``) and
+    google.auth warns on each metadata-server probe; our error already says what failed
+    in one line, as for S3. GCSFS_DEBUG (gcsfs's own switch) keeps them."""
+    import logging
+
+    if os.environ.get("GCSFS_DEBUG"):
+        return
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+    logging.getLogger("google.auth").setLevel(logging.ERROR)
+    logging.getLogger("google.auth.compute_engine").setLevel(logging.CRITICAL)
 
 
 def _to_epoch_s(value) -> float:

@@ -11,6 +11,7 @@ import socket
 import pytest
 
 from ddiloco_cli.learner.session import read_heartbeat
+from ddiloco_cli.observe import run_status
 from ddiloco_cli.store import open_store
 from support.built_run import invoke
 from support.procs import Procs, learner_heartbeat, terminate, versions, wait_for
@@ -84,5 +85,43 @@ def test_learner_warns_within_2h_steps_when_the_syncer_dies(tmp_path):
         assert "start one with `ddiloco sync URL`" in alerts[-1].group(4)
         assert learner.poll() is None, "the learner keeps training without a syncer"
         assert terminate(learner) == 0
+    finally:
+        procs.close()
+
+
+def test_goodput_counts_from_the_first_session_across_a_kill_and_restart(tmp_path):
+    """Issue 26 item 1: a learner killed with SIGKILL and restarted carries its first session's
+    start in its heartbeat (``first_started_s``), so `status` counts goodput from it: the
+    time the learner was dead is lost goodput, not forgotten."""
+    url = str(tmp_path / "bucket")
+    procs = Procs(tmp_path)
+    store = open_store(url)
+    try:
+        _init(procs, url)
+        first = procs.start("first", "learn", url, "--learner-id", "a", *LEARN)
+        wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("step", 0) >= 2, timeout_s=120,
+                 what="the first session training", procs=procs)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        hb1 = learner_heartbeat(url, "a")
+        assert hb1["first_started_s"] == hb1["started_s"]  # a first session starts its own count
+
+        second = procs.start("second", "learn", url, "--learner-id", "a", *LEARN)
+        wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("session") != hb1["session"]
+                 and learner_heartbeat(url, "a")["step"] > hb1["step"], timeout_s=120,
+                 what="the second session training", procs=procs)
+        hb2 = learner_heartbeat(url, "a")
+        assert hb2["started_s"] > hb1["time_s"]  # a new session...
+        # ...that dates the id's first start to the first session's (one clock here; the carried
+        # value may only be early by the moments between the second session's clock and store reads)
+        assert hb1["started_s"] - 30 < hb2["first_started_s"] <= hb1["started_s"] + 0.01, (hb1, hb2)
+
+        status = run_status(store)
+        assert status["training_age_s"] >= status["now_s"] - (hb1["started_s"] + 0.01) - 1.0
+        g = status["goodput"]
+        assert g["goodput"] is not None and g["goodput"] < 1.0, g  # the dead time is lost goodput
+        assert g["possible_tokens"] > g["tokens"] > 0
+        assert terminate(second) == 0
+        assert learner_heartbeat(url, "a")["first_started_s"] == hb2["first_started_s"]
     finally:
         procs.close()

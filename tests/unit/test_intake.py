@@ -39,7 +39,8 @@ def _take(decode_threads: int):
     s.intake.decode_threads = decode_threads
     quarantined = []
     report = s.intake.quarantine
-    s.intake.quarantine = lambda key, reason: (quarantined.append((key, reason.split(": ", 1)[1])), report(key, reason))
+    s.intake.quarantine = lambda key, reason, **kw: (quarantined.append((key, reason.split(": ", 1)[1])),
+                                                        report(key, reason, **kw))
     s.poll_contributions()
     for st in s.states.values():  # the bytes' own hash (each bucket has its own run id in the headers)
         assert all(c.sha256 == records.sha256_hex(s.store.get(c.key)) for cs in st.pending.values() for c in cs)

@@ -65,8 +65,9 @@ def test_init_writes_plan_first_run_json_last_W6(store_url, backend):
         at = writes.index(layout.manifest_key(p, 0))
         assert all(writes.index(e["key"]) < at for e in m["payloads"])
     rec.log.clear()
-    with pytest.raises(UsageError, match="already exists"):
-        make_run(rec)
+    assert make_run(rec)["run_id"] == ledger.read_run(rec)["run_id"]  # an identical init joins the run
+    with pytest.raises(UsageError, match="already exists .*--outer-lr"):
+        make_run(rec, outer_lr=0.5)  # another config is refused
     assert not [op for op, _ in rec.log if op != "get"]
 
 
@@ -315,22 +316,25 @@ def test_serving_syncer_quarantines_and_commits_nothing_V1(run_store):
 
 
 def test_stale_contribution_is_refused_in_the_ledger_V2(run_store):
-    """[V2] a contribution whose base is more than max_staleness cycles old is refused: a ledger
-    entry with the reason (no quarantine: it is valid, only too old); one within the bound
-    but past two cycles is merged with a staleness discount recorded in its entry."""
+    """[V2] a contribution whose base is more than max_staleness cycles of the other learners'
+    work old is refused: a ledger entry with the reason (no quarantine: it is valid, only too
+    old); one within the bound but past two cycles is merged with a staleness discount
+    recorded in its entry."""
     beat(run_store, "a")
     beat(run_store, "b")
     s = live_syncer(run_store)
-    drive(run_store, s, rounds=5)  # max_staleness is 4 cycles; each version advances 1.25 cycles here
-    stale, _, _ = contribution(run_store, 0, "a", 10_000, base_version=0)
-    late, _, _ = contribution(run_store, 0, "b", 10_001, base_version=2)
-    contribution(run_store, 0, "a", 10_002, base_version=5)  # every live learner reported: no grace wait
+    # max_staleness is 4 cycles; each version advances the clock 1 cycle (b's 3 steps count as
+    # H = 2), half of it each learner's
+    drive(run_store, s, rounds=10)
+    stale, _, _ = contribution(run_store, 0, "a", 10_000, base_version=0)  # b merged 5 cycles since
+    late, _, _ = contribution(run_store, 0, "b", 10_001, base_version=2)  # a merged 4 cycles since
+    contribution(run_store, 0, "a", 10_002, base_version=10)  # every live learner reported: no grace wait
     assert step(s, 0)
-    m = ledger.read_manifest(run_store, 0, 6)
+    m = ledger.read_manifest(run_store, 0, 11)
     by_key = {c["key"]: c for c in m["contributions"]}
     assert by_key[stale]["status"] == "refused" and "stale" in by_key[stale]["reason"]
     assert not by_key[stale]["used"]
-    assert by_key[late]["status"] == "used" and by_key[late]["staleness"] == pytest.approx(1.25 * (5 - 2))
+    assert by_key[late]["status"] == "used" and by_key[late]["staleness"] == pytest.approx(0.5 * (10 - 2))
     assert by_key[late]["discount"] == pytest.approx(2 / by_key[late]["staleness"])
     assert m["high_water"]["a"] == 10_002
     assert not any(i.key == layout.quarantine_key(stale) for i in run_store.list("quarantine/"))

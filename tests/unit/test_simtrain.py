@@ -189,3 +189,12 @@ def test_verify_catches_a_state_that_a_replay_does_not_reproduce():
     key = next(iter(state.current.raw))
     state.current.raw[key] = state.current.raw[key] + 1e-3
     assert any("differs" in problem for problem in verify(world))
+
+
+def test_the_example_scenarios_load():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[2] / "examples" / "simulation").glob("*.toml"))
+    assert files
+    for path in files:
+        load_scenario(str(path)).run_config()

@@ -84,7 +84,7 @@ def test_intake_refuses_a_contribution_denser_than_the_run():
     store = _sparse_run()
     s = live_syncer(store)
     quarantined = []
-    s.intake.quarantine = lambda key, reason: quarantined.append((key, reason))
+    s.intake.quarantine = lambda key, reason, **kw: quarantined.append((key, reason))
     run = ledger.read_run(store)
     assert run["codec_density"] == 0.02 and run["error_feedback_decay"] == 0.95
     meta = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id="b", seq=1, base_version=0,

@@ -102,7 +102,7 @@ def test_a_torn_contribution_is_quarantined_not_merged(tmp_path):
     assert store.put_if_absent(layout.contribution_key(0, "a", 99_999), payload(99_999))
     reasons = {}
     report = s.intake.quarantine
-    s.intake.quarantine = lambda key, reason: (reasons.__setitem__(key, reason), report(key, reason))
+    s.intake.quarantine = lambda key, reason, **kw: (reasons.__setitem__(key, reason), report(key, reason, **kw))
     s.poll_contributions()
     assert set(reasons) == set(keys)  # every torn one, nothing else
     for key, reason in reasons.items():

@@ -8,6 +8,7 @@ import heapq
 import json
 import shutil
 import uuid
+import statistics
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from ddiloco_cli import layout, ledger
 from ddiloco_cli.audit import audit_ledger
 from ddiloco_cli.clock import VirtualClock
 from ddiloco_cli.intake import Contribution, add_pending
+from ddiloco_cli.judge import NORM_BOUND_FACTOR
 from ddiloco_cli.outer import OuterOptimizer
 from ddiloco_cli.store import open_store
 from ddiloco_cli.syncer import Syncer, SyncerOptions
@@ -242,20 +244,25 @@ def test_non_finite_update_commits_nothing_and_refuses_the_culprit_V3(run_store)
     assert [c["seq"] for c in ledger.read_manifest(run_store, 0, 1)["contributions"]] == [6]
 
 
-def test_contribution_far_above_the_running_median_norm_is_refused_V2(run_store):
-    """[V2] once 8 norms are known, a contribution 1000x the running median is refused."""
+def test_contribution_far_above_the_running_median_norm_is_clipped_V2(run_store):
+    """[V2] once 8 norms are known, a contribution 1000x the running median is scaled down to
+    the bound (not refused), its factor in the ledger; a restarted syncer has the same median."""
     beat(run_store, "a")
     s = live_syncer(run_store)
     for seq in range(1, 9):
         contribution(run_store, 0, "a", seq, base_version=s.states[0].version)
         assert step(s, 0)
+    median = statistics.median(s.states[0].norms)
+    assert list(restored(run_store).states[0].norms) == list(s.states[0].norms)  # from the ledger
     big = {k: 1000 * t for k, t in contribution(run_store, 0, "a", 9, key="tmp/9.safetensors")[2].items()}
     key, _, _ = contribution(run_store, 0, "a", 10, base_version=8, tensors=big)
-    assert not step(s, 0)
-    contribution(run_store, 0, "a", 11, base_version=8)
     assert step(s, 0)
     entry = {c["key"]: c for c in ledger.read_manifest(run_store, 0, 9)["contributions"]}[key]
-    assert entry["status"] == "refused" and "running median" in entry["reason"]
+    assert entry["status"] == "used" and 0 < entry["clip"] < 0.01
+    assert entry["norm"] == pytest.approx(NORM_BOUND_FACTOR * median)
+    r = restored(run_store)  # the replay clips the same
+    assert r.states[0].version == 9
+    assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in s.states[0].current.raw.items())
 
 
 def _resend_on_a_merged_base():

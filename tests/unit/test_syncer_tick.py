@@ -16,8 +16,9 @@ from support.runs import beat, contribution, make_run
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ddiloco_cli"
 # the syncer's side: its logic reads time only through an injected clock.Clock
-SYNCER_SIDE = ["syncer.py", "intake.py", "lease.py", "fence.py", "update.py", "replay.py", "audit.py", "ledger.py",
-               "outer.py", "merge.py", "published.py", "gc.py", "signing.py"]
+SYNCER_SIDE = ["syncer.py", "syncstate.py", "restore.py", "poll.py", "judge.py", "decide.py", "commit.py", "intake.py",
+               "lease.py", "fence.py", "update.py", "replay.py", "audit.py", "ledger.py", "outer.py", "merge.py",
+               "published.py", "gc.py", "signing.py", "typed_records.py"]
 
 
 def test_no_syncer_side_module_reads_the_hosts_clock_or_sleeps():

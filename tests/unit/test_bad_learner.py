@@ -1,0 +1,222 @@
+"""One bad learner (or one bad object) cannot hurt the run (issue 25): signatures are
+checked before decoding and quarantine reports survive a restart [A2]."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddiloco_cli import codec, layout, ledger, records, signing
+from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.store import open_store
+from ddiloco_cli.syncer import Syncer, SyncerOptions
+
+TASK = "ddiloco_cli.tasks.gpt:tiny"
+
+
+@pytest.fixture
+def keys(tmp_path):
+    return {name: signing.new_key(tmp_path / f"{name}.pem") for name in ("admin", "a", "syncer")}
+
+
+def _signed_run(tmp_path, keys):
+    store = open_store(str(tmp_path / "run"))
+    run = init_run(store, RunSpec(task=TASK, num_fragments=2, sync_every=4, codec="none", publish_codec="none",
+                                  lease_s=60.0, heartbeat_s=1.0, outer_lr=0.7), admin=keys["admin"])
+    signing.admit(store, run=run, member_id="a", public_key=keys["a"].public_key, role="learner", admin=keys["admin"])
+    signing.admit(store, run=run, member_id="s", public_key=keys["syncer"].public_key, role="syncer",
+                  admin=keys["admin"])
+    rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id="a", state="running", step=1, tokens=1,
+                       step_time_s=0.01)
+    hb = layout.learner_heartbeat_key("a")
+    store.put(hb, records.dumps(signing.sign_record(rec, run_id=run["run_id"], key=hb, signer=keys["a"])))
+    return store, run
+
+
+def _payload(store, run, learner_id: str, seq: int, signer: signing.Signer | None) -> tuple[str, bytes]:
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    g = torch.Generator().manual_seed(seq)
+    tensors = {k: 0.01 * torch.randn(s, generator=g) for k, s in expected_shapes(plan, 0).items()}
+    header = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id=learner_id, seq=seq,
+                          base_version=0, c_tokens=64, c_steps=2, nonce=records.new_nonce())
+    data = codec.encode_tensors(tensors, codec="none", metadata=header)
+    key = layout.contribution_key(0, learner_id, seq)
+    if signer is not None:
+        data = signing.sign_payload(data, kind="contribution", run_id=run["run_id"], key=key, signer=signer)
+    return key, data
+
+
+def _syncer(store, keys, name: str) -> Syncer:
+    s = Syncer(store, options=SyncerOptions(syncer_id=name, poll_s=0.01, gc=False, decode_threads=1,
+                                            key_path=str(keys["syncer"].path)))
+    assert s.acquire()
+    s.check_fence()
+    s.restore()
+    return s
+
+
+def _counting(monkeypatch):
+    calls = {"decode": 0, "verify": 0}
+    decode, verify = codec.decode_tensors, signing.verify_payload
+
+    def counted_decode(*a, **kw):
+        calls["decode"] += 1
+        return decode(*a, **kw)
+
+    def counted_verify(*a, **kw):
+        calls["verify"] += 1
+        return verify(*a, **kw)
+
+    monkeypatch.setattr(codec, "decode_tensors", counted_decode)
+    monkeypatch.setattr(signing, "verify_payload", counted_verify)
+    return calls
+
+
+def test_junk_is_refused_before_decoding_and_costs_each_syncer_once_A2(tmp_path, keys, monkeypatch):
+    store, run = _signed_run(tmp_path, keys)
+    good_key, good = _payload(store, run, "a", 1, keys["a"])
+    store.put_if_absent(good_key, good)
+    junk = []
+    for i in range(12):  # unsigned payloads under fake ids, and one of a's signed by another key
+        key, data = _payload(store, run, f"fake{i}", 1, None)
+        store.put_if_absent(key, data)
+        junk.append(key)
+    key, data = _payload(store, run, "a", 2, keys["syncer"])
+    store.put_if_absent(key, data)
+    junk.append(key)
+
+    calls = _counting(monkeypatch)
+    first = _syncer(store, keys, "first")
+    calls.update(decode=0, verify=0)  # restoring decodes the published versions
+    first.poll_contributions()
+    assert calls["decode"] == 1  # only the good one was decoded: junk fails its signature first
+    assert set(first.intake.bad_keys) == set(junk)
+    for key in junk:
+        report = records.loads(store.get(layout.quarantine_key(key)), "quarantine", where=key)
+        assert report["key"] == key and report["size"] == len(store.get(key)) and "signature" in report
+    assert [c.key for cs in first.states[0].pending.values() for c in cs] == [good_key]
+
+    second = _syncer(store, keys, "second")  # a restart (or failover): the reports are believed
+    calls.update(decode=0, verify=0)
+    second.poll_contributions()
+    assert calls == {"decode": 1, "verify": 1}  # the good one again (not yet merged); no junk
+    assert second.intake.reports_believed == len(junk) and set(second.intake.bad_keys) == set(junk)
+
+
+def test_a_forged_or_resized_quarantine_report_is_not_believed_A2(tmp_path, keys, monkeypatch):
+    store, run = _signed_run(tmp_path, keys)
+    good_key, good = _payload(store, run, "a", 1, keys["a"])
+    store.put_if_absent(good_key, good)
+    fake = records.make("quarantine", key=good_key, reason="junk", size=len(good))  # unsigned: anyone could write it
+    store.put_if_absent(layout.quarantine_key(good_key), records.dumps(fake))
+    s = _syncer(store, keys, "s")
+    s.poll_contributions()
+    assert s.intake.reports_believed == 0 and good_key not in s.intake.bad_keys
+    assert [c.key for cs in s.states[0].pending.values() for c in cs] == [good_key]
+
+
+# ----------------------------------------------------------- a tampered ledger
+def _two_fragment_syncer(store, **run):
+    from support.runs import beat, contribution, live_syncer, make_run, step
+
+    make_run(store, **run)
+    beat(store, "a")
+    s = live_syncer(store)
+    for v in range(3):
+        for p in (0, 1):
+            contribution(store, p, "a", 10 * v + p + 1, base_version=v)
+            assert step(s, p)
+    return s, contribution, step
+
+
+def test_a_manifest_copied_to_the_next_version_halts_only_its_fragment(tmp_path):
+    from ddiloco_cli.observe import verify_run
+
+    store = open_store(str(tmp_path / "run"))
+    s, contribution, step = _two_fragment_syncer(store)
+    store.put_if_absent(layout.manifest_key(0, 4), store.get(layout.manifest_key(0, 3)))  # v3's content at key v4
+    for p in (0, 1):
+        contribution(store, p, "a", 100 + p, base_version=3)
+    s.tick()  # fragment 0 tries version 4 (taken), cannot re-read its ledger: not an exception
+    assert 0 in s.unavailable and 0 not in s.states and "claims" in s.unavailable[0]
+    assert s.states[1].version == 4  # the other fragment keeps advancing
+    contribution(store, 1, "a", 200, base_version=4)
+    s.tick()
+    assert s.states[1].version == 5
+    beat = records.loads(store.get(layout.syncer_heartbeat_key(s.epoch.epoch)), "syncer_heartbeat", where="hb")
+    assert any("fragment 0 is not served" in a for a in beat["alerts"])
+    from ddiloco_cli.observe import run_status
+
+    assert any("fragment 0 is not served" in a for a in run_status(store)["alerts"])  # what status --check prints
+    assert any(layout.manifest_key(0, 4) in p for p in verify_run(store))
+
+
+def test_a_deleted_newest_manifest_is_put_back_and_learners_get_one_line(tmp_path):
+    from ddiloco_cli.errors import ProtocolError
+    from ddiloco_cli.observe import verify_run
+    from ddiloco_cli.published import FragmentReader
+
+    store = open_store(str(tmp_path / "run"))
+    s, contribution, step = _two_fragment_syncer(store, publish_codec="int8")  # odd versions: a delta only
+    s.heartbeat(force=True)  # as a serving syncer does every heartbeat_s
+    key3 = layout.manifest_key(0, 3)
+    kept = store.get(key3)
+    store.delete(key3)
+    assert any(key3 in p and "deleted" in p for p in verify_run(store))
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    contribution(store, 0, "a", 100, base_version=3)
+    assert step(s, 0) and s.states[0].version == 4  # commits over the gap only after putting v3 back
+    assert store.get(key3) == kept
+    assert verify_run(store) == []
+    contribution(store, 0, "a", 101, base_version=4)
+    assert step(s, 0)
+    store.delete(layout.manifest_key(0, 4))  # gone under version 5, whose delta needs it: one line for a reader
+    reader = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=0)
+    with pytest.raises(ProtocolError, match="version 4 of fragment 0 is missing") as err:
+        reader.read(5)
+    assert "\n" not in str(err.value) and "inspect" in str(err.value)
+
+
+# ------------------------------------------------------------ bounded influence
+def test_one_learners_share_of_a_merge_is_capped_and_replayed(tmp_path):
+    from support.runs import beat, contribution, live_syncer, make_run, restored, step
+
+    from ddiloco_cli.decide import MAX_SHARE
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, quorum=3)
+    for lid in "abc":
+        beat(store, lid)
+    s = live_syncer(store, fragments=[0])
+    contribution(store, 0, "a", 1, c_tokens=64, c_steps=2)
+    contribution(store, 0, "b", 1, c_tokens=48, c_steps=2)
+    contribution(store, 0, "c", 1, c_tokens=2**40, c_steps=2)  # counters that would swamp the merge
+    assert step(s, 0)
+    used = {e["learner_id"]: e for e in ledger.read_manifest(store, 0, 1)["contributions"]}
+    eff = {lid: e["weight"] * e.get("discount", 1.0) * e.get("share_cap", 1.0) for lid, e in used.items()}
+    assert "share_cap" not in used["a"] and "share_cap" not in used["b"]
+    assert MAX_SHARE == 0.5 and eff["c"] == pytest.approx(eff["a"] + eff["b"])  # half the merge's weight
+    r = restored(store)
+    assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in s.states[0].current.raw.items())
+
+
+def test_a_merge_of_weight_zero_takes_no_outer_step_momentum_included(tmp_path):
+    from support.runs import beat, contribution, live_syncer, make_run, restored, step
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, outer_momentum=0.9)
+    beat(store, "a")
+    s = live_syncer(store, fragments=[0])
+    contribution(store, 0, "a", 1)
+    assert step(s, 0)  # momentum is not zero now
+    before = {k: t.clone() for k, t in s.states[0].current.raw.items()}
+    contribution(store, 0, "a", 2, base_version=1, c_tokens=0, c_steps=2)  # claims no work: weight 0
+    assert step(s, 0)
+    m = ledger.read_manifest(store, 0, 2)
+    assert m["outer_steps"] == 1 and m["contributions"][0]["weight"] == 0
+    assert all(torch.equal(t, s.states[0].current.raw[k]) for k, t in before.items())
+    r = restored(store)
+    assert r.states[0].outer.num_steps == 1
+    assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in before.items())
