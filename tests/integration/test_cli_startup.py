@@ -23,7 +23,8 @@ try:
     code = 0
 except SystemExit as exc:
     code = exc.code or 0
-print("PROBE " + json.dumps({"code": code, "torch": "torch" in sys.modules}))
+print("PROBE " + json.dumps({"code": code, "torch": "torch" in sys.modules,
+                             "heavy": [m for m in ("numpy", "jsonschema", "tenacity") if m in sys.modules]}))
 """
 
 
@@ -48,6 +49,8 @@ def test_light_commands_do_not_import_torch(built, tmp_path, args):
     got = _probe(argv)
     assert got["code"] in (0, 1), got["output"]  # status --check exits 1 on alerts (no syncer alive)
     assert not got["torch"], f"`ddiloco {' '.join(args)}` imported torch:\n{got['output']}"
+    # nor numpy, jsonschema (only to explain a refused record) or tenacity (only once a call failed)
+    assert got["heavy"] == [] or args[0] in ("keys",) and args[1] == "new", got["heavy"]
 
 
 def test_training_commands_and_the_full_help_still_load():
