@@ -220,3 +220,30 @@ def test_a_merge_of_weight_zero_takes_no_outer_step_momentum_included(tmp_path):
     r = restored(store)
     assert r.states[0].outer.num_steps == 1
     assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in before.items())
+
+
+# ------------------------------------------------------ counters a learner cannot inflate
+def test_counted_tokens_and_steps_are_bounded_by_the_run_and_the_clock(tmp_path):
+    import time
+
+    from support.runs import beat, contribution, live_syncer, make_run, step
+
+    from ddiloco_cli.decide import STEP_SLACK, TOKEN_SLACK
+
+    store = open_store(str(tmp_path / "run"))
+    t0 = time.time()
+    make_run(store, max_tokens_per_step=32, sync_every=2)
+    assert ledger.read_run(store)["max_tokens_per_step"] == 32
+    beat(store, "a")
+    s = live_syncer(store, fragments=[0])
+    contribution(store, 0, "a", 1, c_tokens=64, c_steps=2)  # honest: 32 tokens a step
+    assert step(s, 0)
+    contribution(store, 0, "a", 2, base_version=1, c_tokens=2**40, c_steps=2)  # tokens inflated
+    assert step(s, 0)
+    contribution(store, 0, "a", 3, base_version=2, c_tokens=2**45, c_steps=2**40)  # steps and tokens inflated
+    assert step(s, 0)
+    w = [ledger.read_manifest(store, 0, v)["contributions"][0]["weight"] for v in (1, 2, 3)]
+    assert w[0] == 64 * 64 / 2  # within the bound: unchanged
+    assert w[1] == (TOKEN_SLACK * 32 * 2) ** 2 / 2
+    max_steps = 2 + STEP_SLACK * (time.time() - t0) / 0.01  # the live learners' step time: 0.01 s
+    assert w[2] <= (TOKEN_SLACK * 32) ** 2 * max_steps < 1e-6 * 2**90 / 2**40
