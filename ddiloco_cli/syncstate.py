@@ -90,7 +90,8 @@ class Learners:
     def refresh(self) -> None:
         self.refreshed_t = self.clock.monotonic()
         beats = []
-        for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
+        for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat",
+                                        lease_s=self.config.lease_s):
             hb = LearnerHeartbeat.from_json(b.record)
             if self.trust.admits(b.record, key=b.key, role="learner", member_id=hb.learner_id):  # [A3]
                 beats.append((hb, b.age_s))

@@ -247,3 +247,30 @@ def test_counted_tokens_and_steps_are_bounded_by_the_run_and_the_clock(tmp_path)
     assert w[1] == (TOKEN_SLACK * 32 * 2) ** 2 / 2
     max_steps = 2 + STEP_SLACK * (time.time() - t0) / 0.01  # the live learners' step time: 0.01 s
     assert w[2] <= (TOKEN_SLACK * 32) ** 2 * max_steps < 1e-6 * 2**90 / 2**40
+
+
+# ---------------------------------------------------------------------- clocks
+def test_a_heartbeat_dated_in_the_future_is_invalid_not_live(tmp_path):
+    import os
+    import time
+
+    from support.runs import beat, live_syncer, make_run
+
+    from ddiloco_cli.learner.session import check_id_free
+    from ddiloco_cli.observe import run_status
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, lease_s=2.0)
+    beat(store, "m")
+    beat(store, "a")
+    path = tmp_path / "run" / layout.learner_heartbeat_key("m")
+    future = time.time() + 3 * 3600  # three hours ahead: a clock gone wrong
+    os.utime(path, (future, future))
+    s = live_syncer(store)
+    s.learners.refresh()
+    assert s.live_learners == {"a"}  # m is not live (and does not scale the outer lr)
+    held = check_id_free(store, "m", lease_s=2.0, sleep=lambda _: pytest.fail("waited on an invalid heartbeat"))
+    assert held is not None  # the id is free: a new session may take it
+    status = run_status(store)
+    assert {r["learner_id"]: r["alive"] for r in status["learners"]} == {"a": True}
+    assert any(layout.learner_heartbeat_key("m") in e and "future" in e for e in status["errors"])
