@@ -100,17 +100,29 @@ def keys_new(path: Annotated[str, typer.Argument(
 def admit(
     url: Url,
     member_id: Annotated[str, typer.Argument(metavar="ID", help="Learner id (or syncer name with --role syncer)")],
-    public_key: Annotated[str, typer.Argument(metavar="PUBKEY", help="Public key printed by `ddiloco keys new`")],
+    public_key: Annotated[Optional[str], typer.Argument(metavar="PUBKEY",
+                                                        help="Public key printed by `ddiloco keys new`")] = None,
     role: Annotated[str, typer.Option(metavar="learner|syncer", help="What the key may sign")] = "learner",
+    revoke: Annotated[bool, typer.Option("--revoke", metavar="", help="Remove ID's admission instead (no PUBKEY): its key "
+                                                          "stops being accepted within seconds")] = False,
     admin_key: Annotated[Optional[str], typer.Option(
         "--admin-key", metavar="PATH", envvar="DDILOCO_ADMIN_KEY", show_envvar=True,
         help="The run's admin key (default ~/.config/ddiloco/admin.pem)")] = None,
     storage_option: StorageOpts = None,
 ) -> None:
-    """Let PUBKEY sign as ID in a run that requires signatures (re-admitting an id replaces its key)."""
+    """Let PUBKEY sign as ID in a run that requires signatures (re-admitting an id replaces its key);
+    with --revoke, stop accepting ID's key."""
     from ddiloco_cli import ledger
-    from ddiloco_cli.signing import admit as admit_key, load_admin_key, parse_public_key
+    from ddiloco_cli.errors import UsageError
+    from ddiloco_cli.signing import admit as admit_key, load_admin_key, parse_public_key, revoke as revoke_key
 
+    if revoke or public_key is None:
+        if not revoke or public_key is not None:
+            raise UsageError("give PUBKEY to admit a key, or --revoke without PUBKEY to remove an admission")
+        store = _store(url, storage_option)
+        revoke_key(store, run=ledger.read_run(store), member_id=member_id, admin=load_admin_key(admin_key, create=False))
+        console.print(f"revoked {member_id}: its key is no longer accepted", highlight=False, soft_wrap=True)
+        return
     public_key = parse_public_key(public_key)  # a typo fails before any key file or bucket is read
     store = _store(url, storage_option)
     record = admit_key(store, run=ledger.read_run(store), member_id=member_id, public_key=public_key, role=role,

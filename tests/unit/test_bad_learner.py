@@ -274,3 +274,34 @@ def test_a_heartbeat_dated_in_the_future_is_invalid_not_live(tmp_path):
     status = run_status(store)
     assert {r["learner_id"]: r["alive"] for r in status["learners"]} == {"a": True}
     assert any(layout.learner_heartbeat_key("m") in e and "future" in e for e in status["errors"])
+
+
+# ------------------------------------------------------------------- visibility
+def test_status_alerts_on_a_learner_whose_contributions_keep_being_clipped(tmp_path):
+    from support.runs import beat, contribution, live_syncer, make_run, step
+
+    from ddiloco_cli.observe import run_status
+    from ddiloco_cli.syncstate import SUSPECT_AFTER
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store)
+    beat(store, "a")
+    s = live_syncer(store, fragments=[0])
+    for seq in range(1, 9):  # eight honest norms: the bound is on
+        contribution(store, 0, "a", seq, base_version=s.states[0].version)
+        assert step(s, 0)
+    beat(store, "a", state="left")
+    beat(store, "m")
+    s.learners.refresh()
+    for i in range(SUSPECT_AFTER):
+        v = s.states[0].version
+        big = {k: 500 * t for k, t in contribution(store, 0, "a", 100 + i, key=f"tmp/{i}")[2].items()}
+        contribution(store, 0, "m", 10 + i, base_version=v, tensors=big)
+        assert step(s, 0)
+        assert not any("learner m" in a for a in s.alerts()) or i == SUSPECT_AFTER - 1
+    assert any("learner m" in a and "norm clipped" in a for a in s.alerts())
+    s.heartbeat(force=True)
+    assert any("learner m" in a and "revoke" in a for a in run_status(store)["alerts"])
+    contribution(store, 0, "m", 20, base_version=s.states[0].version)  # an honest one clears it
+    assert step(s, 0)
+    assert not any("learner m" in a for a in s.alerts())
