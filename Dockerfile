@@ -5,6 +5,12 @@
 #   docker run --rm ddiloco:cpu sync s3://my-bucket/runs/exp1 -o endpoint_url=...
 #   docker run --rm --gpus all ddiloco:cuda learn s3://my-bucket/runs/exp1 --learner-id gpu-a --device cuda
 #
+# Signed runs (the default on s3:// and gs://): mount the learner's key read-only and
+# readable by the image's user (uid 1000), with mode 0600 as ddiloco requires:
+#   install -m 600 -o 1000 learner.pem /etc/ddiloco/learner.pem
+#   docker run --rm -v /etc/ddiloco/learner.pem:/run/secrets/ddiloco.pem:ro -e DDILOCO_KEY=/run/secrets/ddiloco.pem \
+#     ddiloco:cpu learn s3://my-bucket/runs/exp1 --learner-id a
+#
 # The CUDA variant needs no CUDA base image: PyPI's Linux torch wheels bring the CUDA
 # runtime libraries with them; only the host's NVIDIA driver is used.
 ARG PYTHON_VERSION=3.11
@@ -12,7 +18,7 @@ FROM python:${PYTHON_VERSION}-slim
 
 ARG VARIANT=cpu
 ARG TORCH_VERSION=2.13.0
-ARG EXTRAS=plot,tensorboard
+ARG EXTRAS=plot,tensorboard,hf,yaml
 
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 

@@ -110,18 +110,27 @@ def export(
     hf_dir: Annotated[Optional[str], typer.Option(
         "--hf-dir", metavar="DIR",
         help="Write a Hugging Face save_pretrained directory instead (tasks built on transformers)")] = None,
+    push_to_hub: Annotated[Optional[str], typer.Option(
+        "--push-to-hub", metavar="OWNER/NAME",
+        help="With --hf-dir: also upload the directory to this Hugging Face Hub model repository")] = None,
     task: TaskOverride = None,
     storage_option: StorageOpts = None,
 ) -> None:
     """Assemble the latest global model into one safetensors file (run config in its metadata),
-    or with --hf-dir into a directory AutoModelForCausalLM.from_pretrained loads."""
+    or with --hf-dir into a directory AutoModelForCausalLM.from_pretrained and AutoTokenizer load."""
     from ddiloco_cli.export import export_hf, export_model
 
     if (output is None) == (hf_dir is None):
         raise UsageError("give either OUT.safetensors or --hf-dir DIR")
+    if push_to_hub and not hf_dir:
+        raise UsageError("--push-to-hub uploads an --hf-dir export: add --hf-dir DIR")
     store = _store(url, storage_option)
     info = export_hf(store, hf_dir, task_spec=task) if hf_dir else export_model(store, output, task_spec=task)
     console.print(f"wrote {info['path']}: {info['num_params']:,} parameters, versions {info['versions']}", soft_wrap=True)
+    if push_to_hub:
+        from ddiloco_cli.hfexport import push_to_hub as push
+
+        console.print(f"pushed {info['path']} to {push(hf_dir, push_to_hub)}", soft_wrap=True)
 
 
 @app.command("eval")
@@ -153,7 +162,8 @@ def metrics(
     url: Url,
     tensorboard: Annotated[Optional[str], typer.Option(
         "--tensorboard", metavar="DIR", help="Write TensorBoard event files under DIR (one run per writer)")] = None,
-    csv_path: Annotated[Optional[str], typer.Option("--csv", metavar="FILE", help="Write one CSV row per record")] = None,
+    csv_path: Annotated[Optional[str], typer.Option(
+        "--csv", metavar="FILE", help="Write one CSV row per record (-: to stdout)")] = None,
     storage_option: StorageOpts = None,
 ) -> None:
     """Export the run's metrics history (learners' and syncers' records) to TensorBoard or CSV."""
@@ -167,7 +177,8 @@ def metrics(
         n = m.write_tensorboard(records, tensorboard)
         console.print(f"wrote {n} scalars from {len(records)} records to {tensorboard} (tensorboard --logdir {tensorboard})", soft_wrap=True)
     else:
-        console.print(f"wrote {m.write_csv(records, csv_path)} records to {csv_path}", soft_wrap=True)
+        where = "stdout" if csv_path == "-" else csv_path
+        console.print(f"wrote {m.write_csv(records, csv_path)} records to {where}", soft_wrap=True)
 
 
 @app.command()

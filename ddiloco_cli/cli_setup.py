@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ddiloco_cli.clibase import StorageOpts, Url, _Commands, _store, app, console, out
+from ddiloco_cli.clibase import JsonOut, StorageOpts, Url, _Commands, _store, app, console, out
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.runflags import settings_of, with_run_settings
@@ -49,7 +49,7 @@ def init(
     --force-clean).
     """
     from ddiloco_cli.runconfig import default_config_toml, load_config_file
-    from ddiloco_cli.runinit import init_run
+    from ddiloco_cli.runinit import init_or_join
     from ddiloco_cli.signing import default_require_signatures, load_admin_key
 
     if print_config:
@@ -65,10 +65,13 @@ def init(
     spec = RunConfig.from_flags(values)
     require = default_require_signatures(url) if require_signatures is None else require_signatures
     admin = load_admin_key(admin_key, create=True) if require else None
-    run = init_run(_store(url, storage_option), spec, force_clean=force_clean,
-                   note=lambda line: console.print(line, highlight=False, soft_wrap=True), admin=admin)
+    run, created = init_or_join(_store(url, storage_option), spec, force_clean=force_clean,
+                                note=lambda line: console.print(line, highlight=False, soft_wrap=True), admin=admin)
     if json_out:
         out.print_json(json.dumps(run))
+    elif not created:
+        console.print(f"run {run['run_id']} exists at {url} with the same settings; nothing was changed",
+                      highlight=False, soft_wrap=True)
     else:
         console.print(f"[green]created run {run['run_id']}[/] at {url}: P={spec.num_fragments} H={spec.sync_every} "
                       f"tau={spec.overlap_steps} K={spec.quorum} codec={spec.codec} mode={spec.mode}",
@@ -96,15 +99,36 @@ def keys_new(path: Annotated[str, typer.Argument(
     out.print(signer.public_key)
 
 
+@keys_app.command("list")
+def keys_list(url: Url, json_out: JsonOut = False, storage_option: StorageOpts = None) -> None:
+    """The run's admissions: id, role, key fingerprint, when admitted; and whether it requires signatures."""
+    from ddiloco_cli import ledger
+    from ddiloco_cli.admission import list_admissions
+    from ddiloco_cli.render import render_admissions
+
+    store = _store(url, storage_option)
+    run = ledger.read_run(store)
+    admissions = list_admissions(store, run=run)
+    if json_out:
+        out.print_json(json.dumps({"require_signatures": run.get("require_signatures") is True,
+                                   "admissions": admissions}))
+    else:
+        out.print(render_admissions(run, admissions))
+
+
 @app.command()
 def admit(
     url: Url,
-    member_id: Annotated[str, typer.Argument(metavar="ID", help="Learner id (or syncer name with --role syncer)")],
-    public_key: Annotated[Optional[str], typer.Argument(metavar="PUBKEY",
-                                                        help="Public key printed by `ddiloco keys new`")] = None,
+    member_id: Annotated[Optional[str], typer.Argument(
+        metavar="ID", help="Learner id (or syncer name with --role syncer)", show_default=False)] = None,
+    public_key: Annotated[Optional[str], typer.Argument(
+        metavar="PUBKEY", help="Public key printed by `ddiloco keys new`", show_default=False)] = None,
     role: Annotated[str, typer.Option(metavar="learner|syncer", help="What the key may sign")] = "learner",
-    revoke: Annotated[bool, typer.Option("--revoke", metavar="", help="Remove ID's admission instead (no PUBKEY): its key "
-                                                          "stops being accepted within seconds")] = False,
+    from_file: Annotated[Optional[str], typer.Option(
+        "--from-file", metavar="FILE", help="Admit a fleet: one `ID PUBKEY [learner|syncer]` per line "
+        "(# comments), instead of ID PUBKEY")] = None,
+    revoke: Annotated[bool, typer.Option("--revoke", metavar="", help="Remove ID's admission instead (no PUBKEY): its "
+                                                                      "key stops being accepted within seconds")] = False,
     admin_key: Annotated[Optional[str], typer.Option(
         "--admin-key", metavar="PATH", envvar="DDILOCO_ADMIN_KEY", show_envvar=True,
         help="The run's admin key (default ~/.config/ddiloco/admin.pem)")] = None,
@@ -113,18 +137,22 @@ def admit(
     """Let PUBKEY sign as ID in a run that requires signatures (re-admitting an id replaces its key);
     with --revoke, stop accepting ID's key."""
     from ddiloco_cli import ledger
-    from ddiloco_cli.errors import UsageError
+    from ddiloco_cli.admission import parse_admissions_file
     from ddiloco_cli.signing import admit as admit_key, load_admin_key, parse_public_key, revoke as revoke_key
 
-    if revoke or public_key is None:
-        if not revoke or public_key is not None:
-            raise UsageError("give PUBKEY to admit a key, or --revoke without PUBKEY to remove an admission")
+    if revoke:
+        if member_id is None or public_key is not None or from_file:
+            raise UsageError("--revoke takes an ID and no PUBKEY or --from-file")
         store = _store(url, storage_option)
         revoke_key(store, run=ledger.read_run(store), member_id=member_id, admin=load_admin_key(admin_key, create=False))
         console.print(f"revoked {member_id}: its key is no longer accepted", highlight=False, soft_wrap=True)
         return
-    public_key = parse_public_key(public_key)  # a typo fails before any key file or bucket is read
+    if (from_file is None) == (member_id is None or public_key is None) or (from_file and member_id):
+        raise UsageError("give ID PUBKEY, or --from-file FILE")
+    # a typo fails before any key file or bucket is read
+    members = parse_admissions_file(from_file) if from_file else [(member_id, parse_public_key(public_key), role)]
     store = _store(url, storage_option)
-    record = admit_key(store, run=ledger.read_run(store), member_id=member_id, public_key=public_key, role=role,
-                       admin=load_admin_key(admin_key, create=False))
-    console.print(f"admitted {role} {member_id} with key {record['public_key']}", highlight=False, soft_wrap=True)
+    run, admin = ledger.read_run(store), load_admin_key(admin_key, create=False)
+    for mid, key, member_role in members:
+        record = admit_key(store, run=run, member_id=mid, public_key=key, role=member_role, admin=admin)
+        console.print(f"admitted {member_role} {mid} with key {record['public_key']}", highlight=False, soft_wrap=True)

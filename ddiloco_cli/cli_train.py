@@ -11,18 +11,33 @@ from typing import Annotated, Optional
 
 import typer
 
-from ddiloco_cli.clibase import StorageOpts, TaskOverride, Url, Verbose, _number, _setup_logging, _store, app, console
+from ddiloco_cli.clibase import (StorageOpts, TaskOverride, Url, Verbose, _number, _setup_logging, _store, app, console,
+                                help_panels)
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.metrics import LOGGERS
 
 LogTarget = Enum("LogTarget", {n: n for n in LOGGERS}, type=str)  # type: ignore[misc]
 LogWith = Annotated[Optional[list[LogTarget]], typer.Option(
-    "--log-with", metavar="tensorboard|wandb|mlflow", help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local files); repeatable")]
+    "--log-with", metavar="tensorboard|wandb|mlflow", help="Also send metrics to TensorBoard, W&B (offline) or MLflow (local SQLite); repeatable")]
 LogDir = Annotated[str, typer.Option("--log-dir", metavar="DIR", help="Directory for --log-with output")]
+WandbProject = Annotated[Optional[str], typer.Option(
+    "--wandb-project", metavar="NAME", envvar="WANDB_PROJECT", show_envvar=True,
+    help="W&B project for --log-with wandb (default: ddiloco)")]
+
+
+def _use_wandb_project(name: str | None) -> None:
+    if name:  # the W&B logger (metric_loggers.wandb_project) and wandb itself read it
+        os.environ["WANDB_PROJECT"] = name
 
 
 # ----------------------------------------------------------------------- learn
 @app.command()
+@help_panels({
+    "Learner": ["learner_id", "device", "steps", "threads", "precision", "grad_accum", "compile_model", "parallel"],
+    "Data": ["task", "shard", "num_shards"],
+    "Bucket": ["wait_for_run", "poll", "key", "storage_option"],
+    "Logging": ["log_with", "log_dir", "wandb_project", "verbose"],
+})
 def learn(
     url: Url,
     learner_id: Annotated[str, typer.Option(
@@ -43,8 +58,13 @@ def learn(
         "--wait-for-run", metavar="SECONDS", parser=_number("--wait-for-run", allow_inf=True),
         help="Wait up to SECONDS (inf: forever) for the run to be created, polling with backoff, "
              "instead of exiting at once")] = None,
+    wait_for_admission: Annotated[Optional[float], typer.Option(
+        "--wait-for-admission", metavar="SECONDS", parser=_number("--wait-for-admission", allow_inf=True),
+        help="In a run that requires signatures: make the --key file if missing, print its public key and "
+             "the admin's `ddiloco admit` command, and wait up to SECONDS (inf: forever) for the admission")] = None,
     log_with: LogWith = None,
     log_dir: LogDir = "ddiloco-logs",
+    wandb_project: WandbProject = None,
     task: TaskOverride = None,
     precision: Annotated[str, typer.Option(
         metavar="fp32|bf16", help="bf16: forward under bf16 autocast (weights and optimizer stay fp32)")] = "fp32",
@@ -60,7 +80,9 @@ def learn(
     """Run one learner (one island): inner AdamW steps, background fragment uploads,
     non-blocking receives. SIGTERM leaves cleanly; after kill -9 the same command rejoins."""
     _setup_logging(verbose)
+    _use_wandb_project(wandb_project)
     from ddiloco_cli.learner import Learner, LearnerOptions
+    from ddiloco_cli.learner.progress import summary
     from ddiloco_cli.live import learner_view
     from ddiloco_cli.runconfig import wait_for_run_config
 
@@ -78,6 +100,16 @@ def learn(
         wait_for_run_config(store, timeout_s=wait_for_run, on_wait=lambda waited_s: log.info(
             "no run at %s yet (waited %.0f s of %s): waiting for `ddiloco init`", store.url, waited_s,
             "no limit" if math.isinf(wait_for_run) else f"{wait_for_run:g} s"))
+    from ddiloco_cli import ledger
+
+    if wait_for_run is None and not ledger.run_exists(store):
+        raise ledger.RunNotFoundError(f"no ddiloco run at {store.url}: create it with `ddiloco init {url}`, or start "
+                                      "learners before it with --wait-for-run SECONDS (inf: wait forever)")
+    if wait_for_admission is not None and os.environ.get("RANK", "0") == "0":
+        from ddiloco_cli.admission import wait_for_admission as wait_admitted
+
+        wait_admitted(store, run=ledger.read_run(store), member_id=learner_id, key_path=key,
+                      timeout_s=wait_for_admission, say=log.info)
     if threads:
         import torch
 
@@ -88,8 +120,10 @@ def learn(
     writer = None
     finished = False
     try:
-        with learner_view(console, learner_id) as on_progress:
-            learner = Learner(store, options=opts, on_progress=on_progress)  # checks the id and the run first
+        learner = Learner(store, options=opts)  # checks the id and the run first
+        with learner_view(console, learner_id, session_steps=steps,
+                          total_steps=learner.config.total_steps) as on_progress:
+            learner.on_progress = on_progress
             if os.environ.get("RANK", "0") == "0":  # one metrics writer per island: rank 0 does the bucket I/O
                 writer = metrics.open_writer(store, role="learner", writer_id=learner_id,
                                              log_with=[t.value for t in log_with or ()], log_dir=log_dir)
@@ -100,7 +134,7 @@ def learn(
         if writer:
             writer.close()
         island = _end_distributed(finished)
-    log.info("learner %s: %s", learner_id, reason)
+    log.info("%s", summary(learner_id, reason, learner.stats))
     if island:
         _exit_island_rank()
 
@@ -153,6 +187,11 @@ def _exit_island_rank() -> None:
 
 # ------------------------------------------------------------------------ sync
 @app.command()
+@help_panels({
+    "Syncer": ["fragments", "syncer_id", "poll", "no_gc", "max_versions", "max_runtime", "eval_every"],
+    "Bucket": ["key", "storage_option"],
+    "Logging": ["log_with", "log_dir", "wandb_project", "verbose"],
+})
 def sync(
     url: Url,
     fragments: Annotated[Optional[str], typer.Option(
@@ -179,6 +218,7 @@ def sync(
              "written to the run's metrics)")] = None,
     log_with: LogWith = None,
     log_dir: LogDir = "ddiloco-logs",
+    wandb_project: WandbProject = None,
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
 ) -> None:
@@ -194,6 +234,7 @@ def sync(
 
     frags = parse_fragment_spec(fragments)  # before any logging or bucket access: a typo fails fast
     _setup_logging(verbose)
+    _use_wandb_project(wandb_project)
     import torch
 
     # one intra-op thread: the merge and encode are passes over cache-sized ranges, too short to

@@ -14,6 +14,7 @@ tracebacks instead.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -23,9 +24,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape  # messages quote bucket content: never read it as markup
-from typer.core import TyperGroup
+from typer._click.exceptions import ClickException
+from typer.core import TyperArgument, TyperGroup
 
-from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.errors import DdilocoError, StoreUnavailableError
 from ddiloco_cli.store.base import TransientStoreError
 
 
@@ -40,7 +42,7 @@ class _Commands(TyperGroup):
         except DdilocoError as exc:
             _fail(str(exc), exc.exit_code)
         except TransientStoreError as exc:
-            _fail(f"the bucket kept failing after retries: {exc}", 3)
+            _fail(f"the bucket kept failing after retries: {exc}", StoreUnavailableError.exit_code)
         except KeyboardInterrupt:
             console.print("interrupted")
             raise typer.Exit(130) from None
@@ -50,11 +52,67 @@ class _Commands(TyperGroup):
     def get_help_option(self, ctx: typer.Context):  # type: ignore[override]
         return _flag(super().get_help_option(ctx))
 
+    def get_params(self, ctx: typer.Context):  # type: ignore[override]
+        params = super().get_params(ctx)
+        for param in params:  # --install-completion / --show-completion are flags too
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
     def get_command(self, ctx: typer.Context, cmd_name: str):  # type: ignore[override]
         command = super().get_command(ctx, cmd_name)
         if command is not None:
             _flag(command.get_help_option(ctx))
+            _tidy(command)
         return command
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):  # type: ignore[override]
+        """Click's usage errors (a missing argument, an unknown option) in the same one-line
+        ``error:`` style as ours, exit code 2, instead of Typer's boxed panel."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except ClickException as exc:
+            _usage_error(exc)
+        except typer.Abort:
+            console.print("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _usage_error(exc: ClickException) -> None:
+    if type(exc).__name__ != "NoArgsIsHelpError":  # that one has shown the help already
+        ctx = getattr(exc, "ctx", None)
+        where = f"{ctx.command_path} --help" if ctx is not None else "ddiloco --help"
+        console.print(f"[bold red]error:[/] {escape(exc.format_message())} (see `{escape(where)}`)",
+                      highlight=False, soft_wrap=True)
+    sys.exit(exc.exit_code)
+
+
+def help_panels(panels: dict[str, list[str]]):
+    """Group a command's options in its --help: ``{"Panel": ["param_name", ...]}``."""
+    def mark(fn):
+        fn.help_panels = {name: panel for panel, names in panels.items() for name in names}
+        return fn
+
+    return mark
+
+
+def _tidy(command) -> None:
+    """Help as the tools users know it: a command's summary on whole lines (Rich keeps a
+    docstring's line breaks), arguments as ``URL`` / ``[OUT]`` in the usage line and
+    without a ``<str>`` type, options grouped by the command's ``help_panels``."""
+    if command.help and not command.short_help:
+        command.short_help = " ".join(inspect.cleandoc(command.help).split("\n\n")[0].split())
+    panels = getattr(command.callback, "help_panels", {})
+    for param in command.params:
+        if isinstance(param, TyperArgument):
+            name = param.display_name_raw if param.required else f"[{param.display_name_raw}]"
+            param._usage_display_name = lambda name=name, many=param.nargs != 1: name + ("..." if many else "")
+            param.display_type_rich = lambda ctx: None
+        if param.name in panels:
+            param.rich_help_panel = panels[param.name]
 
 
 def _flag(option):
@@ -75,7 +133,7 @@ app = typer.Typer(
     cls=_Commands,
     help="Decoupled DiLoCo: asynchronous, fault-tolerant, low-communication training over a shared bucket.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
@@ -144,7 +202,11 @@ def _store(url: str, opts: list[str] | None):
 
 
 def _setup_logging(verbose: bool) -> None:
+    """Log lines to stderr (Rich on a terminal). Under torchrun, ranks other than 0 log
+    warnings and errors only, so an island's lines are not repeated per rank."""
     level = logging.DEBUG if verbose else logging.INFO
+    if os.environ.get("RANK", "0") not in ("", "0") and not verbose:
+        level = logging.WARNING
     if sys.stderr.isatty():
         from rich.logging import RichHandler
 

@@ -205,7 +205,8 @@ class Decider:
             high_water[e.learner_id] = max(high_water.get(e.learner_id, -1), e.seq)
         return Decision(state.fragment, state.version + 1, used, tuple(state.closed),
                         lr=self.outer_lr(sum(c.discount for c in contributions)),
-                        cycle=state.current.cycle + advance, cycle_advance=advance, high_water=high_water,
+                        cycle=state.current.cycle + advance, cycle_advance=advance,
+                        intake=self.catch_up_intake(contributions), high_water=high_water,
                         quorum_size=len({c.learner_id for c in contributions}), grace_s=grace_s)
 
     def outer_lr(self, participation: float) -> float:
@@ -217,6 +218,15 @@ class Decider:
         if self.config.outer_lr_scaling == "participation" and self.ctx.learners.live:
             lr *= min(1.0, participation / len(self.ctx.learners.live))
         return lr
+
+    def catch_up_intake(self, contributions: list[Contribution]) -> float:
+        """The part of the merged gradient the momentum buffer takes in: 1/k when the merged
+        contributions cover k > 1 cycles each on average (H steps a cycle; a catch-up after a
+        syncer outage or a late start), else 1. The step applies the catch-up once; the buffer
+        does not carry k cycles of it into the next merges (Nesterov would apply them again)."""
+        steps = sum(max(0, c.merged_steps) for c in contributions)
+        k = steps / (self.config.sync_every * max(1, len(contributions)))
+        return 1.0 / k if k > 1.0 else 1.0
 
     def cycle_advance(self, contributions: list[Contribution]) -> float:
         """How far this merge moves the fragment's cycle clock: the inner steps it merges, each

@@ -27,6 +27,15 @@ class StoreAccessError(DdilocoError):
     exit_code = 3
 
 
+class StoreUnavailableError(DdilocoError):
+    """The bucket kept failing after every retry (an outage, a network partition): worth
+    running the same command again later. Exit 75 (EX_TEMPFAIL), so a supervisor that
+    stops restarting on usage and access errors (systemd RestartPreventExitStatus=2 3)
+    still restarts it."""
+
+    exit_code = 75
+
+
 class ProtocolError(DdilocoError):
     """Bucket content violates the protocol (bad schema, newer major version, ...)."""
 

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ddiloco_cli import ledger
+from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.fragments import assemble_parameters  # noqa: F401 - re-exported
 from ddiloco_cli.metrics import check_output_path, make_parent
@@ -48,11 +48,18 @@ def export_model(store: Store, out_path: str, *, task_spec: str | None = None) -
     os.close(fd)
     try:
         save_file(state, tmp, metadata=metadata)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp (and safetensors) make 0600; the export is an ordinary file
         os.replace(tmp, out_path)
     except BaseException:
         os.unlink(tmp)
         raise
     return {"run_id": run["run_id"], "num_params": plan.total_numel(), "versions": versions, "path": out_path}
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 def _global_model(store: Store, task_spec: str | None) -> tuple[dict[str, Any], Any, torch.nn.Module, dict[int, int]]:
@@ -72,7 +79,8 @@ def _global_model(store: Store, task_spec: str | None) -> tuple[dict[str, Any], 
 
 def export_hf(store: Store, out_dir: str, *, task_spec: str | None = None) -> dict[str, Any]:
     """Write the newest global model as a Hugging Face ``save_pretrained`` directory
-    (config.json + model.safetensors) that ``AutoModelForCausalLM.from_pretrained(out_dir)``
+    (config.json + model.safetensors, the byte-level tokenizer of the hf task and a
+    README.md model card: ``hfexport``) that ``AutoModelForCausalLM.from_pretrained(out_dir)``
     loads. The run's task must build a transformers ``PreTrainedModel`` (e.g.
     ``ddiloco_cli.tasks.hf:causal_lm``). Returns like export_model."""
     check_output_path(out_dir, directory=True)
@@ -82,6 +90,14 @@ def export_hf(store: Store, out_dir: str, *, task_spec: str | None = None) -> di
                          f"model; export it as OUT.safetensors instead of --hf-dir")
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    from ddiloco_cli import hfexport
+    from ddiloco_cli.metrics import latest_global_eval
+
+    if getattr(getattr(model, "config", None), "vocab_size", None) == hfexport.BYTE_VOCAB:
+        hfexport.save_byte_tokenizer(out_dir)
+    val = latest_global_eval(store, infos=store.list(f"{layout.METRICS_PREFIX}syncer/"))
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(hfexport.model_card(run, versions, num_params=plan.total_numel(), val=val))
     return {"run_id": run["run_id"], "num_params": plan.total_numel(), "versions": versions, "path": out_dir}
 
 

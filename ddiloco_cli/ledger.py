@@ -56,10 +56,15 @@ def create_run(
     if not store.put_if_absent(layout.PLAN, records.dumps(plan)):
         existing = store.get(layout.PLAN)
         if records.loads(existing, "plan", where=layout.PLAN).get("run_id") != plan["run_id"]:
-            raise UsageError(f"another run is being created at {store.url}; nothing was changed")
+            raise InitRaceLost(f"another run is being created at {store.url}; nothing was changed")
     before_commit()
     if not store.put_if_absent(layout.RUN_CONFIG, records.dumps(config)):
-        raise UsageError(f"a run already exists at {store.url}; nothing was changed (use another URL)")
+        raise InitRaceLost(f"a run already exists at {store.url}; nothing was changed (use another URL)")
+
+
+class InitRaceLost(UsageError):
+    """Another init wrote plan.json or run.json first (``create_run``); the caller may look
+    again at what it wrote (runinit joins an identical one)."""
 
 
 def read_run(store: Store) -> dict[str, Any]:

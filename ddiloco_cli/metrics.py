@@ -20,7 +20,6 @@ history"). These objects are non-authoritative: nothing in training reads them.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
@@ -31,10 +30,13 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable
 
 from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import DdilocoError, ProtocolError, UsageError
+from ddiloco_cli.metric_loggers import (LOGGERS, MetricsLogger, MlflowLogger, TensorBoardLogger, WandbLogger,
+                                        make_logger)
+from ddiloco_cli.metrics_files import check_output_path, make_parent, write_csv, write_tensorboard
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, Store
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,6 @@ MAX_STR_CHARS = 128
 MAX_SEGMENTS_READ = 256  # newest segments per writer
 MAX_WRITERS_READ = 4096
 _FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
-LOGGERS = ("tensorboard", "wandb", "mlflow")
 
 
 def writer_id_from(text: str) -> str:
@@ -394,63 +395,6 @@ def latest_global_eval(store: Store, *, infos: Iterable[ObjectInfo]) -> dict[str
     return None if best is None else {"val_loss": best["global_val_loss"], "t": best["t"], "step": best["step"]}
 
 
-def write_csv(records: list[Record], path: str) -> int:
-    """One row per record: role, writer_id, then every field seen (sorted). Returns rows."""
-    fields = sorted({k for r in records for k in r.fields} - {"t", "step"})
-    check_output_path(path)
-    make_parent(path)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["role", "writer_id", "t", "step", *fields])
-        for r in records:
-            w.writerow([r.role, r.writer_id, r.fields["t"], r.fields["step"], *(r.fields.get(k, "") for k in fields)])
-    return len(records)
-
-
-def write_tensorboard(records: list[Record], log_dir: str) -> int:
-    """One TensorBoard run per writer (``<log_dir>/<role>/<id>``), a scalar per numeric
-    field at the record's step, wall time = the record's time. Returns the scalars written."""
-    check_output_path(log_dir, directory=True)
-    os.makedirs(log_dir, exist_ok=True)
-    loggers: dict[tuple[str, str], TensorBoardLogger] = {}
-    n = 0
-    try:
-        for r in records:
-            logger = loggers.get((r.role, r.writer_id))
-            if logger is None:
-                logger = loggers[(r.role, r.writer_id)] = TensorBoardLogger(os.path.join(log_dir, r.role, r.writer_id))
-            n += logger.log(r.fields, role=r.role, writer_id=r.writer_id)
-    finally:
-        for logger in loggers.values():
-            logger.close()
-    return n
-
-
-def check_output_path(path: str, *, directory: bool = False) -> None:
-    """Refuse, with a one-line UsageError and before any bucket read, a local output
-    path that cannot be written: a file path that is a directory (or a directory path
-    that is a file), or one whose nearest existing ancestor is a file or not writable.
-    Missing parent directories are fine: writers make them (``make_parent``)."""
-    if not directory and os.path.isdir(path):
-        raise UsageError(f"{path} is a directory; give a file name, e.g. {os.path.join(path, 'model.safetensors')}")
-    if directory and os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"cannot write {path}: it is a file, not a directory")
-    ancestor = os.path.abspath(path) if directory else os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UsageError(f"cannot write {path}: {ancestor} is a file, not a directory")
-    if not os.access(ancestor, os.W_OK):
-        raise UsageError(f"cannot write {path}: no permission to write in {ancestor}")
-
-
-def make_parent(path: str) -> str:
-    """Create the parent directory of a checked output file; return it."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    return parent
-
-
 def plot_run(store: Store, out_path: str) -> dict[str, Any]:
     """Draw the demo's loss picture from a run's metrics history: every learner's training
     loss (a gap while it was gone, a red line where it restarted) and the global model's
@@ -492,98 +436,5 @@ def plot_run(store: Store, out_path: str) -> dict[str, Any]:
             "path": out_path}
 
 
-# --------------------------------------------------------------- external loggers
-class MetricsLogger(Protocol):
-    """Where ``--log-with`` forwards each record (from the flusher thread, never the loop)."""
-
-    def log(self, record: dict[str, Any], *, role: str, writer_id: str) -> int: ...
-
-    def close(self) -> None: ...
-
-
-def _scalars(record: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items()
-            if k not in ("t", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-class TensorBoardLogger:
-    """Scalars to TensorBoard event files (``pip install 'ddiloco[tensorboard]'``)."""
-
-    def __init__(self, log_dir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UsageError("TensorBoard logging needs the tensorboard package: pip install 'ddiloco[tensorboard]'") from None
-        self.writer = SummaryWriter(log_dir=log_dir)
-
-    def log(self, record: dict[str, Any], *, role: str, writer_id: str) -> int:
-        scalars = _scalars(record)
-        for k, v in scalars.items():
-            self.writer.add_scalar(k, v, global_step=int(record["step"]), walltime=float(record["t"]))
-        return len(scalars)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class WandbLogger:
-    """Weights & Biases in offline mode unless WANDB_MODE says otherwise
-    (``pip install 'ddiloco[wandb]'``; ``wandb sync`` uploads later)."""
-
-    def __init__(self, *, run_id: str, role: str, writer_id: str, log_dir: str):
-        try:
-            import wandb
-        except ImportError:
-            raise UsageError("W&B logging needs the wandb package: pip install 'ddiloco[wandb]'") from None
-        os.environ.setdefault("WANDB_MODE", "offline")
-        self.run = wandb.init(project="ddiloco", group=run_id, name=f"{role}-{writer_id}", dir=log_dir,
-                              reinit=True)
-
-    def log(self, record: dict[str, Any], *, role: str, writer_id: str) -> int:
-        scalars = _scalars(record)
-        self.run.log(scalars, step=int(record["step"]))
-        return len(scalars)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class MlflowLogger:
-    """MLflow to a local SQLite store (``<log_dir>/mlflow.db``; MLflow's file store is
-    frozen) unless MLFLOW_TRACKING_URI says otherwise (``pip install 'ddiloco[mlflow]'``)."""
-
-    def __init__(self, *, run_id: str, role: str, writer_id: str, log_dir: str):
-        try:
-            import mlflow
-        except ImportError:
-            raise UsageError("MLflow logging needs the mlflow package: pip install 'ddiloco[mlflow]'") from None
-        os.makedirs(log_dir, exist_ok=True)
-        self.client = mlflow.MlflowClient(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI")
-                                          or f"sqlite:///{os.path.abspath(os.path.join(log_dir, 'mlflow.db'))}")
-        exp = self.client.get_experiment_by_name(f"ddiloco-{run_id}")
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(f"ddiloco-{run_id}")
-        self.run_id = self.client.create_run(exp_id, run_name=f"{role}-{writer_id}").info.run_id
-
-    def log(self, record: dict[str, Any], *, role: str, writer_id: str) -> int:
-        scalars = _scalars(record)
-        for k, v in scalars.items():
-            self.client.log_metric(self.run_id, k, v, timestamp=int(record["t"] * 1000), step=int(record["step"]))
-        return len(scalars)
-
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
-
-
-def make_logger(name: str, *, run_id: str, role: str, writer_id: str, log_dir: str) -> MetricsLogger:
-    """The external logger ``--log-with NAME`` asks for, writing under log_dir."""
-    if name == "tensorboard":
-        return TensorBoardLogger(os.path.join(log_dir, role, writer_id))
-    if name == "wandb":
-        return WandbLogger(run_id=run_id, role=role, writer_id=writer_id, log_dir=log_dir)
-    if name == "mlflow":
-        return MlflowLogger(run_id=run_id, role=role, writer_id=writer_id, log_dir=log_dir)
-    raise UsageError(f"--log-with {name!r}: choose one of {', '.join(LOGGERS)}")
-
-
-__all__ = ["MetricsWriter", "latest_global_eval", "open_writer", "learner_progress_hook", "syncer_progress_hook", "chain", "add_versions_behind", "plot_run", "Record", "read_metrics", "parse_line", "write_csv", "write_tensorboard",
+__all__ = ["MetricsWriter", "latest_global_eval", "open_writer", "learner_progress_hook", "syncer_progress_hook", "chain", "add_versions_behind", "plot_run", "Record", "read_metrics", "parse_line", "write_csv", "write_tensorboard", "check_output_path", "make_parent",
            "MetricsLogger", "TensorBoardLogger", "WandbLogger", "MlflowLogger", "make_logger", "writer_id_from", "LOGGERS"]

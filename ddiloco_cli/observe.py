@@ -249,8 +249,9 @@ def inspect_run(store: Store) -> dict[str, Any]:
         objects[category]["bytes"] += info.size
     objects["total"] = {"count": len(scan.infos), "bytes": sum(i.size for i in scan.infos)}
 
-    run_summary = None
+    run_summary, signatures = None, None
     if scan.run is not None:
+        signatures = {"required": signing.requires_signatures(scan.run), "admissions": _admissions(scan)}
         keys = ("run_id", "task", "mode", "num_fragments", "sync_every", "overlap_steps", "quorum", "alpha", "merge",
                 "outer_lr", "outer_momentum", "codec", "codec_block", "codec_qmax", "publish_codec", "keyframe_every",
                 "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
@@ -259,8 +260,18 @@ def inspect_run(store: Store) -> dict[str, Any]:
     return {
         "url": store.url, "now_s": scan.now_s, "run": run_summary, "fragments": fragments, "epochs": _epochs(scan),
         "syncers": syncers, "learners": learners, "quarantined": quarantined, "objects": objects,
-        "orphans": orphans, "errors": scan.errors,
+        "orphans": orphans, "signatures": signatures, "errors": scan.errors,
     }
+
+
+def _admissions(scan: _Scan) -> list[dict[str, Any]]:
+    from ddiloco_cli.admission import list_admissions
+
+    try:
+        return list_admissions(scan.store, run=scan.run)
+    except ProtocolError as exc:  # run.json without a usable admin key
+        scan.errors.append(str(exc))
+        return []
 
 
 PILE_UP = 3  # pending contributions of one learner on one fragment that mean nothing is merging them

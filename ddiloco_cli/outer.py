@@ -62,13 +62,18 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def stepped(self, params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor], *,
-                lr: float | None = None) -> tuple[dict[str, torch.Tensor], "OuterOptimizer"]:
+                lr: float | None = None, intake: float = 1.0) -> tuple[dict[str, torch.Tensor], "OuterOptimizer"]:
         """``step`` without touching ``params`` or this optimizer: returns (the new params, an
         optimizer with ``lr`` (default: this one's) that has taken the step). The same operations,
         element by element, as ``copy()`` then ``step`` on copies of ``params`` (so the same bits),
         but range by range (``STEP_CHUNK_ELEMS``: the ranges of every tensor stay in cache
         between the operations) and into fresh tensors: no copies of the old values are made
-        first. Keys of params without a gradient are copied."""
+        first. Keys of params without a gradient are copied.
+
+        ``intake`` < 1 (a catch-up, ``stepped_with_intake``): the buffer takes in only that part of
+        the gradient. 1: exactly ``step``."""
+        if intake != 1.0:
+            return self.stepped_with_intake(params, outer_grad, lr=self.lr if lr is None else lr, intake=intake)
         out = OuterOptimizer(lr=self.lr if lr is None else lr, momentum=self.momentum, nesterov=self.nesterov)
         out.num_steps = self.num_steps + 1
         new: dict[str, torch.Tensor] = {}
@@ -95,6 +100,30 @@ class OuterOptimizer:
         for key, buf in self.momentum_buffers.items():
             if key not in out.momentum_buffers:
                 out.momentum_buffers[key] = buf.detach().clone()
+        return new, out
+
+    def stepped_with_intake(self, params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor], *,
+                            lr: float, intake: float) -> tuple[dict[str, torch.Tensor], "OuterOptimizer"]:
+        """A bounded catch-up step ([M3]): ``buf = momentum * buf + intake * g`` (first step:
+        ``intake * g``), then ``param - lr * (g + momentum * buf)`` (Nesterov) or ``param - lr *
+        buf``. A contribution covering k cycles (after a syncer outage) is applied once, and loads
+        the buffer with one cycle's worth (intake = 1/k), not k cycles at once. Pure, like
+        ``stepped``."""
+        assert 0.0 < intake <= 1.0, intake
+        out = self.copy()
+        out.lr, out.num_steps = lr, self.num_steps + 1
+        new = {k: p.detach().clone() for k, p in params.items()}
+        for key, grad in outer_grad.items():
+            if key not in params:
+                raise UsageError(f"outer gradient for {key!r} but no such parameter")
+            g = grad.detach().to(torch.float32)
+            if self.momentum == 0:
+                new[key].add_(g, alpha=-lr)
+                continue
+            buf = out.momentum_buffers.get(key)
+            buf = g.mul(intake) if buf is None else buf.mul_(self.momentum).add_(g, alpha=intake)
+            out.momentum_buffers[key] = buf
+            new[key].add_(g.add(buf, alpha=self.momentum) if self.nesterov else buf, alpha=-lr)
         return new, out
 
     def _step_ranges(self, param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, *,

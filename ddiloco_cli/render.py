@@ -52,8 +52,10 @@ def fmt_fragments(frags: Iterable[int]) -> str:
 
 
 def _alive(alive: bool, state: str = "running") -> Text:
+    """The one state cell: "● running" (alive, its own word for what it does), "○ down"
+    (no heartbeat while it meant to run), "○ left" / "○ finished" (gone on purpose)."""
     if alive:
-        return Text("● alive", style="green")
+        return Text(f"● {state}", style="green")
     # a learner that left or finished on purpose is not a failure
     return Text("○ down", style="red") if state in ("running", "serving") else Text(f"○ {state}", style="dim")
 
@@ -62,7 +64,8 @@ def _table(title: str, *columns: str) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for c in columns:
         table.add_column(c, justify="left" if c in ("learner", "syncer", "key", "reason", "state", "fragments",
-                                                     "field", "value", "category") else "right")
+                                                     "field", "value", "category", "id", "role", "admitted",
+                                                     "problem") else "right")
     return table
 
 
@@ -109,20 +112,20 @@ def render_status(status: dict[str, Any]) -> RenderableType:
     parts += [Text(f"ALERT: {alert}", style="bold red") for alert in status["alerts"]]
     parts.append(_fragments_view(status["fragments"]))
 
-    learners = _table("learners", "learner", "", "state", "step", "tokens", "tok/s", "loss", "behind",
+    learners = _table("learners", "learner", "state", "step", "tokens", "tok/s", "loss", "behind",
                       "last contrib", "eta", "up", "down", "blocked", "beat")
-    rows = [(r["learner_id"], _alive(r["alive"], r["state"]), r["state"], fmt_num(r["step"]), fmt_num(r["tokens"]),
+    rows = [(r["learner_id"], _alive(r["alive"], r["state"]), fmt_num(r["step"]), fmt_num(r["tokens"]),
              fmt_num(r["tokens_per_s"]), fmt_num(r["loss"], ".3f"), fmt_num(r["versions_behind"]),
              fmt_age(r["last_contribution_age_s"]), fmt_age(r["eta_s"]), fmt_bytes(r["bytes_up"]),
              fmt_bytes(r["bytes_down"]), fmt_age(r["blocked_s"]), fmt_age(r["heartbeat_age_s"]))
             for r in status["learners"]]
-    parts.append(_cut(learners, rows, 14) if rows else Text("learners: none yet", style="dim"))
+    parts.append(_cut(learners, rows, 13) if rows else Text("learners: none yet", style="dim"))
 
-    syncers = _table("syncers", "epoch", "syncer", "", "state", "fragments", "beat", "lag", "backlog", "merges")
-    rows = [(str(s["epoch"]), s["syncer_id"], _alive(s["alive"], s["state"]), s["state"], fmt_fragments(s["fragments"]),
+    syncers = _table("syncers", "epoch", "syncer", "state", "fragments", "beat", "lag", "backlog", "merges")
+    rows = [(str(s["epoch"]), s["syncer_id"], _alive(s["alive"], s["state"]), fmt_fragments(s["fragments"]),
              fmt_age(s["heartbeat_age_s"]), fmt_num(s["lag_versions"]), str(s["backlog"]), fmt_num(s["num_merges"]))
             for s in status["syncers"]]
-    parts.append(_cut(syncers, rows, 9) if rows else Text("syncers: none serving", style="yellow"))
+    parts.append(_cut(syncers, rows, 8) if rows else Text("syncers: none serving", style="yellow"))
     for error in status.get("errors", []):
         parts.append(Text(f"warning: {error}", style="yellow"))
     return _stack(parts)
@@ -257,6 +260,24 @@ def render_inspect(report: dict[str, Any]) -> RenderableType:
         table = _table("orphans", "key", "size", "age", "reason")
         rows = [(o["key"], fmt_bytes(o["size"]), fmt_age(o["age_s"]), o["reason"]) for o in report["orphans"]]
         parts.append(_cut(table, rows, 4))
+    if report.get("signatures") is not None:
+        parts.append(_admissions_view(report["signatures"]["required"], report["signatures"]["admissions"]))
     for error in report["errors"]:
         parts.append(Text(f"error: {error}", style="red"))
     return _stack(parts)
+
+
+def render_admissions(run: dict[str, Any], admissions: list[dict[str, Any]]) -> RenderableType:
+    """`ddiloco keys list`: whether the run requires signatures, then its admissions."""
+    return _admissions_view(run.get("require_signatures") is True, admissions)
+
+
+def _admissions_view(required: bool, admissions: list[dict[str, Any]]) -> RenderableType:
+    if not required:
+        return Text("signatures: not required (anyone with write access to the bucket can contribute)", style="dim")
+    table = _table(f"admissions (signatures required; {len(admissions)})", "id", "role", "key", "admitted", "problem")
+    rows = [(a["id"], a["role"] or "-", f"{a['fingerprint']}..." if a["fingerprint"] else "-",
+             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["admitted_s"])) if a["admitted_s"] else "-",
+             a["problem"] or "") for a in admissions]
+    return _cut(table, rows, 5) if rows else Text("signatures: required; no key admitted yet (`ddiloco admit`)",
+                                                  style="yellow")

@@ -7,6 +7,12 @@ written first, carries the run.json this init will write (``pending_run``): an
 init killed before run.json leaves a *half-made run* that the same ``init``
 resumes (same config: it writes the versions 0 still missing, then run.json) and
 ``init --force-clean`` removes.
+
+Identical inits are idempotent, also when they run at once (a fleet's start-up scripts
+all running the same command): one that finds the run made with the same settings, or
+loses the race for plan.json or run.json to an init of the same settings, joins it (it
+writes the versions 0 still missing, create-only, then run.json if nobody has) and
+reports "run X exists with the same settings". Other settings are refused.
 """
 
 from __future__ import annotations
@@ -31,9 +37,59 @@ RunSpec = RunConfig  # the name init's library callers use for the config they p
 PENDING_RUN = "pending_run"  # plan.json field: the run.json an interrupted init will write
 
 
+JOIN_ATTEMPTS = 4  # looks at what a faster identical init wrote: plan.json, then run.json (and spare)
+
+
 def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
              note: Callable[[str], None] = lambda _: None, admin: Signer | None = None,
              clock: Clock = WALL) -> dict[str, Any]:
+    """The run.json record of the run ``init_or_join`` made or joined at ``store``."""
+    return init_or_join(store, spec, force_clean=force_clean, note=note, admin=admin, clock=clock)[0]
+
+
+def init_or_join(store: Store, spec: RunConfig, *, force_clean: bool = False,
+                 note: Callable[[str], None] = lambda _: None, admin: Signer | None = None,
+                 clock: Clock = WALL) -> tuple[dict[str, Any], bool]:
+    """Create the run ``spec`` describes at ``store``, or join an identical init: returns
+    (run.json record, True when this call wrote run.json). Another run there, or another
+    init in progress with other settings, is a UsageError that changes nothing."""
+    for _ in range(JOIN_ATTEMPTS):
+        existing = _existing_run(store)
+        if existing is not None:
+            if force_clean:
+                raise UsageError(f"a run already exists at {store.url}: --force-clean only removes an interrupted "
+                                 "init; nothing was changed")
+            _check_same_run(store, existing, spec, admin)
+            return existing, False
+        try:
+            return _create(store, spec, force_clean=force_clean, note=note, admin=admin, clock=clock), True
+        except ledger.InitRaceLost:
+            force_clean = False  # what the faster init wrote is not ours to remove: look at it again
+    raise UsageError(f"inits at {store.url} kept racing; run `ddiloco init` again")
+
+
+def _existing_run(store: Store) -> dict[str, Any] | None:
+    try:
+        data = store.get(layout.RUN_CONFIG)
+    except NotFound:
+        return None
+    return records.loads(data, "run", where=f"{store.url}/{layout.RUN_CONFIG}")
+
+
+def _check_same_run(store: Store, existing: dict[str, Any], spec: RunConfig, admin: Signer | None) -> None:
+    """UsageError unless the run at ``store`` is the one ``spec`` (and ``admin``) would make."""
+    diffs = spec.differences(RunConfig.from_record(existing, where=f"{store.url}/{layout.RUN_CONFIG}"))
+    if existing.get("task_sha256") not in (None, task_source_sha256(spec.task)):
+        diffs.append("the task's source differs")
+    if existing.get("admin_key") != (admin.public_key if admin else None):
+        diffs.append("another admin key or signature setting")
+    if diffs:
+        raise UsageError(f"a run already exists at {store.url} with other settings ({'; '.join(diffs)}); "
+                         "nothing was changed (use another URL)")
+
+
+def _create(store: Store, spec: RunConfig, *, force_clean: bool, note: Callable[[str], None],
+            admin: Signer | None, clock: Clock) -> dict[str, Any]:
     """Create a run at ``store``: plan, version 0 of every fragment, then run.json.
 
     With ``admin`` (the run's admin key) the run requires signatures: run.json
@@ -46,8 +102,6 @@ def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
     when an interrupted init is resumed or removed. ``clock`` stamps the records (the
     deterministic simulation passes its virtual clock).
     """
-    if ledger.run_exists(store):
-        raise UsageError(f"a run already exists at {store.url}; nothing was changed (use another URL)")
     task = load_task(spec.task)
     torch.manual_seed(spec.seed)
     model = task.build_model()
@@ -62,7 +116,8 @@ def init_run(store: Store, spec: RunConfig, *, force_clean: bool = False,
     elif half_made is not None:
         config = _resumable(store, half_made, spec, ledger.plan_record(plan, run_id=half_made["run_id"]))
         run_id = config["run_id"]
-        note(f"resuming the interrupted init of run {run_id} at {store.url} (same config)")
+        note(f"resuming the init of run {run_id} at {store.url} (same config; interrupted, or running elsewhere "
+             "now: both finish the same run)")
     if config is None:
         config = spec.to_record(run_id=run_id, created_s=clock.time())
         config["task_sha256"] = task_source_sha256(spec.task)  # learners check their own copy of the task against it

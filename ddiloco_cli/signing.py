@@ -114,30 +114,27 @@ def load_key(path: str | os.PathLike, *, what: str = "key") -> Signer:
         mode = path.stat().st_mode
         data = path.read_bytes()
     except FileNotFoundError:
-        raise UsageError(f"{what} {path}: no such file ({_missing_key_hint(path, what)})") from None
+        if what == "admin key":  # made by `ddiloco init`, never by `keys new`
+            raise UsageError(f"admin key {path}: no such file; the run's admin key is the one `ddiloco init` made "
+                             "(its --admin-key, default ~/.config/ddiloco/admin.pem on the machine that ran it): "
+                             "pass that file with --admin-key") from None
+        raise UsageError(f"{what} {path}: no such file (create one with `ddiloco keys new {path}`)") from None
     except OSError as exc:
         raise UsageError(f"{what} {path}: cannot read it ({exc.strerror})") from None
-    if b"PRIVATE KEY" not in data[:100]:  # before the mode check: a .pub is world-readable by design
-        pub = " (this looks like a public key: pass the file without .pub)" if _HEX64.fullmatch(
-            data.strip().decode("ascii", "replace")) else ""
-        raise UsageError(f"{what} {path}: not an unencrypted PEM private key{pub}")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise UsageError(f"{what} {path}: other users can read this private key (mode {stat.S_IMODE(mode):o}); "
-                         f"run `chmod 600 {path}`")
+    if _HEX64.fullmatch(data.strip().decode("ascii", "replace")):
+        private_path = str(path).removesuffix(".pub")
+        raise UsageError(f"{what} {path}: this is a public key; pass the private key file"
+                         f"{f' ({private_path})' if private_path != str(path) else ''}")
     try:
         private = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{what} {path}: not an unencrypted PEM private key ({exc})") from None
     if not isinstance(private, Ed25519PrivateKey):
         raise UsageError(f"{what} {path}: not an ed25519 key (create one with `ddiloco keys new`)")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UsageError(f"{what} {path}: other users can read this private key (mode {stat.S_IMODE(mode):o}); "
+                         f"run `chmod 600 {path}`")
     return Signer.from_private(private, path=path)
-
-
-def _missing_key_hint(path: Path, what: str) -> str:
-    if what == "admin key":
-        return ("the run's admin key is the one `ddiloco init` used, by default ~/.config/ddiloco/admin.pem on "
-                "the machine that ran it: pass that file with --admin-key")
-    return f"create one with `ddiloco keys new {path}`"
 
 
 def default_admin_key_path() -> Path:
@@ -268,6 +265,10 @@ def _run_fields(run: RunLike) -> tuple[str, Mapping[str, Any]]:
     if isinstance(run, Mapping):
         return run["run_id"], run
     return run.run_id, run.extra
+
+
+def run_id_of(run: RunLike) -> str:
+    return _run_fields(run)[0]
 
 
 def requires_signatures(run: RunLike) -> bool:
@@ -441,9 +442,8 @@ def signer_for_run(store: Store, *, run: RunLike, key_path: str | os.PathLike | 
         return None
     flag = "--key"
     if key_path is None:
-        who = member_id if member_id is not None else ("SYNCER_ID" if role == "syncer" else "ID")
         raise UsageError(f"this run requires signatures: pass {flag} PATH (create a key with `ddiloco keys new PATH`; "
-                         f"the run's admin admits it with `ddiloco admit {store.url} {who} PUBKEY"
+                         f"the run's admin admits it with `ddiloco admit {store.url} {member_id or 'NAME'} PUBKEY"
                          f"{' --role syncer' if role == 'syncer' else ''}`)")
     signer = load_key(key_path)
     ring = KeyRing(store, run=run)

@@ -132,6 +132,7 @@ class Manifest(_Record):
     outer_lr: float | None = None
     cycle: float | None = None
     cycle_advance: float | None = None
+    outer_intake: float | None = None
     signature: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 

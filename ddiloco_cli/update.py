@@ -75,7 +75,7 @@ def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, metho
 def outer_update(
     value: FragmentValue, *, fragment: int, grads: Sequence[Tensors], weights: Sequence[float], lr: float,
     method: str, publish_codec: str, block_size: int, keyframe_every: int, cycle: float,
-    publish_qmax: int | None = None, publish_density: float | None = None,
+    publish_qmax: int | None = None, publish_density: float | None = None, intake: float = 1.0,
 ) -> tuple[FragmentValue, EncodedVersion]:
     """The next version of ``value`` from the contributions' outer gradients; ``cycle`` is the
     new staleness clock. Pure: ``value`` (and its optimizer) are left as they were, so a lost
@@ -87,7 +87,7 @@ def outer_update(
     for k, t in merged.items():
         if not all_finite(t):
             raise NonFiniteUpdate(f"fragment {fragment}: the merged outer gradient of {k!r} is not finite")
-    raw, outer = value.outer.stepped(value.raw, merged, lr=lr)  # into new tensors: value is kept
+    raw, outer = value.outer.stepped(value.raw, merged, lr=lr, intake=intake)  # into new tensors: value is kept
     encoded = encode_version(fragment=fragment, version=value.version + 1, new_value=raw,
                              prev_published=value.published, publish_codec=publish_codec,
                              block_size=block_size, keyframe_every=keyframe_every, qmax=publish_qmax,
@@ -113,6 +113,7 @@ class Decision:
     lr: float = 0.0
     cycle: float = 0.0  # the fragment's cycle clock at ``version``
     cycle_advance: float = 0.0
+    intake: float = 1.0  # the part of the merged gradient the momentum buffer takes in (bounded catch-up)
     high_water: Mapping[str, int] = field(default_factory=dict)
     quorum_size: int = 0
     grace_s: float = 0.0
@@ -128,15 +129,19 @@ class Decision:
         version."""
         return cls(m.fragment, m.version, m.used, tuple(e for e in m.contributions if not e.used),
                    lr=float(default_lr if m.outer_lr is None else m.outer_lr), cycle=m.cycle_clock,
-                   cycle_advance=float(m.cycle_advance or 0.0), high_water=dict(m.high_water),
+                   cycle_advance=float(m.cycle_advance or 0.0),
+                   intake=float(1.0 if m.outer_intake is None else m.outer_intake), high_water=dict(m.high_water),
                    quorum_size=int(m.quorum_size or 0), grace_s=float(m.grace_s or 0.0))
 
     def manifest_fields(self) -> dict[str, Any]:
         """The manifest's fields this decision fills (the rest: who committed, payloads)."""
-        return dict(fragment=self.fragment, version=self.version,
-                    contributions=[e.to_json() for e in self.used + self.closed], quorum_size=self.quorum_size,
-                    grace_s=self.grace_s, high_water=dict(self.high_water), outer_lr=self.lr, cycle=self.cycle,
-                    cycle_advance=self.cycle_advance)
+        fields = dict(fragment=self.fragment, version=self.version,
+                      contributions=[e.to_json() for e in self.used + self.closed], quorum_size=self.quorum_size,
+                      grace_s=self.grace_s, high_water=dict(self.high_water), outer_lr=self.lr, cycle=self.cycle,
+                      cycle_advance=self.cycle_advance)
+        if self.intake != 1.0:  # written only for a bounded catch-up: other manifests stay as they were
+            fields["outer_intake"] = self.intake
+        return fields
 
 
 @dataclass(frozen=True)
@@ -202,4 +207,5 @@ def apply_decision(previous: FragmentValue, decision: Decision, *, rules: ApplyR
     return outer_update(previous, fragment=decision.fragment, grads=grads, weights=decision.weights,
                         lr=decision.lr, method=rules.merge, publish_codec=rules.publish_codec,
                         block_size=rules.block_size, keyframe_every=rules.keyframe_every, cycle=decision.cycle,
-                        publish_qmax=rules.publish_qmax, publish_density=rules.publish_density)
+                        publish_qmax=rules.publish_qmax, publish_density=rules.publish_density,
+                        intake=decision.intake)

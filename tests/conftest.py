@@ -57,6 +57,7 @@ MISPLACED = pytest.StashKey[bool]()
 EXPECTED_S = {
     "test_same_seed_is_bit_identical_even_under_load_and_seeds_differ": 60,
     "test_quick_scenario_reports_every_arm_with_the_stable_keys": 40,
+    "test_the_simulation_refuses_nothing_through_a_syncer_outage": 25,
     "test_signed_run_with_real_processes_A1_A2": 200,
     "test_survives_kill9_of_learner_and_syncer": 182,
     "test_syncer_kill9_at_random_points_loses_nothing_and_replays_bit_exactly": 155,
@@ -79,6 +80,8 @@ EXPECTED_S = {
     "test_status_check_fails_when_the_syncer_is_killed": 37,
     "test_learner_warns_within_2h_steps_when_the_syncer_dies": 36,
     "test_goodput_counts_from_the_first_session_across_a_kill_and_restart": 50,
+    "test_six_concurrent_identical_inits_all_succeed_on_one_run": 45,
+    "test_deployments_start_admitted_learners_in_a_signed_run": 90,
     "test_concurrent_builders_do_not_corrupt_token_files": 31,
     "test_exactly_one_winner_per_round_and_no_torn_reads[gcs]": 30,
     "test_env_vars_name_the_run_and_show_in_help": 26,

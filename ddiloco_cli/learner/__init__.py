@@ -8,7 +8,8 @@
 * ``session``: the learner's heartbeat and data-state records, one live session
   per id, and alerts;
 * ``island``: torchrun ranks (DDP, FSDP2) of one learner and device selection;
-* ``stats``: the counters they share.
+* ``stats``: the counters they share;
+* ``progress``: the resume line, the plain progress line and the session summary.
 """
 
 from ddiloco_cli.learner.learn import Learner, LearnerOptions, lr_at

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import UsageError
+from ddiloco_cli.learner import progress
 from ddiloco_cli.learner.island import move_model, resolve_device
 from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions, check_learner_id
 from ddiloco_cli.runconfig import RunConfig
@@ -87,6 +88,7 @@ def resumable_batches(task: Task, *, shard: int, num_shards: int, seed: int, bat
     if "state" in params and resume.get("state") is not None:
         kwargs["state"] = resume["state"]
     stream = task.batches(**kwargs)
+    progress.log_resume(resume, start=start, batch_size=batch_size, with_state="state" in params)
 
     def state(drawn: int) -> dict[str, Any] | None:
         out: dict[str, Any] = {}
@@ -221,6 +223,5 @@ class Learner:
                                       "tokens": s.tokens, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down,
                                       "versions": dict(s.versions), "blocked_s": s.blocked_s})
                 if step % opts.log_every == 0 and rank == 0:
-                    log.info("step %d loss %.4f lr %.2e %.1f ms/step up %.1f MB down %.1f MB", step, s.loss, lr,
-                             s.step_time_s * 1e3, s.bytes_up / 1e6, s.bytes_down / 1e6)
+                    progress.log_step(step, s, lr=lr, tokens_per_step=n_tok)
         return sync.stop_reason or "steps"

@@ -8,7 +8,9 @@ directory holding one; it must exist at that path on every machine). ``seq_len``
 the window length, ``text`` a local UTF-8 file to train on (default: the Shakespeare
 excerpt shipped with ddiloco). Nothing is downloaded: the model is initialised from
 the config, and the tokenizer is byte-level (token id = UTF-8 byte, vocabulary 256),
-so ``vocab_size`` is set to 256. ``ddiloco export URL --hf-dir DIR`` writes a
+so ``vocab_size`` is set to 256. Giving ``hidden_size`` scales the sizes the
+model_type derives from it (``intermediate_size``, ``ffn_dim``) by the default's
+ratio unless they are given too. ``ddiloco export URL --hf-dir DIR`` writes a
 directory ``AutoModelForCausalLM.from_pretrained(DIR)`` loads.
 
 Needs ``pip install 'ddiloco[hf]'``.
@@ -51,10 +53,28 @@ def build_config(config: str, overrides: dict[str, Any]):
     else:
         try:
             cfg = tf.AutoConfig.for_model(config, **overrides)
+            _scale_with_hidden_size(cfg, tf.AutoConfig.for_model(config), overrides)
         except ValueError as exc:
             raise UsageError(f"hf task: {exc}") from None
     cfg.vocab_size = BYTE_VOCAB
     return cfg
+
+
+# sizes a model_type's defaults derive from its hidden size (llama: 11008 = 2.6875 * 4096)
+SCALED_WITH_HIDDEN = ("intermediate_size", "ffn_dim", "n_inner")
+
+
+def _scale_with_hidden_size(cfg, default, overrides: dict[str, Any]) -> None:
+    """With ``hidden_size`` given and a derived size not, keep the default's ratio:
+    ``config=llama&hidden_size=64`` gets intermediate_size 172, not llama-7B's 11008."""
+    hidden = overrides.get("hidden_size", overrides.get("n_embd"))
+    base = getattr(default, "hidden_size", None)
+    if hidden is None or not base:
+        return
+    for name in SCALED_WITH_HIDDEN:
+        value = getattr(default, name, None)
+        if name not in overrides and isinstance(value, int) and value > 0:
+            setattr(cfg, name, max(1, round(value * int(hidden) / base)))
 
 
 class CausalLMTask:

@@ -39,7 +39,7 @@ def built(tmp_path_factory):
 
 @pytest.mark.parametrize("args", [
     ["--version"], ["status", "{url}"], ["status", "{url}", "--check"], ["status", "{url}", "--json"],
-    ["inspect", "{url}"], ["keys", "new", "{tmp}/k.pem"], ["admit", "--help"],
+    ["inspect", "{url}"], ["keys", "list", "{url}"], ["keys", "new", "{tmp}/k.pem"], ["admit", "--help"],
     ["keys", "--help"],
 ])
 def test_light_commands_do_not_import_torch(built, tmp_path, args):

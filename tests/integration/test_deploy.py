@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import yaml
@@ -136,6 +137,11 @@ def test_dockerfile_variants_and_entrypoint():
     cpu = re.search(r"cpu\)\s+pip install \"torch==\$\{TORCH_VERSION\}\" --index-url https://download.pytorch.org/whl/cpu", text)
     assert cpu and re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M), "CPU variant installs torch first, from the CPU index"
     assert text.index("torch==") < text.index('pip install ".['), "torch before ddiloco"
+    extras = set(re.search(r"^ARG EXTRAS=(\S+)$", text, re.M).group(1).split(","))
+    assert {"hf", "yaml"} <= extras, "export --hf-dir and --config x.yaml work in the image"
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert extras <= set(tomllib.load(f)["project"]["optional-dependencies"]), extras
+    assert "DDILOCO_KEY=" in text and "-o 1000" in text, "the key mount for the non-root user is documented"
     for src in re.findall(r"^COPY (.+) \./", text, re.M):
         for path in src.split():
             assert os.path.exists(os.path.join(ROOT, path)), path
@@ -159,3 +165,88 @@ def test_cloud_init_unit_is_valid_systemd(tmp_path):
     result = subprocess.run(["systemd-analyze", "verify", str(unit_path)], capture_output=True, text=True)
     complaints = [line for line in result.stderr.splitlines() if unit_path.name in line]
     assert result.returncode == 0 and not complaints, result.stderr
+
+
+def _signed_run(url: str, env: dict, tmp_path) -> str:
+    """A signed run at ``url`` (s3 on moto) made through the CLI; returns the admin key path."""
+    admin = str(tmp_path / "admin.pem")
+    subprocess.run(["ddiloco", "init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4",
+                    "--overlap-steps", "1", "--total-steps", "0", "--admin-key", admin], env=env, check=True,
+                   capture_output=True)
+    return admin
+
+
+def _wait_for_line(proc: subprocess.Popen, log_path, pattern: str, timeout_s: float = 180) -> re.Match:
+    found: list[re.Match] = []
+
+    def seen() -> bool:
+        m = re.search(pattern, log_path.read_text())
+        if m:
+            found.append(m)
+        return bool(m) or proc.poll() is not None
+
+    wait_for(seen, timeout_s=timeout_s, what=pattern)
+    assert found, log_path.read_text()[-3000:]
+    return found[0]
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_deployments_start_admitted_learners_in_a_signed_run(tmp_path, s3_url):
+    """Issue 26 item 4: in a signed run on S3 (moto), the commands the SkyPilot learner task
+    and the cloud-init unit run start learners that are admitted: with a key given as a
+    secret / credential, and (SkyPilot) without one: the learner makes its key, prints the
+    admit command and waits until the admin runs it (`admit --from-file`)."""
+    url, base_env = s3_url
+    env = {**base_env, "PATH": _shim_path(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "HOME": str(tmp_path / "home")}
+    admin = _signed_run(url, env, tmp_path)
+    subprocess.run(["ddiloco", "keys", "new", str(tmp_path / "a1.pem")], env=env, check=True, capture_output=True)
+    subprocess.run(["ddiloco", "admit", url, "a1", (tmp_path / "a1.pem.pub").read_text().strip(), "--admin-key",
+                    admin], env=env, check=True, capture_output=True)
+    learn_args = "--steps 2 --threads 1 --poll 0.1"
+
+    # SkyPilot, the key as a secret
+    cfg = _load("learner.yaml")
+    assert "DDILOCO_KEY_PEM" in cfg["secrets"]
+    sky_env = {**env, **{k: str(v) for k, v in cfg["envs"].items() if v is not None}, "DDILOCO_URL": url,
+               "DEVICE": "cpu", "LEARN_ARGS": learn_args, "SKYPILOT_TASK_ID": "sky-managed-1_ddiloco-learner-1_1-0"}
+    done = subprocess.run(["bash", "-c", cfg["run"]], env={**sky_env, "LEARNER_ID": "a1",
+                          "DDILOCO_KEY_PEM": (tmp_path / "a1.pem").read_text()},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert learner_heartbeat(url, "a1")["step"] == 2
+
+    # SkyPilot, no key: the learner makes one and waits for its admission
+    log_path = tmp_path / "sky-nokey.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(["bash", "-c", cfg["run"]], env={**sky_env, "HOME": str(tmp_path / "home2")},
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        m = _wait_for_line(proc, log_path, r"learner (\S+) public key ([0-9a-f]{64}): waiting for the run's admin")
+        assert proc.poll() is None, log_path.read_text()
+        (tmp_path / "fleet.txt").write_text(f"# the fleet\n{m.group(1)} {m.group(2)}\n")
+        subprocess.run(["ddiloco", "admit", url, "--from-file", str(tmp_path / "fleet.txt"), "--admin-key", admin],
+                       env=env, check=True, capture_output=True)
+        assert proc.wait(timeout=240) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert learner_heartbeat(url, m.group(1))["step"] == 2
+
+    # cloud-init: the unit's ExecStart with the env file and the credential systemd would provide
+    with open(os.path.join(ROOT, "examples", "vm", "cloud-init.yaml")) as f:
+        files = {x["path"]: x["content"] for x in yaml.safe_load(f)["write_files"]}
+    unit = files["/etc/systemd/system/ddiloco-learner.service"]
+    assert "RestartPreventExitStatus=2 3" in unit and "LoadCredential=learner-key:/etc/ddiloco/learner.pem" in unit
+    exec_start = re.search(r"^ExecStart=/bin/sh -c '(.*)'$", unit, re.M).group(1)
+    exec_start = exec_start.replace("/opt/ddiloco/venv/bin/ddiloco", "ddiloco")
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "learner-key").write_bytes((tmp_path / "a1.pem").read_bytes())
+    (creds / "learner-key").chmod(0o400)
+    vm_env = {**env, "DDILOCO_URL": url, "DEVICE": "cpu", "LEARNER_ID": "a1", "LEARN_ARGS": learn_args,
+              "CREDENTIALS_DIRECTORY": str(creds), "STATE_DIRECTORY": str(tmp_path / "state")}
+    done = subprocess.run(["/bin/sh", "-c", exec_start], env=vm_env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert learner_heartbeat(url, "a1")["step"] == 4  # the same id, continued

@@ -50,7 +50,7 @@ def test_kill_9_mid_init_then_resume_or_clean(tmp_path):
         assert result.returncode == 2 and "--force-clean" in result.stderr and "Traceback" not in result.stderr
         result = procs.run("init", url, *args)
         assert result.returncode == 0, result.stderr
-        assert "resuming the interrupted init" in result.stderr
+        assert "resuming the init of run" in result.stderr
         assert verify_run(open_store(url)) == []
 
         clean_url = str(tmp_path / "clean")
@@ -103,3 +103,45 @@ def test_env_vars_name_the_run_and_show_in_help(tmp_path, monkeypatch):
         for name in names:
             assert name in text, (command, name)
         assert "<bool>" not in text, text  # flags take no value
+
+
+def _concurrent_inits(url: str, args: list[str], env: dict[str, str], n: int) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen([sys.executable, "-m", "ddiloco_cli", "init", url, *args], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(n)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_six_concurrent_identical_inits_all_succeed_on_one_run(backend, tmp_path, request):
+    """Issue 26 item 12: a fleet's start-up scripts all running the same `ddiloco init` at
+    once: every one exits 0 on the same run (the others saying it exists with the same
+    settings), the run is consistent, and an init of another config is still refused."""
+    if backend == "s3":
+        url, env = request.getfixturevalue("s3_url")
+        from ddiloco_cli.signing import load_admin_key
+
+        admin = str(tmp_path / "admin.pem")
+        load_admin_key(admin, create=True)  # the fleet's admin key, made once
+        signed = ["--admin-key", admin]
+    else:
+        url, env, signed = str(tmp_path / "run"), dict(os.environ), []
+    args = ["--task", "ddiloco_cli.tasks.gpt:tiny", *SMALL, *signed]
+    results = _concurrent_inits(url, args, env, 6)
+    logs = "\n".join(f"--- rc={r.returncode}\n{r.stdout}{r.stderr}" for r in results)
+    assert all(r.returncode == 0 for r in results), logs
+    assert "Traceback" not in logs
+    store = open_store(url)
+    run_id = ledger.read_run(store)["run_id"]
+    assert sum("created run" in r.stderr for r in results) >= 1, logs
+    assert all(f"created run {run_id}" in r.stderr or f"run {run_id} exists at {url} with the same settings"
+               in r.stderr for r in results), logs
+    assert verify_run(store) == []
+    other = subprocess.run([sys.executable, "-m", "ddiloco_cli", "init", url, *args, "--quorum", "2"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "a run already exists" in other.stderr and "--quorum" in other.stderr
+    assert ledger.read_run(store)["run_id"] == run_id

@@ -34,6 +34,9 @@ def test_island_of_two_ranks_trains_and_contributes(tmp_path):
                               url, "--learner-id", "island", "--steps", "16", "--threads", "1"],
                              env=procs.env, capture_output=True, text=True, timeout=240)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        # rank 0 logs, once: the session's summary line, and no step line from rank 1
+        assert out.stderr.count("learner island: steps; step 16, 16,384 tokens") == 1, out.stderr[-3000:]
+        assert out.stderr.count("step 8 loss") <= 1, out.stderr[-3000:]
         hb = learner_heartbeat(url, "island")
         assert hb["step"] == 16 and hb["state"] == "left"
         assert hb["tokens"] == 16 * 8 * 64 * 2  # both ranks' batches count

@@ -67,6 +67,7 @@ CASES = [
     (["learn", "RUN", "--learner-id", "../x"], 2, "--learner-id"),
     (["learn", "RUN"], 2, "--learner-id"),
     (["learn", "NEW", "--learner-id", "a"], 3, "no ddiloco run"),
+    (["learn", "NEW", "--learner-id", "a"], 3, "--wait-for-run SECONDS"),
     # sync
     (["sync", "RUN", "--fragments", "-1"], 2, "--fragments"),
     (["sync", "RUN", "--fragments", "abc"], 2, "--fragments"),
@@ -80,6 +81,7 @@ CASES = [
     # keys and admissions
     (["admit", "RUN", "a", "zz"], 2, "64 hex digits"),
     (["admit", "RUN", "a", "0" * 64, "--admin-key", "DIR/missing.pem"], 2, "no such file"),
+    (["admit", "RUN", "a", "0" * 64, "--admin-key", "DIR/missing.pem"], 2, "the one `ddiloco init` made"),
     (["keys", "new", "RUN/run.json"], 2, "already exists"),
     # observers and maintenance
     (["status", "NEW"], 3, "no ddiloco run"),

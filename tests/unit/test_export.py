@@ -78,3 +78,17 @@ def test_export_refuses_a_directory_or_an_impossible_parent_before_reading(tmp_p
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="is a file, not a directory"):
         export_model(store, str(tmp_path / "file" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_export_honours_the_umask(tmp_path, umask):
+    import os
+    import stat
+
+    built = build_run(str(tmp_path / "run"), rounds=1)
+    old = os.umask(umask)
+    try:
+        export_model(built.store, str(tmp_path / "m.safetensors"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "m.safetensors").stat().st_mode) == 0o666 & ~umask

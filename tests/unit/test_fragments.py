@@ -156,8 +156,9 @@ def test_check_model_names_the_mismatching_tensor():
         plan.check_model(dict(Tiny(d=6).named_parameters()))
     params = dict(Tiny().named_parameters())
     del params["norm.bias"]
-    with pytest.raises(UsageError, match="'norm.bias' of the run is missing"):
+    with pytest.raises(UsageError, match="'norm.bias' of the run is missing") as exc:
         plan.check_model(params)
+    assert "--model" not in str(exc.value) and "ddiloco init --task" in str(exc.value)  # flags that exist
     params = dict(Tiny().named_parameters())
     params["extra"] = torch.zeros(2)
     with pytest.raises(UsageError, match="'extra'"):

@@ -69,3 +69,36 @@ def test_export_hf_dir_refuses_a_model_that_is_not_transformers(tmp_path):
     result = invoke("export", built.url, "--hf-dir", str(tmp_path / "hf"))
     assert result.exit_code == 2 and "not a transformers model" in result.output, result.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_hf_dir_has_tokenizer_card_and_pushes_to_a_local_hub(tmp_path, monkeypatch):
+    from ddiloco_cli.metrics import MetricsWriter
+
+    built = build_run(str(tmp_path / "run"), rounds=1, num_fragments=2, task=TINY_LLAMA)
+    w = MetricsWriter(built.store, role="syncer", writer_id="s", flush_every_s=3600)
+    w.log(step=2, global_val_loss=4.25)  # what `sync --eval-every` records
+    w.close()
+    out, hub = tmp_path / "hf", tmp_path / "hub"
+    monkeypatch.setenv("DDILOCO_HUB_DIR", str(hub))
+    result = invoke("export", built.url, "--hf-dir", str(out), "--push-to-hub", "me/tiny")
+    assert result.exit_code == 0, result.output
+    for where in (out, hub / "me" / "tiny"):
+        tok = transformers.AutoTokenizer.from_pretrained(str(where))
+        text = "to be, or not ü"
+        assert tok(text)["input_ids"] == list(text.encode()), "token id = UTF-8 byte, no special tokens"
+        assert tok.decode(list(text.encode())) == text
+        card = (where / "README.md").read_text()
+        assert built.run["run_id"] in card and "| num_fragments | `2` |" in card
+        assert "Final validation loss of the global model: 4.2500 (syncer evaluation at merge 2)" in card
+        assert transformers.AutoModelForCausalLM.from_pretrained(str(where)).config.vocab_size == 256
+    refused = invoke("export", built.url, str(tmp_path / "m.safetensors"), "--push-to-hub", "me/tiny")
+    assert refused.exit_code == 2 and "--hf-dir" in refused.output
+
+
+def test_llama_derived_sizes_scale_with_hidden_size():
+    small = load_task("ddiloco_cli.tasks.hf:causal_lm?config=llama&hidden_size=64&num_hidden_layers=2"
+                      "&num_attention_heads=4").config
+    assert small.intermediate_size == round(11008 * 64 / 4096)
+    given = load_task("ddiloco_cli.tasks.hf:causal_lm?config=llama&hidden_size=64&intermediate_size=100"
+                      "&num_attention_heads=4").config
+    assert given.intermediate_size == 100, "a size given is kept"

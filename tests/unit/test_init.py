@@ -145,7 +145,7 @@ def test_init_resumes_a_half_made_run_with_the_same_config(tmp_path):
     run = _half_made(url, num_fragments=2, sync_every=4, overlap_steps=1)
     result = invoke("init", url, *SMALL)
     assert result.exit_code == 0, result.output
-    assert "resuming the interrupted init" in result.output
+    assert "resuming the init of run" in result.output
     resumed = ledger.read_run(open_store(url))
     assert resumed["run_id"] == run["run_id"]
     assert verify_run(open_store(url)) == []
@@ -185,6 +185,19 @@ def test_force_clean_never_removes_a_run(tmp_path):
     result = invoke("init", url, *SMALL, "--force-clean")
     assert result.exit_code == 2 and "a run already exists" in result.output
     assert verify_run(open_store(url)) == []
+
+
+def test_identical_init_joins_the_run_and_another_config_is_refused(tmp_path):
+    """Issue 26 item 12 (in one process; the concurrent case: test_init_processes.py)."""
+    url = str(tmp_path / "run")
+    first = invoke("init", url, *SMALL, "--json")
+    assert first.exit_code == 0, first.output
+    again = invoke("init", url, *SMALL)
+    run_id = ledger.read_run(open_store(url))["run_id"]
+    assert again.exit_code == 0 and f"run {run_id} exists at {url} with the same settings" in again.output
+    other = invoke("init", url, *SMALL, "--quorum", "2")
+    assert other.exit_code == 2 and "a run already exists" in other.output and "--quorum" in other.output
+    assert ledger.read_run(open_store(url))["run_id"] == run_id and verify_run(open_store(url)) == []
 
 
 def test_wait_for_run_backs_off_then_gives_up():

@@ -27,7 +27,7 @@ def test_a_syncer_without_a_key_is_told_the_admit_command_without_none(signed):
     store, run = signed
     with pytest.raises(UsageError) as exc:
         signing.signer_for_run(store, run=run, key_path=None, member_id=None, role="syncer")
-    assert "None" not in str(exc.value) and "SYNCER_ID PUBKEY --role syncer" in str(exc.value)
+    assert "None" not in str(exc.value) and "NAME PUBKEY --role syncer" in str(exc.value)
 
 
 def test_a_public_key_passed_as_the_key_is_named_before_any_chmod(tmp_path):
@@ -36,13 +36,13 @@ def test_a_public_key_passed_as_the_key_is_named_before_any_chmod(tmp_path):
     pub.chmod(0o644)
     with pytest.raises(UsageError) as exc:
         signing.load_key(pub)
-    assert "looks like a public key" in str(exc.value) and "chmod" not in str(exc.value)
+    assert "is a public key; pass the private key file" in str(exc.value) and "chmod" not in str(exc.value)
 
 
 def test_a_missing_admin_key_does_not_suggest_making_a_new_one(tmp_path):
     with pytest.raises(UsageError) as exc:
         signing.load_admin_key(tmp_path / "missing.pem", create=False)
-    assert "keys new" not in str(exc.value) and "`ddiloco init` used" in str(exc.value)
+    assert "keys new" not in str(exc.value) and "the one `ddiloco init` made" in str(exc.value)
 
 
 def test_a_model_mismatch_names_the_task_not_a_model_flag():

@@ -156,6 +156,32 @@ def test_csv_export(tmp_path, store_url):
     assert rows[0]["loss"] == "3.5" and rows[0]["merges"] == "" and rows[1]["quorum_max"] == "2"
     with pytest.raises(UsageError, match="is a directory"):
         metrics.write_csv([], str(tmp_path))
+    monkeypatch_cwd = tmp_path / "cwd"
+    monkeypatch_cwd.mkdir()
+    os.chdir(monkeypatch_cwd)  # a file named "-" would land here
+    try:
+        from support.built_run import invoke
+
+        r = invoke("metrics", store.url, "--csv", "-")
+    finally:
+        os.chdir(tmp_path)
+    assert r.exit_code == 0, r.output
+    assert list(csv.DictReader(r.stdout.splitlines()))[1]["quorum_max"] == "2"
+    assert not (monkeypatch_cwd / "-").exists() and "wrote 2 records to stdout" in r.stderr
+
+
+def test_wandb_project_comes_from_the_flag_or_the_environment(monkeypatch):
+    from ddiloco_cli.metric_loggers import wandb_project
+
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    assert wandb_project() == "ddiloco"
+    monkeypatch.setenv("WANDB_PROJECT", "mine")
+    assert wandb_project() == "mine"
+    from support.built_run import invoke
+
+    monkeypatch.delenv("WANDB_PROJECT")
+    r = invoke("learn", "memory://nothing-here", "--learner-id", "a", "--wandb-project", "flagged")
+    assert r.exit_code == 3 and os.environ.get("WANDB_PROJECT") == "flagged", r.output
 
 
 def test_tensorboard_export_is_readable_by_tensorboard(tmp_path, store_url):

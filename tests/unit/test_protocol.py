@@ -65,8 +65,9 @@ def test_init_writes_plan_first_run_json_last_W6(store_url, backend):
         at = writes.index(layout.manifest_key(p, 0))
         assert all(writes.index(e["key"]) < at for e in m["payloads"])
     rec.log.clear()
-    with pytest.raises(UsageError, match="already exists"):
-        make_run(rec)
+    assert make_run(rec)["run_id"] == ledger.read_run(rec)["run_id"]  # an identical init joins the run
+    with pytest.raises(UsageError, match="already exists .*--outer-lr"):
+        make_run(rec, outer_lr=0.5)  # another config is refused
     assert not [op for op, _ in rec.log if op != "get"]
 
 

@@ -73,6 +73,22 @@ def test_bad_key_files_give_clear_errors(tmp_path):
             signing.load_key(locked)
     with pytest.raises(UsageError, match="64 hex digits"):
         signing.parse_public_key("abc")
+    # issue 26 item 6: a .pub file is named as such before any chmod advice; the admin key is not `keys new`'s
+    pub = tmp_path / "shared.pem.pub"
+    pub.chmod(0o644)
+    with pytest.raises(UsageError, match=r"this is a public key; pass the private key file \(.*shared.pem\)$"):
+        signing.load_key(pub)
+    with pytest.raises(UsageError, match="the one `ddiloco init` made") as exc:
+        signing.load_admin_key(tmp_path / "missing-admin.pem", create=False)
+    assert "keys new" not in str(exc.value)
+
+
+def test_syncer_without_a_key_is_told_the_admit_command_with_a_name(keys):
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    run = {"run_id": RUN, "require_signatures": True, "admin_key": keys["admin"].public_key}
+    with pytest.raises(UsageError, match="--role syncer") as exc:
+        signing.signer_for_run(store, run=run, key_path=None, member_id=None, role="syncer")
+    assert "None" not in str(exc.value) and "admit memory://" in str(exc.value) and " NAME PUBKEY" in str(exc.value)
 
 
 def test_default_requirement_follows_the_url():
@@ -266,13 +282,87 @@ def test_keys_init_admit_commands_A1(tmp_path):
     r = runner.invoke(app, ["admit", url, "a", "--revoke", "--admin-key", str(key_path)])
     assert r.exit_code == 2 and "not the run's" in r.output
     r = runner.invoke(app, ["admit", url, "a", pub, "--revoke", "--admin-key", str(admin)])
-    assert r.exit_code == 2 and "without PUBKEY" in r.output
+    assert r.exit_code == 2 and "no PUBKEY" in r.output
     r = runner.invoke(app, ["admit", url, "zz", "--revoke", "--admin-key", str(admin)])
     assert r.exit_code == 2 and "not admitted" in r.output
     r = runner.invoke(app, ["admit", url, "a", "--revoke", "--admin-key", str(admin)])
     assert r.exit_code == 0 and "revoked a" in r.output, r.output
     ring.refresh()
     assert ring.keys_of("a", role="learner") == ()
+
+
+def test_keys_list_admit_from_file_and_inspect_show_the_admissions(keys, tmp_path):
+    """Issue 26 item 5: `keys list` (and `inspect`) show id, role, key fingerprint and when
+    admitted, and whether the run requires signatures; `admit --from-file` admits a fleet."""
+    runner = CliRunner()
+    url = str(tmp_path / "run")
+    admin = tmp_path / "admin.pem"
+    r = runner.invoke(app, ["init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4",
+                            "--require-signatures", "--admin-key", str(admin)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["keys", "list", url])
+    assert r.exit_code == 0 and "no key admitted yet" in r.output, r.output
+    fleet = tmp_path / "fleet.txt"
+    fleet.write_text(f"# fleet\na {keys['a'].public_key}\n\nsync1 {keys['syncer'].public_key} syncer  # the syncer\n")
+    r = runner.invoke(app, ["admit", url, "--from-file", str(fleet), "--admin-key", str(admin)])
+    assert r.exit_code == 0 and "admitted learner a" in r.output and "admitted syncer sync1" in r.output, r.output
+    r = runner.invoke(app, ["keys", "list", url, "--json"])
+    listed = json.loads(r.stdout)
+    assert listed["require_signatures"] is True
+    assert [(a["id"], a["role"], a["fingerprint"], a["problem"]) for a in listed["admissions"]] == [
+        ("a", "learner", keys["a"].public_key[:16], None), ("sync1", "syncer", keys["syncer"].public_key[:16], None)]
+    assert all(a["admitted_s"] > 0 for a in listed["admissions"])
+    r = runner.invoke(app, ["keys", "list", url], terminal_width=200)
+    assert "signatures required" in r.output and keys["a"].public_key[:16] in r.output and "sync1" in r.output
+    r = runner.invoke(app, ["inspect", url], terminal_width=200)
+    assert "admissions (signatures required; 2)" in r.output and keys["syncer"].public_key[:16] in r.output
+    # a forged admission (signed by a's own key) is listed with its problem
+    store = open_store(url)
+    run = ledger.read_run(store)
+    signing.admit(store, run={**run, "admin_key": keys["b"].public_key}, member_id="b",
+                  public_key=keys["b"].public_key, role="learner", admin=keys["b"])
+    r = runner.invoke(app, ["keys", "list", url, "--json"])
+    (forged,) = [a for a in json.loads(r.stdout)["admissions"] if a["id"] == "b"]
+    assert forged["problem"]
+    for bad, needle in ((f"a {keys['a'].public_key} admin\n", "want `ID PUBKEY"), ("a nothex\n", "public key"),
+                        ("\n# nothing\n", "no `ID PUBKEY` line")):
+        fleet.write_text(bad)
+        r = runner.invoke(app, ["admit", url, "--from-file", str(fleet), "--admin-key", str(admin)])
+        assert r.exit_code == 2 and needle in r.output, r.output
+    r = runner.invoke(app, ["admit", url, "--admin-key", str(admin)])
+    assert r.exit_code == 2 and "give ID PUBKEY, or --from-file FILE" in r.output
+
+
+def test_wait_for_admission_makes_the_key_says_the_command_and_returns_once_admitted(keys, tmp_path):
+    from ddiloco_cli.admission import wait_for_admission
+
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    run = {"run_id": RUN, "require_signatures": True, "admin_key": keys["admin"].public_key}
+    said, slept = [], []
+    key_path = tmp_path / "fresh" / "a.pem"
+
+    def sleep(s):  # the admin admits the key while the learner waits
+        slept.append(s)
+        if len(slept) == 2:
+            signing.admit(store, run=run, member_id="a", public_key=signing.load_key(key_path).public_key,
+                          role="learner", admin=keys["admin"])
+
+    wait_for_admission(store, run=run, member_id="a", key_path=str(key_path), timeout_s=float("inf"),
+                       say=said.append, sleep=sleep)
+    pub = signing.load_key(key_path).public_key
+    assert f"ddiloco admit {store.url} a {pub}" in said[0] and said[-1] == "learner a admitted"
+    assert slept == [1.0, 2.0]
+    with pytest.raises(UsageError, match="not admitted within 3 s"):
+        wait_for_admission(store, run=run, member_id="b", key_path=str(tmp_path / "b.pem"), timeout_s=3,
+                           say=said.append, sleep=lambda s: None, monotonic=iter(range(0, 100, 2)).__next__)
+    wait_for_admission(store, run={"run_id": RUN}, member_id="c", key_path=None, timeout_s=1, say=said.append)
+
+
+def test_unsigned_run_lists_no_admissions(tmp_path):
+    url = str(tmp_path / "run")
+    assert CliRunner().invoke(app, ["init", url, "--task", "ddiloco_cli.tasks.gpt:tiny", "-P", "2", "-H", "4"]).exit_code == 0
+    r = CliRunner().invoke(app, ["keys", "list", url])
+    assert r.exit_code == 0 and "signatures: not required" in r.output
 
 
 def test_local_init_does_not_require_signatures_by_default(tmp_path):

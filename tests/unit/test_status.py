@@ -75,6 +75,12 @@ def test_alive_follows_heartbeat_age_and_state(built):
     assert alive == {LEARNER: True, "bob": False, "carol": False}
     (syncer,) = status["syncers"]
     assert not syncer["alive"] and syncer["heartbeat_age_s"] > lease_s
+    # one state column: what each is doing, or why it is not alive
+    rows = {line.split()[0]: line.split()[1:3] for line in _text(render_status(status)).splitlines()
+            if line.strip() and line.split()[0] in (LEARNER, "bob", "carol")}
+    assert rows == {LEARNER: ["●", "running"], "bob": ["○", "left"], "carol": ["○", "down"]}, rows
+    header = next(line for line in _text(render_status(status)).splitlines() if line.split()[:2] == ["learner", "state"])
+    assert header.split().count("state") == 1
 
 
 def test_pending_contributions_show_as_backlog(built):
@@ -199,6 +205,16 @@ def test_versions_behind_eta_throughput_and_training_window(built):
     assert status["goodput"]["possible_tokens"] == pytest.approx(rates * status["training_age_s"], rel=0.01)
     text = _text(render_status(status))
     assert "throughput" in text and "ETA" in text and "behind" in text
+
+
+def test_learners_table_has_one_state_column(built):
+    """Issue 26 item 3: no empty-headed column repeating the state (`○ left   left`)."""
+    write_learner_heartbeat(built.store, built.run, "carol", state="left")
+    text = _text(render_status(run_status(built.store)))
+    carol = next(line for line in text.splitlines() if line.lstrip().startswith("carol"))
+    assert "○ left" in carol and carol.count("left") == 1, carol
+    header = next(line for line in text.splitlines() if "learner" in line and "step" in line)
+    assert header.split()[:3] == ["learner", "state", "step"], header
 
 
 def test_alerts_no_syncer_and_piling_up(built):
