@@ -127,16 +127,26 @@ def admit(
     from_file: Annotated[Optional[str], typer.Option(
         "--from-file", metavar="FILE", help="Admit a fleet: one `ID PUBKEY [learner|syncer]` per line "
         "(# comments), instead of ID PUBKEY")] = None,
+    revoke: Annotated[bool, typer.Option("--revoke", metavar="", help="Remove ID's admission instead (no PUBKEY): its "
+                                                                      "key stops being accepted within seconds")] = False,
     admin_key: Annotated[Optional[str], typer.Option(
         "--admin-key", metavar="PATH", envvar="DDILOCO_ADMIN_KEY", show_envvar=True,
         help="The run's admin key (default ~/.config/ddiloco/admin.pem)")] = None,
     storage_option: StorageOpts = None,
 ) -> None:
-    """Let PUBKEY sign as ID in a run that requires signatures (re-admitting an id replaces its key)."""
+    """Let PUBKEY sign as ID in a run that requires signatures (re-admitting an id replaces its key);
+    with --revoke, stop accepting ID's key."""
     from ddiloco_cli import ledger
     from ddiloco_cli.admission import parse_admissions_file
-    from ddiloco_cli.signing import admit as admit_key, load_admin_key, parse_public_key
+    from ddiloco_cli.signing import admit as admit_key, load_admin_key, parse_public_key, revoke as revoke_key
 
+    if revoke:
+        if member_id is None or public_key is not None or from_file:
+            raise UsageError("--revoke takes an ID and no PUBKEY or --from-file")
+        store = _store(url, storage_option)
+        revoke_key(store, run=ledger.read_run(store), member_id=member_id, admin=load_admin_key(admin_key, create=False))
+        console.print(f"revoked {member_id}: its key is no longer accepted", highlight=False, soft_wrap=True)
+        return
     if (from_file is None) == (member_id is None or public_key is None) or (from_file and member_id):
         raise UsageError("give ID PUBKEY, or --from-file FILE")
     # a typo fails before any key file or bucket is read

@@ -20,7 +20,7 @@ from ddiloco_cli.replay import checkpoint_bytes
 from ddiloco_cli.restore import Restorer
 from ddiloco_cli.store.base import NotFound
 from ddiloco_cli.syncstate import FragmentState, SyncContext
-from ddiloco_cli.typed_records import LedgerEntry
+from ddiloco_cli.typed_records import REFUSED, LedgerEntry
 from ddiloco_cli.update import Decision, FragmentValue, NonFiniteUpdate, apply_decision
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,13 @@ class Committer:
         self.decider.remember_shares(state, decision)
         state.high_water = dict(decision.high_water)
         state.norms.extend(c.norm * c.clip for c in contributions)  # as merged: a clipped one counts at the bound
+        for c in contributions:
+            why = [f"norm clipped to {c.clip:.2g}x" if c.clip < 1.0 else "",
+                   f"share capped to {c.share_cap:.2g}x" if c.share_cap < 1.0 else ""]
+            ctx.stats.note_bounded(c.learner_id, ", ".join(w for w in why if w) or None)
+        for e in decision.closed:
+            if e.status == REFUSED:
+                ctx.stats.note_bounded(e.learner_id, f"refused: {e.reason}"[:300])
         state.pending.clear()
         state.closed.clear()
         state.seen = {k for k in state.seen if _above_high_water(k, state.high_water)}

@@ -11,7 +11,9 @@ import logging
 
 import torch
 
+from ddiloco_cli.errors import ProtocolError
 from ddiloco_cli.intake import REFUSED, USED, Contribution
+from ddiloco_cli.store.base import NotFound
 from ddiloco_cli import staleness
 from ddiloco_cli.runconfig import RunConfig
 from ddiloco_cli.syncstate import FragmentState, SyncContext
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 SHARES_KEPT = 256  # versions whose clock shares a syncer keeps in memory
 MAX_SHARE = 0.5  # one learner's share of a merge's weight, when two or more others have weight
+TOKEN_SLACK = 2  # a step counts at most this many times the run's max_tokens_per_step
+STEP_SLACK = 4.0  # steps counted: a learner this many times faster than the live median still counts in full
 BASE_CACHE_MIN = 8  # published values of recent versions kept for contributions' bases (at least)
 
 
@@ -103,6 +107,7 @@ class Decider:
                     norm=c.norm, norms=state.norms)
                 if verdict.accepted:
                     c.staleness, c.discount, c.clip = verdict.staleness, verdict.discount, verdict.clip
+                    self.bound_counters(state, c)
                     kept.append(c)
                 else:
                     log.warning("fragment %d: refused %s: %s", state.fragment, c.key, verdict.reason)
@@ -111,6 +116,24 @@ class Decider:
                 state.pending[lid] = kept
             else:
                 del state.pending[lid]
+
+    def bound_counters(self, state: FragmentState, c: Contribution) -> None:
+        """What ``c``'s weight may count ([V2], PROTOCOL "What an admitted learner can and cannot
+        do"): at most TOKEN_SLACK x the run's ``max_tokens_per_step`` tokens per step, and at
+        most H + STEP_SLACK x (the time since its base version was committed / the live
+        learners' median step time) steps. Each bound is off when its figure is unknown."""
+        if self.config.max_tokens_per_step is not None:
+            c.max_tokens = TOKEN_SLACK * self.config.max_tokens_per_step
+        step_s = self.ctx.learners.step_time_s
+        if not step_s or step_s <= 0:
+            return
+        try:
+            since = self.ctx.readers[state.fragment].manifest(c.base_version).get("created_s")
+        except (NotFound, ProtocolError):
+            return
+        if isinstance(since, (int, float)):
+            elapsed = max(0.0, self.ctx.clock.time() - float(since))
+            c.max_steps = self.config.sync_every + int(STEP_SLACK * elapsed / step_s)
 
     def staleness(self, state: FragmentState, c: Contribution) -> float:
         """The cycles other learners merged since ``c``'s base ([M5], ``staleness.others_work``)."""

@@ -197,8 +197,8 @@ class FragmentPlan:
             else:
                 shape, dtype = v
                 have[name] = (tuple(shape), dtype_name(dtype))
-        hint = ("the learner's model must match the run's model: the same task (--task, and its arguments "
-                "after `?`) as `ddiloco init` used; `ddiloco inspect URL` shows it")
+        hint = ("the learner's model must be the run's: the task `ddiloco init --task` named (run.json's "
+                "`task`, and its arguments after `?`; `ddiloco inspect URL` shows it), with the same source")
         for name, (shape, dtype) in want.items():
             if name not in have:
                 raise UsageError(f"model mismatch: tensor {name!r} of the run is missing from this model; {hint}")

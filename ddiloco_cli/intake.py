@@ -71,6 +71,8 @@ class Contribution:
     increment_of: dict[str, Any] | None = None
     clip: float = 1.0  # its delta scaled by this to the norm bound (``Judge.admission``)
     share_cap: float = 1.0  # its weight cut by this: one learner's share of a merge is capped (``decide``)
+    max_steps: int | None = None  # the steps and tokens its weight may count (``Decider.bound_counters``)
+    max_tokens: int | None = None
 
     @property
     def merged_tokens(self) -> int:
@@ -82,7 +84,13 @@ class Contribution:
 
     @property
     def weight(self) -> float:
-        return token_weight(max(0, self.merged_tokens), max(0, self.merged_steps))
+        steps = max(0, self.merged_steps)
+        if self.max_steps is not None:
+            steps = min(steps, self.max_steps)
+        tokens = max(0, self.merged_tokens)
+        if self.max_tokens is not None:
+            tokens = min(tokens, self.max_tokens * steps)  # max_tokens: per step counted
+        return token_weight(tokens, steps)
 
     def entry(self, status: str, *, reason: str = "", carried_by: int | None = None) -> LedgerEntry:
         """Its ledger entry. A used one carries everything a replay needs."""

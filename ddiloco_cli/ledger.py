@@ -17,6 +17,7 @@ Invariants (PROTOCOL.md sections in brackets):
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -251,9 +252,20 @@ class Heartbeat:
     age_s: float  # store clock: now - mtime of the heartbeat object
 
 
-def read_heartbeats(store: Store, prefix: str, record_type: str, *, now_s: float | None = None) -> list[Heartbeat]:
-    """Heartbeats under ``prefix`` with their age by the store's clock; bad ones skipped,
-    and so are records that name another learner (or epoch) than their key [R1]."""
+def heartbeat_age(now_s: float, mtime_s: float, *, lease_s: float | None) -> float:
+    """A heartbeat's age by the store's clock. One dated more than ``lease_s`` in the future
+    (a clock gone wrong, or an mtime set by hand) is invalid, not live: its age is infinite,
+    so it never holds an id or counts as a live learner."""
+    if lease_s is not None and mtime_s - now_s > lease_s:
+        return math.inf
+    return max(0.0, now_s - mtime_s)
+
+
+def read_heartbeats(store: Store, prefix: str, record_type: str, *, now_s: float | None = None,
+                    lease_s: float | None = None) -> list[Heartbeat]:
+    """Heartbeats under ``prefix`` with their age by the store's clock (``heartbeat_age``:
+    infinite for one dated more than ``lease_s`` ahead); bad ones skipped, and so are records
+    that name another learner (or epoch) than their key [R1]."""
     infos = store.list(prefix)
     if not infos:
         return []
@@ -271,7 +283,7 @@ def read_heartbeats(store: Store, prefix: str, record_type: str, *, now_s: float
         if rec["learner_id" if record_type == "learner_heartbeat" else "epoch"] != owner:
             log.debug("skipping heartbeat %s: it names another owner than its key", info.key)
             continue
-        beats.append(Heartbeat(info.key, rec, max(0.0, now_s - info.mtime_s)))
+        beats.append(Heartbeat(info.key, rec, heartbeat_age(now_s, info.mtime_s, lease_s=lease_s)))
     return beats
 
 

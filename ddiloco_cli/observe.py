@@ -2,13 +2,11 @@
 verify.py, the one observer that decodes payloads and so imports torch) and
 ``ddiloco status`` (``run_status``). Neither imports torch: both run in monitors.
 
-Observers never write to the bucket and never trust it: every object is read
-through the same validation as the learners and syncers use, and bad content is
-*reported* (``errors`` in the inspect report, one line per problem from
-``verify_run``), never raised. Only a bucket that cannot be reached at all
-(``StoreAccessError``) or, for ``run_status``, a missing/invalid run.json raises.
-Ages are judged by the store's clock (``store.now()`` minus object mtimes), never
-by the local clock.
+Observers never write to the bucket and never trust it: every object is read through the same
+validation as the learners and syncers use, and bad content is *reported* (``errors`` in the inspect
+report, one line per problem from ``verify_run``), never raised. Only a bucket that cannot be reached
+(``StoreAccessError``) or, for ``run_status``, a missing/invalid run.json raises. Ages are judged by
+the store's clock (``store.now()`` minus object mtimes), never by the local clock.
 """
 
 from __future__ import annotations
@@ -182,7 +180,10 @@ def _heartbeats(scan: _Scan, prefix: str, record_type: str) -> list[tuple[dict[s
         if own_key != info.key:
             scan.errors.append(f"{info.key}: holds the heartbeat of {own_key}")
             continue
-        out.append((rec, max(0.0, scan.now_s - info.mtime_s)))
+        age = ledger.heartbeat_age(scan.now_s, info.mtime_s, lease_s=scan.run.lease_s if scan.run else None)
+        if age == float("inf"):  # dated more than a lease ahead: invalid, not live (as the syncer sees it)
+            scan.errors.append(f"{info.key}: dated {info.mtime_s - scan.now_s:.0f} s in the future: ignored")
+        out.extend([(rec, age)] if age != float("inf") else [])
     return out
 
 

@@ -9,8 +9,7 @@ place in run.json, its allowed range and its help text (``runflags`` makes `ddil
 init`'s options from it: each setting is declared once); the codec names and default
 block sizes come from ``ddiloco_cli.codec``.
 
-Errors name the flag and what to do: ``UsageError`` for user input,
-``ProtocolError`` for a run.json in the bucket.
+Errors name the flag and what to do: ``UsageError`` for user input, ``ProtocolError`` for a run.json.
 """
 
 from __future__ import annotations
@@ -174,6 +173,9 @@ class RunConfig:
                             metavar="X", help="Grace window = gamma * slack of the overlap window")
     grace_max_s: float = _f(30.0, "grace-max", _F, kind=float, lo=0.0,
                             metavar="SECONDS", help="Upper bound of the grace window")
+    max_tokens_per_step: int | None = _f(None, "max-tokens-per-step", _F, kind=int, lo=1, hi=_MAX_INT, optional=True,
+                                         metavar="N", help="Tokens per inner step (batch x sequence x accumulation); "
+                                                           "a contribution counts at most 2x this per step")
     max_staleness: int = _f(8, "max-staleness", _F, kind=int, lo=0, hi=_MAX_INT,
                             metavar="N", help="Oldest base accepted, in cycles of the fragment behind the latest "
                                               "version (discounted beyond 2)")

@@ -285,6 +285,20 @@ def admin_key_of(run: RunLike) -> str:
     return key
 
 
+def revoke(store: Store, *, run: RunLike, member_id: str, admin: Signer) -> None:
+    """Delete ``admissions/ID.json`` (``ddiloco admit --revoke``): readers stop accepting the id's
+    key within their ``Trust.max_age_s``; its later contributions are quarantined. Only with the
+    run's admin key, and only an id that is admitted."""
+    expected = admin_key_of(run)
+    if admin.public_key != expected:
+        raise UsageError(f"this admin key ({admin.public_key[:16]}...) is not the run's ({expected[:16]}...): "
+                         "pass the key `ddiloco init` used with --admin-key")
+    key = layout.admission_key(member_id)
+    if not layout.valid_learner_id(member_id) or not any(i.key == key for i in store.list(key)):
+        raise UsageError(f"{member_id!r} is not admitted in this run at {store.url}: nothing to revoke")
+    store.delete(key)
+
+
 def admit(store: Store, *, run: RunLike, member_id: str, public_key: str, role: str, admin: Signer,
           clock: Clock = WALL) -> dict[str, Any]:
     """Write ``admissions/ID.json``: ``public_key`` may sign as ``member_id`` in ``role``.

@@ -178,8 +178,9 @@ class Syncer:
     def alerts(self) -> tuple[str, ...]:
         """What this syncer cannot repair by itself, for ``status --check`` (in its heartbeat):
         fragments it cannot serve, and why."""
-        return tuple(f"fragment {p} is not served by syncer {self.syncer_id}: {why}"[:1000]
-                     for p, why in sorted(self.unavailable.items()))[:64]
+        return tuple([f"fragment {p} is not served by syncer {self.syncer_id}: {why}"[:1000]
+                      for p, why in sorted(self.unavailable.items())]
+                     + [a[:1000] for a in self.ctx.stats.suspects()])[:64]
 
     def _refresh_learners(self) -> None:
         self.learners.refresh()

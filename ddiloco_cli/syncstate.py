@@ -90,7 +90,8 @@ class Learners:
     def refresh(self) -> None:
         self.refreshed_t = self.clock.monotonic()
         beats = []
-        for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
+        for b in ledger.read_heartbeats(self.store, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat",
+                                        lease_s=self.config.lease_s):
             hb = LearnerHeartbeat.from_json(b.record)
             if self.trust.admits(b.record, key=b.key, role="learner", member_id=hb.learner_id):  # [A3]
                 beats.append((hb, b.age_s))
@@ -109,12 +110,32 @@ class Learners:
         return learner_id in self.known
 
 
+SUSPECT_AFTER = 3  # contributions in a row cut by a bound (or refused) before status alerts on the learner
+
+
 @dataclass
 class SyncStats:
     num_merges: int = 0
     bytes_out: int = 0
     sync_time_s: float = 0.0  # EMA of merge + commit time
     stage_s: dict[str, float] = field(default_factory=dict)  # seconds per stage on the clock, cumulative
+    # per learner: (its contributions clipped, capped or refused in a row, the last reason); ``suspects``
+    bounded: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+    def note_bounded(self, learner_id: str, why: str | None) -> None:
+        """Count a contribution of ``learner_id`` that a bound cut (``why``) or, None, one that
+        was merged as sent (which clears the count)."""
+        if why is None:
+            self.bounded.pop(learner_id, None)
+        else:
+            self.bounded[learner_id] = (self.bounded.get(learner_id, (0, ""))[0] + 1, why)
+
+    def suspects(self, *, after: int = SUSPECT_AFTER) -> list[str]:
+        """One alert per learner whose last ``after`` or more contributions were all clipped,
+        capped or refused: a faulty or hostile learner an operator may revoke."""
+        return [f"learner {lid}: its last {n} contributions were cut or refused ({why}); if it is faulty, "
+                f"revoke it (re-admit it with a new key, or delete its admission)"
+                for lid, (n, why) in sorted(self.bounded.items()) if n >= after]
 
 
 @dataclass

@@ -61,14 +61,15 @@ def _read_record(store: Store, learner_id: str) -> dict[str, Any] | None:
         return None
 
 
-def read_heartbeat(store: Store, learner_id: str) -> HeldBy | None:
-    """The id's heartbeat and its store age, or None when absent or unreadable."""
+def read_heartbeat(store: Store, learner_id: str, *, lease_s: float | None = None) -> HeldBy | None:
+    """The id's heartbeat and its store age (infinite when dated more than ``lease_s`` ahead:
+    ``ledger.heartbeat_age``), or None when absent or unreadable."""
     key = layout.learner_heartbeat_key(learner_id)
     infos = [i for i in store.list(key) if i.key == key]
     rec = _read_record(store, learner_id) if infos else None
     if rec is None:
         return None
-    return HeldBy(rec, max(0.0, store.now() - infos[0].mtime_s))
+    return HeldBy(rec, ledger.heartbeat_age(store.now(), infos[0].mtime_s, lease_s=lease_s))
 
 
 def describe(held: HeldBy) -> str:
@@ -107,14 +108,14 @@ def check_id_free(store: Store, learner_id: str, *, lease_s: float,
     Live: state running, a heartbeat within the lease, and not a crashed process of
     this host. A running heartbeat is watched for up to one lease first: a session
     that crashed on another machine stops beating, a live one beats again."""
-    held = read_heartbeat(store, learner_id)
+    held = read_heartbeat(store, learner_id, lease_s=lease_s)
     if not _live(held, lease_s):
         return held
     wait_s = lease_s - held.age_s + LEASE_MARGIN_S
     log.info("learner id %r has a running heartbeat (%s); waiting %.1fs to see whether that session is alive",
              learner_id, describe(held), wait_s)
     sleep(wait_s)
-    again = read_heartbeat(store, learner_id)
+    again = read_heartbeat(store, learner_id, lease_s=lease_s)
     if not _live(again, lease_s):
         return again
     raise UsageError(f"learner id {learner_id!r} is live: {describe(again)}. Stop that session, or pick "

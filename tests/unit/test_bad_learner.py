@@ -220,3 +220,88 @@ def test_a_merge_of_weight_zero_takes_no_outer_step_momentum_included(tmp_path):
     r = restored(store)
     assert r.states[0].outer.num_steps == 1
     assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in before.items())
+
+
+# ------------------------------------------------------ counters a learner cannot inflate
+def test_counted_tokens_and_steps_are_bounded_by_the_run_and_the_clock(tmp_path):
+    import time
+
+    from support.runs import beat, contribution, live_syncer, make_run, step
+
+    from ddiloco_cli.decide import STEP_SLACK, TOKEN_SLACK
+
+    store = open_store(str(tmp_path / "run"))
+    t0 = time.time()
+    make_run(store, max_tokens_per_step=32, sync_every=2)
+    assert ledger.read_run(store)["max_tokens_per_step"] == 32
+    beat(store, "a")
+    s = live_syncer(store, fragments=[0])
+    contribution(store, 0, "a", 1, c_tokens=64, c_steps=2)  # honest: 32 tokens a step
+    assert step(s, 0)
+    contribution(store, 0, "a", 2, base_version=1, c_tokens=2**40, c_steps=2)  # tokens inflated
+    assert step(s, 0)
+    contribution(store, 0, "a", 3, base_version=2, c_tokens=2**45, c_steps=2**40)  # steps and tokens inflated
+    assert step(s, 0)
+    w = [ledger.read_manifest(store, 0, v)["contributions"][0]["weight"] for v in (1, 2, 3)]
+    assert w[0] == 64 * 64 / 2  # within the bound: unchanged
+    assert w[1] == (TOKEN_SLACK * 32 * 2) ** 2 / 2
+    max_steps = 2 + STEP_SLACK * (time.time() - t0) / 0.01  # the live learners' step time: 0.01 s
+    assert w[2] <= (TOKEN_SLACK * 32) ** 2 * max_steps < 1e-6 * 2**90 / 2**40
+
+
+# ---------------------------------------------------------------------- clocks
+def test_a_heartbeat_dated_in_the_future_is_invalid_not_live(tmp_path):
+    import os
+    import time
+
+    from support.runs import beat, live_syncer, make_run
+
+    from ddiloco_cli.learner.session import check_id_free
+    from ddiloco_cli.observe import run_status
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, lease_s=2.0)
+    beat(store, "m")
+    beat(store, "a")
+    path = tmp_path / "run" / layout.learner_heartbeat_key("m")
+    future = time.time() + 3 * 3600  # three hours ahead: a clock gone wrong
+    os.utime(path, (future, future))
+    s = live_syncer(store)
+    s.learners.refresh()
+    assert s.live_learners == {"a"}  # m is not live (and does not scale the outer lr)
+    held = check_id_free(store, "m", lease_s=2.0, sleep=lambda _: pytest.fail("waited on an invalid heartbeat"))
+    assert held is not None  # the id is free: a new session may take it
+    status = run_status(store)
+    assert {r["learner_id"]: r["alive"] for r in status["learners"]} == {"a": True}
+    assert any(layout.learner_heartbeat_key("m") in e and "future" in e for e in status["errors"])
+
+
+# ------------------------------------------------------------------- visibility
+def test_status_alerts_on_a_learner_whose_contributions_keep_being_clipped(tmp_path):
+    from support.runs import beat, contribution, live_syncer, make_run, step
+
+    from ddiloco_cli.observe import run_status
+    from ddiloco_cli.syncstate import SUSPECT_AFTER
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store)
+    beat(store, "a")
+    s = live_syncer(store, fragments=[0])
+    for seq in range(1, 9):  # eight honest norms: the bound is on
+        contribution(store, 0, "a", seq, base_version=s.states[0].version)
+        assert step(s, 0)
+    beat(store, "a", state="left")
+    beat(store, "m")
+    s.learners.refresh()
+    for i in range(SUSPECT_AFTER):
+        v = s.states[0].version
+        big = {k: 500 * t for k, t in contribution(store, 0, "a", 100 + i, key=f"tmp/{i}")[2].items()}
+        contribution(store, 0, "m", 10 + i, base_version=v, tensors=big)
+        assert step(s, 0)
+        assert not any("learner m" in a for a in s.alerts()) or i == SUSPECT_AFTER - 1
+    assert any("learner m" in a and "norm clipped" in a for a in s.alerts())
+    s.heartbeat(force=True)
+    assert any("learner m" in a and "revoke" in a for a in run_status(store)["alerts"])
+    contribution(store, 0, "m", 20, base_version=s.states[0].version)  # an honest one clears it
+    assert step(s, 0)
+    assert not any("learner m" in a for a in s.alerts())

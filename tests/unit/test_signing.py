@@ -278,6 +278,17 @@ def test_keys_init_admit_commands_A1(tmp_path):
     assert r.exit_code == 2 and "not the run's" in r.output
     r = runner.invoke(app, ["admit", url, "b", pub, "--admin-key", str(tmp_path / "nope.pem")])
     assert r.exit_code == 2 and "no such file" in r.output
+    # revocation (issue 25): only with the admin key, only an admitted id; then a's key is refused
+    r = runner.invoke(app, ["admit", url, "a", "--revoke", "--admin-key", str(key_path)])
+    assert r.exit_code == 2 and "not the run's" in r.output
+    r = runner.invoke(app, ["admit", url, "a", pub, "--revoke", "--admin-key", str(admin)])
+    assert r.exit_code == 2 and "no PUBKEY" in r.output
+    r = runner.invoke(app, ["admit", url, "zz", "--revoke", "--admin-key", str(admin)])
+    assert r.exit_code == 2 and "not admitted" in r.output
+    r = runner.invoke(app, ["admit", url, "a", "--revoke", "--admin-key", str(admin)])
+    assert r.exit_code == 0 and "revoked a" in r.output, r.output
+    ring.refresh()
+    assert ring.keys_of("a", role="learner") == ()
 
 
 def test_keys_list_admit_from_file_and_inspect_show_the_admissions(keys, tmp_path):
