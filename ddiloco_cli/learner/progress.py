@@ -48,9 +48,14 @@ def log_step(step: int, stats: LearnerStats, *, lr: float, tokens_per_step: int)
              stats.step_time_s * 1e3, f"{tok_s:,.0f}", stats.bytes_up / 1e6, stats.bytes_down / 1e6)
 
 
+# learn's stop reasons as the summary says them ("steps": this session's --steps were done)
+_REASONS = {"steps": "this session's --steps done", "left": "left (SIGTERM)"}
+
+
 def summary(learner_id: str, reason: str, stats: LearnerStats | None, *, first_step: int | None = None) -> str:
     """One line for the end of a session: why it ended, steps, tokens, contributions
     sent and refused by the syncer, bytes up and down."""
+    reason = _REASONS.get(reason, reason)
     if stats is None:
         return f"learner {learner_id}: {reason}"
     steps = f"step {stats.step:,}" if first_step is None else f"steps {first_step:,}->{stats.step:,}"

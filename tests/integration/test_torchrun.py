@@ -35,7 +35,7 @@ def test_island_of_two_ranks_trains_and_contributes(tmp_path):
                              env=procs.env, capture_output=True, text=True, timeout=240)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         # rank 0 logs, once: the session's summary line, and no step line from rank 1
-        assert out.stderr.count("learner island: steps; step 16, 16,384 tokens") == 1, out.stderr[-3000:]
+        assert out.stderr.count("learner island: this session's --steps done; step 16, 16,384 tokens") == 1, out.stderr[-3000:]
         assert out.stderr.count("step 8 loss") <= 1, out.stderr[-3000:]
         hb = learner_heartbeat(url, "island")
         assert hb["step"] == 16 and hb["state"] == "left"
