@@ -11,7 +11,8 @@ bounds are on. Variants:
 * ``counters``: c_tokens = 2^40 on every send, and c_steps = 2^40 (with c_tokens 2^45) on
   every other one;
 * ``zeros``: zero deltas (at its normal rate; the simulation has one send per H steps);
-* ``random_bound``: a random direction at 3x its honest norm (the clip bound) every send;
+* ``random_bound``: a random direction at NORM_BOUND_FACTOR (2) x its honest norm (about the
+  clip bound) every send;
 * ``replay``: its first contribution of each fragment sent again every time.
 
 Per variant: the final global val loss and its ratio to the clean run (target <= 1.05),
@@ -31,6 +32,7 @@ import time
 import torch
 
 from ddiloco_cli import ledger
+from ddiloco_cli.judge import NORM_BOUND_FACTOR
 from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.simtrain.world import World
 from ddiloco_cli.tasks import load_task
@@ -60,7 +62,7 @@ def tamper(variant: str, seed: int):
             norm = torch.sqrt(sum((t.double() ** 2).sum() for t in delta.values()))
             rnd = {k: torch.randn(t.shape, generator=g) for k, t in delta.items()}
             rnorm = torch.sqrt(sum((t.double() ** 2).sum() for t in rnd.values()))
-            delta = {k: (t * float(3.0 * norm / rnorm)).to(torch.float32) for k, t in rnd.items()}
+            delta = {k: (t * float(NORM_BOUND_FACTOR * norm / rnorm)).to(torch.float32) for k, t in rnd.items()}
         elif variant == "replay":
             delta = first.setdefault(p, {k: t.clone() for k, t in delta.items()})
         return delta, header
