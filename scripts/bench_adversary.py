@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=96, help="inner steps per learner")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="also write every result to PATH")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -134,14 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = config.batch_size * load_task(config.task).config.block_size
     clean = run_one(None, steps=args.steps, seed=args.seed, tokens_per_step=tokens_per_step)
     print(json.dumps(clean), flush=True)
-    ok = clean["error"] is None
+    results, ok = [clean], clean["error"] is None
     for variant in variants:
         r = run_one(variant, steps=args.steps, seed=args.seed, tokens_per_step=tokens_per_step)
         r["ratio_to_clean"] = r["val_loss"] / clean["val_loss"]
         r["pass"] = (r["error"] is None and r["ratio_to_clean"] <= 1.05 and r["honest_refused"] == 0)
         ok &= r["pass"]
+        results.append(r)
         print(json.dumps(r), flush=True)
     print(json.dumps({"summary": "pass" if ok else "FAIL", "clean_val_loss": clean["val_loss"]}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": args.steps, "seed": args.seed, "results": results, "pass": ok}, f, indent=1)
     return 0 if ok else 1
 
 
