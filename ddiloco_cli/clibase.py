@@ -193,6 +193,7 @@ def _main(
                                     help="Print the version and exit")] = False,
 ) -> None:
     """Decoupled DiLoCo: asynchronous, fault-tolerant, low-communication training over a shared bucket."""
+    quiet_libraries()
 
 
 def _store(url: str, opts: list[str] | None):
@@ -219,9 +220,23 @@ def _setup_logging(verbose: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("botocore", "s3fs", "aiobotocore", "urllib3", "fsspec", "google"):
+    quiet_libraries()
+    logging.getLogger(RETRY_LOGGER).setLevel(logging.NOTSET)  # a long-running process shows its retries
+
+
+RETRY_LOGGER = "ddiloco_cli.store.retry"
+
+
+def quiet_libraries() -> None:
+    """The storage libraries' own loggers to warnings and above, gcsfs's off (it logs a
+    traceback per exhausted retry), and the store's retry notes off until a command sets
+    up logging (``_setup_logging``: learn, sync): a one-shot command (status, inspect, ...)
+    that fails on the bucket prints one line on every backend, the error ddiloco reports.
+    Every command runs this first (``_main``)."""
+    logging.getLogger(RETRY_LOGGER).setLevel(logging.ERROR)
+    for noisy in ("botocore", "s3fs", "aiobotocore", "urllib3", "fsspec", "google", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs a traceback per exhausted retry
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 
 # each command's module: `main` imports only the one it runs (all of them for help and completion)

@@ -51,8 +51,8 @@ def create_run(
     """
     records.validate(config, "run", where="run config")
     records.validate(plan, "plan", where="fragment plan")
-    if _exists(store, layout.RUN_CONFIG):
-        raise UsageError(f"a run already exists at {store.url}; nothing was changed (use another URL)")
+    if _exists(store, layout.RUN_CONFIG):  # made since the caller looked: runinit looks again
+        raise InitRaceLost(f"a run already exists at {store.url}; nothing was changed (use another URL)")
     if not store.put_if_absent(layout.PLAN, records.dumps(plan)):
         existing = store.get(layout.PLAN)
         if records.loads(existing, "plan", where=layout.PLAN).get("run_id") != plan["run_id"]:

@@ -10,6 +10,7 @@ message (PROTOCOL.md, "Protocol evolution").
 from __future__ import annotations
 
 import functools
+import itertools
 import hashlib
 import json
 import logging
@@ -18,9 +19,6 @@ import re
 import uuid
 from importlib import resources
 from typing import Any
-
-import jsonschema
-import numpy as np
 
 from ddiloco_cli import layout, schemacheck
 from ddiloco_cli.errors import DdilocoError, ProtocolError
@@ -63,6 +61,7 @@ PARSE_ERRORS = (ValueError, RecursionError, OverflowError, MemoryError)
 # a JSON string, unrolled so the regex engine never backtracks
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_OPENING = b"[{"
 
 
 class NewerProtocolError(ProtocolError):
@@ -96,6 +95,10 @@ def json_depth(data: bytes) -> int:
     brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
     if not brackets:
         return 0
+    if len(brackets) < 4096:  # a record's few brackets: no numpy (commands like `status` never import it)
+        return max(itertools.accumulate(1 if c in _OPENING else -1 for c in brackets))
+    import numpy as np
+
     codes = np.frombuffer(brackets, dtype=np.uint8)
     steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int32)
     return int(np.cumsum(steps).max())
@@ -145,10 +148,14 @@ def _schema(record_type: str) -> dict[str, Any]:
 
 
 @functools.cache
-def _validator(record_type: str) -> jsonschema.protocols.Validator:
+def _validator(record_type: str) -> Any:
+    """jsonschema's validator of ``record_type``, imported on first use: it decides and
+    explains only what the compiled check refuses."""
+    import jsonschema
+
     schema = _schema(record_type)
     cls = jsonschema.validators.validator_for(schema)
-    return cls(schema, format_checker=_FORMATS)
+    return cls(schema, format_checker=_formats())
 
 
 @functools.cache
@@ -164,9 +171,16 @@ def _fast_check(record_type: str) -> schemacheck.Check:
 
 # The schemas name the learner-id grammar by format; its one definition is in layout.
 _FORMAT_CHECKS = {"ddiloco-learner-id": lambda value: not isinstance(value, str) or layout.valid_learner_id(value)}
-_FORMATS = jsonschema.FormatChecker(formats=())
-for _name, _check in _FORMAT_CHECKS.items():
-    _FORMATS.checks(_name)(_check)
+
+
+@functools.cache
+def _formats() -> Any:
+    import jsonschema
+
+    formats = jsonschema.FormatChecker(formats=())
+    for name, check in _FORMAT_CHECKS.items():
+        formats.checks(name)(check)
+    return formats
 
 
 def make(record_type: str, **fields: Any) -> dict[str, Any]:
@@ -178,6 +192,12 @@ def make(record_type: str, **fields: Any) -> dict[str, Any]:
 def dumps(record: dict[str, Any]) -> bytes:
     """Canonical bytes of a record (sorted keys): equal records give equal bytes."""
     return (json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+def _best_error(record_type: str, record: Any) -> Any:
+    import jsonschema
+
+    return jsonschema.exceptions.best_match(_validator(record_type).iter_errors(record))
 
 
 def validate(record: Any, record_type: str, *, where: str) -> dict[str, Any]:
@@ -194,8 +214,7 @@ def validate(record: Any, record_type: str, *, where: str) -> dict[str, Any]:
             f"speaks version {PROTOCOL_VERSION}: upgrade ddiloco (pip install -U ddiloco)"
         )
     # the compiled check accepts the common case fast; jsonschema has the last word otherwise
-    error = None if _fast_check(record_type)(record) else \
-        jsonschema.exceptions.best_match(_validator(record_type).iter_errors(record))
+    error = None if _fast_check(record_type)(record) else _best_error(record_type, record)
     if error is not None:
         path = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         raise ProtocolError(f"{where}: not a valid {record_type} record at {path}: {one_line(error.message)}")

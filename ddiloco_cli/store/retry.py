@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-import tenacity
 
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.store.base import ObjectInfo, Store, StoreWrapper, TransientStoreError
@@ -81,6 +80,8 @@ def retrying(fn: Callable[[], T], *, what: str, policy: RetryPolicy = DEFAULT_PO
             exc, failed = failed, None
             raise exc
         return fn()
+
+    import tenacity  # only once a call has failed: commands that never retry never import it
 
     def log_retry(state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None

@@ -200,6 +200,22 @@ def test_identical_init_joins_the_run_and_another_config_is_refused(tmp_path):
     assert ledger.read_run(open_store(url))["run_id"] == run_id and verify_run(open_store(url)) == []
 
 
+def test_init_that_finds_the_run_made_after_it_looked_joins_it(tmp_path, monkeypatch):
+    """The race the concurrent test hit on S3: the run.json appears between init's look and
+    its create_run (a faster identical init finished): that init joins, not fails."""
+    from ddiloco_cli import runinit
+
+    url = str(tmp_path / "run")
+    spec = RunConfig(num_fragments=2, sync_every=4, overlap_steps=1)
+    made = init_run(open_store(url), spec)
+    looks = []
+    real = runinit._existing_run
+    monkeypatch.setattr(runinit, "_existing_run", lambda store: None if not looks.append(1) and len(looks) == 1
+                        else real(store))
+    run, created = runinit.init_or_join(open_store(url), spec)
+    assert run["run_id"] == made["run_id"] and not created and len(looks) == 2
+
+
 def test_wait_for_run_backs_off_then_gives_up():
     from ddiloco_cli.ledger import RunNotFoundError
     from ddiloco_cli.runconfig import wait_for_run_config

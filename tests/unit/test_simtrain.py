@@ -198,3 +198,23 @@ def test_the_example_scenarios_load():
     assert files
     for path in files:
         load_scenario(str(path)).run_config()
+
+
+def test_sweep_table_goes_between_its_markers(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import sweep_sim
+
+    cells = {(name, 2): [(1.01, 1.04), (1.03, 1.06)] for name in sweep_sim.ROWS}
+    text = sweep_sim.table(cells, learners=[2])
+    assert "1.020 (1.010-1.030)" in text and "1.050 (1.040-1.060)" in text
+    doc = tmp_path / "results.md"
+    doc.write_text(f"# R\n\nbefore\n{sweep_sim.BEGIN}\nold\n{sweep_sim.END}\nafter\n")
+    sweep_sim.write_results(text, path=str(doc))
+    out = doc.read_text()
+    assert "old" not in out and text in out and out.startswith("# R\n\nbefore\n") and out.endswith("after\n")
+    sc = sweep_sim.scenario_for({"ratio": 5.0, "preempt": True}, learners=2, seed=0, steps=8)
+    assert sc.step_s == pytest.approx(5 * sweep_sim.round_trip_s(sc))
+    assert sc.downtime_s / (sc.downtime_s + sc.mtbf_s) == pytest.approx(0.1)

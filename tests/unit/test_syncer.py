@@ -340,8 +340,10 @@ def test_a_resend_on_a_merged_base_counts_only_new_tokens_under_current_M6():
     syncer replays it bit for bit."""
     run_store, s, v0, v1, d1, d12, entry = _resend_on_a_merged_base()
     assert entry["increment_of"]["seq"] == 1 and entry["merged_tokens"] == 128
+    # its 4 new steps are 2 cycles at H = 2: a bounded catch-up, the buffer takes in g / 2 ([M3])
+    assert ledger.read_manifest(run_store, 0, 2)["outer_intake"] == 0.5
     g = {k: (v1[k] - v0[k]) + d12[k] for k in v0}
-    buf = {k: 0.9 * d1[k] + g[k] for k in g}
+    buf = {k: 0.9 * d1[k] + 0.5 * g[k] for k in g}
     for k in v1:
         assert torch.allclose(s.states[0].value[k], v1[k] - 0.7 * (g[k] + 0.9 * buf[k]), atol=1e-6), k
     r = restored(run_store)

@@ -1,0 +1,71 @@
+"""The outer-loop rows of docs/results.md ("Outer loop"): Decoupled DiLoCo's val loss in the
+deterministic simulation for a few scenarios, one JSON line per (row, seed), and with
+``--refs`` the references (classic synchronous DiLoCo, data-parallel) of the same M and seeds.
+
+    python scripts/sweep_outer.py --learners 2 --steps 192 --seeds 3 --rows equal,outage
+    python scripts/sweep_outer.py --learners 2 --steps 192 --seeds 3 --refs
+    python scripts/sweep_outer.py --learners 4 --steps 160 --seeds 3 --rows two
+
+Rows (over sweep_sim.py's base: equal speeds, step time = the round trip): ``equal``; ``two``
+(every other learner 1.5x slower); ``outage`` (one syncer outage of 5 cycles, from a quarter
+of the run: the learners train through it and catch up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_sim import scenario_for  # noqa: E402
+
+from ddiloco_cli.simtrain.arms import run_dp, run_sync  # noqa: E402
+from ddiloco_cli.simtrain.report import _decoupled  # noqa: E402
+from ddiloco_cli.simtrain.world import World  # noqa: E402
+
+ROWS = {"equal": {}, "two": {"speeds": "two", "slow_factor": 1.5}, "outage": {}}
+OUTAGE_CYCLES = 5
+
+
+def scenario(row: str, *, learners: int, seed: int, steps: int):
+    sc = scenario_for(ROWS[row], learners=learners, seed=seed, steps=steps)
+    if row == "outage":
+        cycle_s = sc.run_config().sync_every * sc.step_s
+        sc.syncer_outages = [{"at_s": 0.25 * steps * sc.step_s, "duration_s": OUTAGE_CYCLES * cycle_s}]
+    return sc
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--learners", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=192, help="inner steps per learner")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--rows", default="equal,outage", help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--refs", action="store_true", help="the references instead of the rows")
+    args = ap.parse_args(argv)
+    logging.disable(logging.ERROR)
+    torch.set_num_threads(1)
+    for seed in range(args.seeds):
+        if args.refs:
+            ref = scenario_for({}, learners=args.learners, seed=seed, steps=args.steps)
+            w = World(ref)
+            print(json.dumps(dict(seed=seed, sync=run_sync(w.task, ref, w.config, w.inner)["val_loss"],
+                                  dp=run_dp(w.task, ref, w.config, w.inner)["val_loss"])), flush=True)
+            continue
+        for row in args.rows.split(","):
+            t0 = time.process_time()
+            w = World(scenario(row, learners=args.learners, seed=seed, steps=args.steps))
+            w.run()
+            d = _decoupled(w)
+            print(json.dumps(dict(row=row, seed=seed, val=d["val_loss"], used=d["ledger"]["used"],
+                                  refused=d["ledger"]["refused"], cpu_s=round(time.process_time() - t0))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
