@@ -31,9 +31,9 @@ from ddiloco_cli.signing import Trust
 from ddiloco_cli.store.base import NotFound
 
 ACCEPT, REFUSE, QUARANTINE = "accept", "refuse", "quarantine"
-NORM_BOUND_FACTOR = 3.0  # a delta whose norm exceeds this many running medians is scaled down to it (clip)
+NORM_BOUND_FACTOR = 2.0  # a delta whose norm exceeds this many running medians is scaled down to it (clip)
 NORM_WINDOW = 64  # accepted norms in the running median
-NORM_MIN_SAMPLES = 8  # no bound before this many accepted contributions
+NORM_MIN_SAMPLES = 3  # no bound before this many norms (merged, or other learners' pending) are known
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""Read-only observers: ``ddiloco inspect`` (``inspect_run``; ``verify_run`` is in
-verify.py, the one observer that decodes payloads and so imports torch) and
-``ddiloco status`` (``run_status``). Neither imports torch: both run in monitors.
+"""Read-only observers: ``ddiloco inspect`` (``inspect_run``; ``verify_run`` is in verify.py, the one
+observer that decodes payloads and so imports torch) and ``ddiloco status`` (``run_status``). Neither
+imports torch: both run in monitors.
 
 Observers never write to the bucket and never trust it: every object is read through the same
 validation as the learners and syncers use, and bad content is *reported* (``errors`` in the inspect

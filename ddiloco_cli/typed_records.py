@@ -102,9 +102,10 @@ class LedgerEntry(_Record):
     @property
     def effective_weight(self) -> float:
         """The merge weight of a used entry: token weight times staleness discount times the
-        share cap."""
+        share cap times the norm clip (a delta cut to the bound also weighs that much less)."""
         return (float(self.weight) * float(1.0 if self.discount is None else self.discount)
-                * float(1.0 if self.share_cap is None else self.share_cap))
+                * float(1.0 if self.share_cap is None else self.share_cap)
+                * float(1.0 if self.clip is None else self.clip))
 
     @property
     def tokens_merged(self) -> int:
