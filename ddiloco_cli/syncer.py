@@ -315,6 +315,7 @@ class Syncer:
             "quorum_sizes": {p: s.last_quorum_size for p, s in self.states.items()},
             "grace_s": max((s.last_grace_s for s in self.states.values() if s.last_grace_s is not None), default=None),
             "num_merges": self.num_merges, "num_quarantined": self.num_quarantined,
+            "suspect_learners": len(self.ctx.stats.suspects()),
             "live_learners": len(self.live_learners), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
         }
 
