@@ -147,10 +147,13 @@ class _RetryLogged(logging.Handler):
 def retry_logged():
     handler = _RetryLogged()
     logger = logging.getLogger("ddiloco_cli.store.retry")
+    level = logger.level  # a CLI command run in-process before (CliRunner) quiets it: see its lines here
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     yield handler
     handler.resume.set()  # a failed test must not leave the writer held
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def test_disk_full_is_retried_and_leaves_no_temp_file(tiny_disk, retry_logged):
