@@ -26,6 +26,7 @@ from ddiloco_cli.store import open_store
 from ddiloco_cli.syncer import Syncer, SyncerOptions
 from support.built_run import invoke
 from support.procs import Procs, all_manifests, terminate, wait_for
+from support.runs import fragment0_contribution
 
 TASK = "ddiloco_cli.tasks.gpt:tiny"
 
@@ -35,17 +36,6 @@ def keys(tmp_path):
     return {name: signing.new_key(tmp_path / f"{name}.pem") for name in ("admin", "a", "b", "syncer")}
 
 
-def _contribution(store, run, learner_id: str, seq: int, *, signer: signing.Signer | None) -> tuple[str, bytes]:
-    plan = ledger.read_plan(store, run_id=run["run_id"])
-    g = torch.Generator().manual_seed(seq)
-    tensors = {k: 0.01 * torch.randn(s, generator=g) for k, s in expected_shapes(plan, 0).items()}
-    header = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id=learner_id, seq=seq,
-                          base_version=0, c_tokens=64, c_steps=2, nonce=records.new_nonce())
-    data = codec.encode_tensors(tensors, codec="none", metadata=header)
-    key = layout.contribution_key(0, learner_id, seq)
-    if signer is not None:
-        data = signing.sign_payload(data, kind="contribution", run_id=run["run_id"], key=key, signer=signer)
-    return key, data
 
 
 def _beat(store, run, learner_id: str, *, signer: signing.Signer | None) -> None:
@@ -70,18 +60,18 @@ def test_signed_run_merges_admitted_and_quarantines_the_rest_A2_A3_A5(keys, tmp_
     for i in range(50):  # the fake learners that used to cut the outer lr 50-fold
         _beat(store, run, f"fake-{i}", signer=None)
 
-    good_key, good = _contribution(store, run, "a", 10, signer=keys["a"])
+    good_key, good = fragment0_contribution(store, run, "a", 10, signer=keys["a"])
     store.put_if_absent(good_key, good)
-    forged_key, forged = _contribution(store, run, "a", 11, signer=keys["a"])
+    forged_key, forged = fragment0_contribution(store, run, "a", 11, signer=keys["a"])
     store.put_if_absent(forged_key, forged[:-4] + bytes(b ^ 0x40 for b in forged[-4:]))  # altered after signing
     replayed_key = layout.contribution_key(0, "a", 12)
     store.put_if_absent(replayed_key, good)  # a's signed bytes under another seq
-    unsigned_key, unsigned = _contribution(store, run, "c", 10, signer=None)
+    unsigned_key, unsigned = fragment0_contribution(store, run, "c", 10, signer=None)
     store.put_if_absent(unsigned_key, unsigned)
     _beat(store, run, "c", signer=None)
-    stranger_key, stranger = _contribution(store, run, "b", 10, signer=keys["b"])
+    stranger_key, stranger = fragment0_contribution(store, run, "b", 10, signer=keys["b"])
     store.put_if_absent(stranger_key, stranger)
-    impostor_key, impostor = _contribution(store, run, "a", 13, signer=keys["b"])  # b's key, a's name
+    impostor_key, impostor = fragment0_contribution(store, run, "a", 13, signer=keys["b"])  # b's key, a's name
     store.put_if_absent(impostor_key, impostor)
 
     with pytest.raises(UsageError, match="is not admitted as a syncer key"):
@@ -138,7 +128,7 @@ def test_learner_signs_what_it_writes_and_refuses_an_unadmitted_key_A1_A2_A3(key
     store = open_store(str(tmp_path / "run"))
     run = init_run(store, RunSpec(task=TASK, num_fragments=2, sync_every=4), admin=keys["admin"])
     signing.admit(store, run=run, member_id="a", public_key=keys["a"].public_key, role="learner", admin=keys["admin"])
-    key, _ = _contribution(store, run, "a", 5, signer=None)
+    key, _ = fragment0_contribution(store, run, "a", 5, signer=None)
     header = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id="a", seq=5, base_version=0,
                           c_tokens=1, c_steps=1, nonce="n")
     plan = ledger.read_plan(store, run_id=run["run_id"])

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli import codec, layout, ledger, records, signing
 from ddiloco_cli.published import expected_shapes
 from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.syncer import Syncer, SyncerOptions
@@ -169,3 +169,18 @@ def assert_same_state(a: Syncer, b: Syncer) -> None:
             assert torch.equal(ma[k], mb[k]), k
         for k in sa.value:
             assert torch.equal(sa.value[k], sb.value[k]), k
+
+
+def fragment0_contribution(store, run, learner_id: str, seq: int, *, signer: "signing.Signer | None") -> tuple[str, bytes]:
+    """(key, bytes) of a contribution to fragment 0 on base 0 (seeded by ``seq``), signed by
+    ``signer`` (None: unsigned): the input of the signature and admission tests."""
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    g = torch.Generator().manual_seed(seq)
+    tensors = {k: 0.01 * torch.randn(s, generator=g) for k, s in expected_shapes(plan, 0).items()}
+    header = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id=learner_id, seq=seq,
+                          base_version=0, c_tokens=64, c_steps=2, nonce=records.new_nonce())
+    data = codec.encode_tensors(tensors, codec="none", metadata=header)
+    key = layout.contribution_key(0, learner_id, seq)
+    if signer is not None:
+        data = signing.sign_payload(data, kind="contribution", run_id=run["run_id"], key=key, signer=signer)
+    return key, data

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ddiloco_cli import codec, layout, ledger, records, signing
-from ddiloco_cli.published import expected_shapes
 from ddiloco_cli.runinit import RunSpec, init_run
 from ddiloco_cli.store import open_store
 from ddiloco_cli.syncer import Syncer, SyncerOptions
+from support.runs import fragment0_contribution
 
 TASK = "ddiloco_cli.tasks.gpt:tiny"
 
@@ -35,17 +35,6 @@ def _signed_run(tmp_path, keys):
     return store, run
 
 
-def _payload(store, run, learner_id: str, seq: int, signer: signing.Signer | None) -> tuple[str, bytes]:
-    plan = ledger.read_plan(store, run_id=run["run_id"])
-    g = torch.Generator().manual_seed(seq)
-    tensors = {k: 0.01 * torch.randn(s, generator=g) for k, s in expected_shapes(plan, 0).items()}
-    header = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id=learner_id, seq=seq,
-                          base_version=0, c_tokens=64, c_steps=2, nonce=records.new_nonce())
-    data = codec.encode_tensors(tensors, codec="none", metadata=header)
-    key = layout.contribution_key(0, learner_id, seq)
-    if signer is not None:
-        data = signing.sign_payload(data, kind="contribution", run_id=run["run_id"], key=key, signer=signer)
-    return key, data
 
 
 def _syncer(store, keys, name: str) -> Syncer:
@@ -76,14 +65,14 @@ def _counting(monkeypatch):
 
 def test_junk_is_refused_before_decoding_and_costs_each_syncer_once_A2(tmp_path, keys, monkeypatch):
     store, run = _signed_run(tmp_path, keys)
-    good_key, good = _payload(store, run, "a", 1, keys["a"])
+    good_key, good = fragment0_contribution(store, run, "a", 1, signer=keys["a"])
     store.put_if_absent(good_key, good)
     junk = []
     for i in range(12):  # unsigned payloads under fake ids, and one of a's signed by another key
-        key, data = _payload(store, run, f"fake{i}", 1, None)
+        key, data = fragment0_contribution(store, run, f"fake{i}", 1, signer=None)
         store.put_if_absent(key, data)
         junk.append(key)
-    key, data = _payload(store, run, "a", 2, keys["syncer"])
+    key, data = fragment0_contribution(store, run, "a", 2, signer=keys["syncer"])
     store.put_if_absent(key, data)
     junk.append(key)
 
@@ -107,7 +96,7 @@ def test_junk_is_refused_before_decoding_and_costs_each_syncer_once_A2(tmp_path,
 
 def test_a_forged_or_resized_quarantine_report_is_not_believed_A2(tmp_path, keys, monkeypatch):
     store, run = _signed_run(tmp_path, keys)
-    good_key, good = _payload(store, run, "a", 1, keys["a"])
+    good_key, good = fragment0_contribution(store, run, "a", 1, signer=keys["a"])
     store.put_if_absent(good_key, good)
     fake = records.make("quarantine", key=good_key, reason="junk", size=len(good))  # unsigned: anyone could write it
     store.put_if_absent(layout.quarantine_key(good_key), records.dumps(fake))

@@ -587,7 +587,7 @@ def test_stall_alerts_come_every_2h_quiet_steps_at_most_every_min_interval(monke
     """No syncer: the decoupled learner's first stall alert comes after 2*H quiet steps; later ones
     every 2*H steps, but never more often than the time floor (a learner at 12 ms steps and H = 4
     alerted every 100 ms, each alert reading the syncers' heartbeats)."""
-    from ddiloco_cli.learner import sync as sync_module
+    from ddiloco_cli.learner import receivepath as sync_module  # where alert_every_s reads it
 
     monkeypatch.setattr(sync_module, "ALERT_MIN_INTERVAL_S", min_interval_s)
     store = _run(num_fragments=2, sync_every=4, overlap_steps=1)
