@@ -29,15 +29,21 @@ def _init(procs: Procs, url: str) -> None:
     assert r.exit_code == 0, r.output
 
 
+def _first_session_training(procs: Procs, url: str):
+    """Init the run, start learner a's first session and wait until it has trained 2 steps."""
+    _init(procs, url)
+    first = procs.start("first", "learn", url, "--learner-id", "a", *LEARN)
+    wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("step", 0) >= 2, timeout_s=120,
+             what="the first session training", procs=procs)
+    return first
+
+
 def test_second_live_session_is_refused_and_a_woken_zombie_stops(tmp_path):
     url = str(tmp_path / "bucket")
     procs = Procs(tmp_path)
     store = open_store(url)
     try:
-        _init(procs, url)
-        first = procs.start("first", "learn", url, "--learner-id", "a", *LEARN)
-        wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("step", 0) >= 2, timeout_s=120,
-                 what="the first session training", procs=procs)
+        first = _first_session_training(procs, url)
 
         twin = procs.run("learn", url, "--learner-id", "a", *LEARN)
         assert twin.returncode != 0
@@ -97,10 +103,7 @@ def test_goodput_counts_from_the_first_session_across_a_kill_and_restart(tmp_pat
     procs = Procs(tmp_path)
     store = open_store(url)
     try:
-        _init(procs, url)
-        first = procs.start("first", "learn", url, "--learner-id", "a", *LEARN)
-        wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("step", 0) >= 2, timeout_s=120,
-                 what="the first session training", procs=procs)
+        first = _first_session_training(procs, url)
         first.send_signal(signal.SIGKILL)
         first.wait()
         hb1 = learner_heartbeat(url, "a")
