@@ -241,11 +241,11 @@ def test_without_error_feedback_the_error_would_accumulate():
 
 @pytest.mark.parametrize("codec,block", [("int4", 64), ("int4", 3), ("int8", 7)])
 def test_chunked_quantization_equals_one_shot(monkeypatch, codec, block):
-    import ddiloco_cli.codec as C
+    import ddiloco_cli.blockquant as B
     import ddiloco_cli.quantized as Q
 
     def chunks(elems):  # the encoder's and the decoder's chunk size
-        for module in (C, Q):
+        for module in (B, Q):
             monkeypatch.setattr(module, "chunk_elems", lambda b, **_: elems(b))
 
     x = {"a": torch.randn(10_001)}

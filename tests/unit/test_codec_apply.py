@@ -13,6 +13,7 @@ import pytest
 import torch
 import zstandard
 
+import ddiloco_cli.blockquant as B
 import ddiloco_cli.codec as C
 from ddiloco_cli.errors import InvalidPayloadError
 
@@ -98,7 +99,7 @@ def test_a_hostile_scale_is_refused_or_summed_as_the_decoder_does(codec, block, 
 
 def test_the_bound_on_the_scales_is_the_last_bf16_whose_product_with_the_largest_code_is_finite():
     for codec, qabs in (("int4", 8), ("int8", 128)):
-        edge = C._BOUNDED_BITS[codec]
+        edge = B._BOUNDED_BITS[codec]
         below = torch.tensor([edge], dtype=torch.int16).view(torch.bfloat16).float()
         above = torch.tensor([edge + 1], dtype=torch.int16).view(torch.bfloat16).float()
         assert torch.isfinite(below * qabs) and not torch.isfinite(above * qabs)

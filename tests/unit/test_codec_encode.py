@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import ddiloco_cli.blockquant as B
 import ddiloco_cli.codec as C
 from ddiloco_cli import quantized
 from ddiloco_cli.errors import UsageError
@@ -47,9 +48,9 @@ def test_each_frame_and_residual_equal_encoding_the_tensor_alone(codec, block):
 def test_chunks_split_inside_a_tensor_and_across_tensors(monkeypatch):
     """Chunk boundaries inside one tensor and between two give the one-shot bytes and residuals."""
     tensors = {"a": torch.randn(1000), "b": torch.randn(77), "c": torch.randn(300)}
-    monkeypatch.setattr(C, "QUANTIZE_CHUNK_ELEMS", 10**9)
+    monkeypatch.setattr(B, "QUANTIZE_CHUNK_ELEMS", 10**9)
     one_shot, one_shot_res = C.encode_with_residual(tensors, codec="int4", block_size=5)
-    monkeypatch.setattr(C, "QUANTIZE_CHUNK_ELEMS", 20)
+    monkeypatch.setattr(B, "QUANTIZE_CHUNK_ELEMS", 20)
     chunked, chunked_res = C.encode_with_residual(tensors, codec="int4", block_size=5)
     assert chunked == one_shot
     assert all(torch.equal(chunked_res[k], one_shot_res[k]) for k in tensors)
@@ -71,10 +72,10 @@ def test_scale_rounding_in_int32_gives_the_bits_of_the_int64_form(qmax):
     with np.errstate(all="ignore"):
         for low in [0, 1, 0x7FFF, 0x8000, 0xFFFE, 0xFFFF, *rng.integers(0, 1 << 16, 4).tolist()]:
             absmax = (top | np.uint32(low)).view(np.float32)
-            assert np.array_equal(C._bf16_scale_bits_up(absmax, qmax), _scale_bits_reference(absmax, qmax)), low
+            assert np.array_equal(B._bf16_scale_bits_up(absmax, qmax), _scale_bits_reference(absmax, qmax)), low
         scales = top.view(np.int32)
         finite = np.isfinite(scales.view(np.float32) * np.float32(qmax))
-    assert np.array_equal(np.bitwise_and(scales, 0x7FFFFFFF) <= C._bounded_scale_bits(qmax), finite)
+    assert np.array_equal(np.bitwise_and(scales, 0x7FFFFFFF) <= B._bounded_scale_bits(qmax), finite)
 
 
 @pytest.mark.parametrize("codec_name,qmax", [("int4", 3), ("int4", 1), ("int8", 15)])
@@ -132,7 +133,7 @@ def test_the_learner_quantiser_gives_the_bytes_of_the_sink_quantiser(codec, bloc
     and a residual that is what the decoder leaves out, bit for bit, wherever the input is finite
     (subnormal blocks too, whose codes the decoder reads as q = code - offset)."""
     if chunk is not None:
-        monkeypatch.setattr(C, "QUANTIZE_CHUNK_ELEMS", chunk)
+        monkeypatch.setattr(B, "QUANTIZE_CHUNK_ELEMS", chunk)
     for i, tensors in enumerate(_edge_tensors()):
         meta = {"case": i}
         with np.errstate(all="ignore"):
