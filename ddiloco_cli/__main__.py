@@ -1,3 +1,3 @@
-from ddiloco_cli.clibase import main
+from ddiloco_cli.cli.base import main
 
 main()

@@ -31,12 +31,12 @@ import time
 
 import torch
 
-from ddiloco_cli import ledger
-from ddiloco_cli.judge import NORM_BOUND_FACTOR
+from ddiloco_cli.ops.verify import verify_run
+from ddiloco_cli.protocol import ledger
 from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.simtrain.world import World
+from ddiloco_cli.syncer.judge import NORM_BOUND_FACTOR
 from ddiloco_cli.tasks import load_task
-from ddiloco_cli.verify import verify_run
 
 VARIANTS = ("huge", "flip10", "counters", "zeros", "random_bound", "replay")
 

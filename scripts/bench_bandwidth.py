@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_codec import measure_sizes, real_outer_gradient  # noqa: E402
 
-from ddiloco_cli.codec import CODECS, DEFAULT_BLOCK_SIZE  # noqa: E402
+from ddiloco_cli.numerics.codec import CODECS, DEFAULT_BLOCK_SIZE  # noqa: E402
 
 PAPER_DP_GBPS = 198.0
 PAPER_DDILOCO_GBPS = 0.84

@@ -26,8 +26,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ddiloco_cli.codec import CODECS, DEFAULT_BLOCK_SIZE, decode_tensors, encode_published_delta, encode_tensors
-from ddiloco_cli.outer import OuterOptimizer
+from ddiloco_cli.numerics.codec import (
+    CODECS,
+    DEFAULT_BLOCK_SIZE,
+    decode_tensors,
+    encode_published_delta,
+    encode_tensors,
+)
+from ddiloco_cli.numerics.outer import OuterOptimizer
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT_PATH = REPO / "ddiloco_cli/data/shakespeare_excerpt.txt"

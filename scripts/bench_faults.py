@@ -52,17 +52,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchlib  # noqa: E402
-
 import torch  # noqa: E402
 
-from ddiloco_cli import layout, ledger, replay  # noqa: E402
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError  # noqa: E402
-from ddiloco_cli.published import FragmentReader  # noqa: E402
+from ddiloco_cli.protocol import layout, ledger  # noqa: E402
+from ddiloco_cli.protocol.published import FragmentReader  # noqa: E402
 from ddiloco_cli.store import open_store  # noqa: E402
 from ddiloco_cli.store.faults import FAULTS_ENV  # noqa: E402
-from ddiloco_cli.syncer import Syncer, SyncerOptions  # noqa: E402
-from ddiloco_cli.update import FragmentValue  # noqa: E402
+from ddiloco_cli.syncer import replay
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions  # noqa: E402
+from ddiloco_cli.syncer.update import FragmentValue  # noqa: E402
+
+import benchlib  # noqa: E402
 
 _FAULT_LINE = re.compile(r"faults: (\w+) injected")
 

@@ -19,10 +19,10 @@ import statistics
 import tempfile
 import time
 
-from benchlib import fmt_table, write_result
-
-from ddiloco_cli import metrics
+from ddiloco_cli.ops import metrics
 from ddiloco_cli.store import open_store
+
+from benchlib import fmt_table, write_result
 
 
 def bench(url: str, *, records: int, every: int) -> dict:

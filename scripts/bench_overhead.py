@@ -48,7 +48,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
-
 from benchlib import mid  # noqa: E402
 
 MID_TASK = f"{benchlib.BENCHLIB_PATH}:mid"
@@ -167,15 +166,15 @@ def profile_threads(out_dir: str) -> Callable[[], None]:
 # (module, attribute) of the functions ``--timers`` times: inclusive thread CPU per call, by thread
 TIMED = (
     ("ddiloco_cli.learner.receiver", "Receiver._fetch"), ("ddiloco_cli.learner.receiver", "Receiver._newest"),
-    ("ddiloco_cli.ledger", "latest_version"), ("ddiloco_cli.ledger", "read_manifest"),
-    ("ddiloco_cli.published", "FragmentReader.read"), ("ddiloco_cli.published", "FragmentReader._payload"),
-    ("ddiloco_cli.codec", "decode_tensors"), ("ddiloco_cli.codec", "apply_published_delta"),
-    ("ddiloco_cli.codec", "encode_with_residual"), ("ddiloco_cli.store.retry", "RetryingStore.put_if_absent"),
+    ("ddiloco_cli.protocol.ledger", "latest_version"), ("ddiloco_cli.protocol.ledger", "read_manifest"),
+    ("ddiloco_cli.protocol.published", "FragmentReader.read"), ("ddiloco_cli.protocol.published", "FragmentReader._payload"),
+    ("ddiloco_cli.numerics.codec", "decode_tensors"), ("ddiloco_cli.numerics.codec", "apply_published_delta"),
+    ("ddiloco_cli.numerics.codec", "encode_with_residual"), ("ddiloco_cli.store.retry", "RetryingStore.put_if_absent"),
     ("ddiloco_cli.store.retry", "RetryingStore.get"), ("ddiloco_cli.learner.sync", "DiLoCoSync._send"),
     ("ddiloco_cli.learner.session", "SessionWriter.beat"), ("ddiloco_cli.learner.receiver", "Receiver._manifests_since"),
-    ("ddiloco_cli.quantized", "Quantized.dense"), ("ddiloco_cli.codec", "_quantize"),
-    ("ddiloco_cli.codec", "_quantize_together"), ("ddiloco_cli.codec", "_quantize_flat"),
-    ("ddiloco_cli.records", "sha256_hex"),
+    ("ddiloco_cli.numerics.quantized", "Quantized.dense"), ("ddiloco_cli.numerics.codec", "_quantize"),
+    ("ddiloco_cli.numerics.codec", "_quantize_together"), ("ddiloco_cli.numerics.codec", "_quantize_flat"),
+    ("ddiloco_cli.protocol.records", "sha256_hex"),
 )
 
 
@@ -339,7 +338,7 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
 
 
 def step_time_comparison(args, workdir: str) -> dict:
-    from ddiloco_cli.runinit import RunSpec, init_run
+    from ddiloco_cli.ops.runinit import RunSpec, init_run
     from ddiloco_cli.store import open_store
 
     url = os.path.join(workdir, "run")
@@ -425,9 +424,10 @@ def _peak_rss_kb(cmd: list[str], *, env: dict) -> int:
 def syncer_memory(args, workdir: str) -> dict:
     """Peak RSS of a syncer serving fragment 0 vs all 24, each after merging two learners'
     int4 contributions into every fragment it serves."""
-    from ddiloco_cli import codec, layout, ledger, records
-    from ddiloco_cli.published import expected_shapes
-    from ddiloco_cli.runinit import RunSpec, init_run
+    from ddiloco_cli.numerics import codec
+    from ddiloco_cli.ops.runinit import RunSpec, init_run
+    from ddiloco_cli.protocol import layout, ledger, records
+    from ddiloco_cli.protocol.published import expected_shapes
     from ddiloco_cli.store import open_store
 
     size = {benchlib.STACK_WIDTH_ENV: str(args.syncer_width), benchlib.STACK_LAYERS_ENV: "24"}  # a layer a fragment
@@ -459,7 +459,7 @@ def syncer_memory(args, workdir: str) -> dict:
         out[name] = _peak_rss_kb(cmd, env=env)
         assert all(ledger.latest_version(store, p) == 1 for p in range(num)), f"{name}: syncer did not merge"
     out["import_baseline"] = _peak_rss_kb(
-        [sys.executable, "-c", "import torch, ddiloco_cli.cli, ddiloco_cli.syncer, ddiloco_cli.store.local"], env=env)
+        [sys.executable, "-c", "import torch, ddiloco_cli.cli.app, ddiloco_cli.syncer.core, ddiloco_cli.store.local"], env=env)
     base = out["import_baseline"]
     out["ratio_above_baseline"] = (out["fragment 0"] - base) / max(1, out["all 24"] - base)
     out["per_fragment_kb"] = (out["all 24"] - out["fragment 0"]) / 23

@@ -52,12 +52,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import Launcher, start_moto  # noqa: E402
 from netem import Direction, LinkProxy  # noqa: E402
 
-from ddiloco_cli import layout, records  # noqa: E402
-from ddiloco_cli.schedule import fragments_due  # noqa: E402
+from ddiloco_cli.learner.schedule import fragments_due  # noqa: E402
+from ddiloco_cli.protocol import layout, records  # noqa: E402
 from ddiloco_cli.store import open_store  # noqa: E402
+
+from benchlib import Launcher, start_moto  # noqa: E402
 
 BUCKET = "ddiloco-bench"
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import fmt_table  # noqa: E402
-
-from ddiloco_cli import records  # noqa: E402
 from ddiloco_cli.errors import ProtocolError  # noqa: E402
+from ddiloco_cli.protocol import records  # noqa: E402
+
+from benchlib import fmt_table  # noqa: E402
 
 
 def _entry(i: int) -> dict[str, Any]:

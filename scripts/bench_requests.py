@@ -34,10 +34,10 @@ import torch
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-import benchlib  # noqa: E402
-
-from ddiloco_cli import layout, ledger  # noqa: E402
+from ddiloco_cli.protocol import layout, ledger  # noqa: E402
 from ddiloco_cli.store import open_store  # noqa: E402
+
+import benchlib  # noqa: E402
 
 MOTO_PROC = SCRIPTS.parent / "tests" / "support" / "moto_proc.py"
 BUCKET = "ddiloco-bench-requests"

@@ -21,11 +21,12 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import fmt_table  # noqa: E402
-
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
-from ddiloco_cli import codec, layout, records, signing  # noqa: E402
+from ddiloco_cli.numerics import codec  # noqa: E402
+from ddiloco_cli.protocol import layout, records, signing
+
+from benchlib import fmt_table  # noqa: E402
 
 RUN_ID = "e" * 32
 

@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from ddiloco_cli.simulate import simulate
+from ddiloco_cli.simtrain.goodput import simulate
 
 PAPER_CHIPS, PAPER_MTBI_YEARS = 1_200_000, 1.0
 ROWS = [  # (label, mode, learners, paper goodput %)

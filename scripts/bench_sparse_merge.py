@@ -24,10 +24,10 @@ import math
 import time
 
 import torch
-
 from bench_codec import CharGPT, load_text
-from ddiloco_cli.codec import decode_tensors, encode_tensors
-from ddiloco_cli.merge import is_embedding_key, merge_outer_gradients
+
+from ddiloco_cli.numerics.codec import decode_tensors, encode_tensors
+from ddiloco_cli.numerics.merge import is_embedding_key, merge_outer_gradients
 
 
 def outer_gradients(m: int, *, warmup: int, h: int, batch: int = 16, context: int = 64, seed: int = 0):

@@ -2,7 +2,7 @@
 by one syncer process, in parameter-contributions per second (one contribution of a fragment of
 n parameters = n parameter-contributions), by codec and by M (contributions per merge).
 
-The real ``ddiloco_cli.syncer.Syncer`` is driven in-process, step by step
+The real ``ddiloco_cli.syncer.core.Syncer`` is driven in-process, step by step
 (``poll_contributions()`` then ``maybe_merge(state)``), against a real store (a local
 directory by default). Before each timed round, M learners' contributions (noise-like
 outer gradients, the codec's worst case) are written to the store, so a round times
@@ -152,15 +152,15 @@ STAGES = ("intake", "outer_grad", "update", "commit", "checkpoint")
 # CPU split: (label, module, attribute) of the functions that do the syncer's work, each timed
 # exclusively of the others (module attributes: the callers look them up at call time)
 CPU_PARTS = (
-    ("decode", "ddiloco_cli.codec", "decode_tensors"),  # parse, zstd, the scales' finiteness check
-    ("norm", "ddiloco_cli.intake", "delta_norm"),  # from the codes
-    ("sha256", "ddiloco_cli.records", "sha256_hex"),  # contributions and published payloads
-    ("schema", "ddiloco_cli.records", "validate"),
-    ("merge", "ddiloco_cli.update", "merge_gradients"),
-    ("outer", "ddiloco_cli.outer", "OuterOptimizer.step"),
-    ("outer", "ddiloco_cli.outer", "OuterOptimizer.stepped"),  # the step into new tensors (update.py)
-    ("publish", "ddiloco_cli.codec", "encode_published_delta"),  # quantise, zstd, new published value
-    ("full", "ddiloco_cli.codec", "encode_tensors"),  # keyframes and checkpoints (codec none)
+    ("decode", "ddiloco_cli.numerics.codec", "decode_tensors"),  # parse, zstd, the scales' finiteness check
+    ("norm", "ddiloco_cli.syncer.intake", "delta_norm"),  # from the codes
+    ("sha256", "ddiloco_cli.protocol.records", "sha256_hex"),  # contributions and published payloads
+    ("schema", "ddiloco_cli.protocol.records", "validate"),
+    ("merge", "ddiloco_cli.syncer.update", "merge_gradients"),
+    ("outer", "ddiloco_cli.numerics.outer", "OuterOptimizer.step"),
+    ("outer", "ddiloco_cli.numerics.outer", "OuterOptimizer.stepped"),  # the step into new tensors (update.py)
+    ("publish", "ddiloco_cli.numerics.codec", "encode_published_delta"),  # quantise, zstd, new published value
+    ("full", "ddiloco_cli.numerics.codec", "encode_tensors"),  # keyframes and checkpoints (codec none)
 )
 
 
@@ -174,7 +174,7 @@ class PayloadDigest:
         self.entries: list[str] = []
 
     def install(self) -> None:
-        from ddiloco_cli import update
+        from ddiloco_cli.syncer import update
 
         if getattr(update.encode_version, "_digest", None) is self:
             return
@@ -224,9 +224,9 @@ def _instrument_cpu() -> None:
 
 # ---------------------------------------------------------------------- one config
 def _make_run(url: str, *, codec: str, m: int, num_fragments: int, codec_qmax: int | None = None):
-    from ddiloco_cli import ledger
-    from ddiloco_cli.codec import QMAX
-    from ddiloco_cli.runinit import RunSpec, init_run
+    from ddiloco_cli.numerics.codec import QMAX
+    from ddiloco_cli.ops.runinit import RunSpec, init_run
+    from ddiloco_cli.protocol import ledger
     from ddiloco_cli.store import open_store
 
     store = open_store(url)
@@ -244,7 +244,7 @@ def _learner_ids(m: int) -> list[str]:
 
 
 def _write_heartbeats(store, run: dict, m: int) -> None:
-    from ddiloco_cli import layout, records
+    from ddiloco_cli.protocol import layout, records
 
     for lid in _learner_ids(m):
         rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id=lid, state="running", step=1,
@@ -257,8 +257,9 @@ def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: 
     """M contributions (noise, scale 1e-3) against base_version, compressed at ``zstd_level``
     (a learner's is 1) and with codes bounded by the run's ``codec_qmax``, as its learners send
     them; returns bytes written."""
-    from ddiloco_cli import codec, layout, records
-    from ddiloco_cli.published import expected_shapes
+    from ddiloco_cli.numerics import codec
+    from ddiloco_cli.protocol import layout, records
+    from ddiloco_cli.protocol.published import expected_shapes
 
     shapes = expected_shapes(plan, fragment)
     nbytes = 0
@@ -286,9 +287,9 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     """Time `rounds` merges of `fragment` with M contributions each, by a syncer that owns
     only that fragment (`ddiloco sync --fragments <fragment>`). `url`: a run made by
     `_make_run` (and its heartbeats) that other shards share; None: make one here."""
-    from ddiloco_cli import ledger
+    from ddiloco_cli.protocol import ledger
     from ddiloco_cli.store import open_store
-    from ddiloco_cli.syncer import Syncer, SyncerOptions
+    from ddiloco_cli.syncer.core import Syncer, SyncerOptions
 
     own_run = url is None
     if own_run:

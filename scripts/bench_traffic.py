@@ -43,10 +43,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
 from bench_bandwidth import dp_bytes_per_step  # noqa: E402
 
-from ddiloco_cli import ledger  # noqa: E402
+from ddiloco_cli.protocol import ledger  # noqa: E402
+
+import benchlib  # noqa: E402
 
 TARGET_RATIO = 300.0  # issue 12: >= 300x less than data-parallel at P = H = 24, M = 4
 

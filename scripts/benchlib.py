@@ -37,9 +37,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ddiloco_cli import layout, ledger
 from ddiloco_cli.learner import lr_at
-from ddiloco_cli.published import load_global_model
+from ddiloco_cli.protocol import layout, ledger
+from ddiloco_cli.protocol.published import load_global_model
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import evaluate
 from ddiloco_cli.tasks.gpt import GPTConfig, GPTTask

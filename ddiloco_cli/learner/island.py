@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.fragments import FragmentPlan, gather_fragment, scatter_fragment
+from ddiloco_cli.protocol.fragments import FragmentPlan, gather_fragment, scatter_fragment
 
 Tensors = dict[str, torch.Tensor]
 

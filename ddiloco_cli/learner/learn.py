@@ -20,12 +20,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.learner import progress
 from ddiloco_cli.learner.island import move_model, resolve_device
 from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions, check_learner_id
-from ddiloco_cli.runconfig import RunConfig
+from ddiloco_cli.protocol import layout, ledger
+from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.store.base import Store
 from ddiloco_cli.tasks import Task, load_run_task, move_batch
 

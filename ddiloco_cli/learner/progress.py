@@ -2,7 +2,7 @@
 first session started (carried in its heartbeat, ``first_started``, so that goodput
 counts from it after a restart); the resume line, the plain progress line (with
 tokens/s) and the one-line summary at the end. The terminal's live bar is
-``ddiloco_cli.live.learner_view``."""
+``ddiloco_cli.cli.live.learner_view``."""
 
 from __future__ import annotations
 

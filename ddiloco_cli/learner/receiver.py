@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import torch
 
-from ddiloco_cli import ledger
 from ddiloco_cli.learner.stats import LearnerStats
-from ddiloco_cli.published import FragmentReader
+from ddiloco_cli.protocol import ledger
+from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store.base import NotFound, Store
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ a run that requires signatures, signed: PROTOCOL.md, "Signatures", [A3]).
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import socket
 import threading
@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ddiloco_cli import layout, ledger, records, signing
 from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.store.base import NotFound, Store
 
 log = logging.getLogger(__name__)

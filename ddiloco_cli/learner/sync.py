@@ -37,19 +37,19 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ddiloco_cli import layout, ledger, records, signing
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import DdilocoError, UsageError
-from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner import progress
+from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner.receivepath import ReceivePath
 from ddiloco_cli.learner.receiver import InFlight, Receiver
+from ddiloco_cli.learner.schedule import FragmentCounters, aligned_offset, fragments_due
 from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state, running_phases
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
-from ddiloco_cli.published import FragmentReader
-from ddiloco_cli.runconfig import RunConfig, read_run_config
-from ddiloco_cli.schedule import FragmentCounters, aligned_offset, fragments_due
+from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol.published import FragmentReader
+from ddiloco_cli.protocol.runconfig import RunConfig, read_run_config
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import Store
 

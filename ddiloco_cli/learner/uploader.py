@@ -14,8 +14,9 @@ from typing import Any, Callable
 
 import torch
 
-from ddiloco_cli import codec, signing
 from ddiloco_cli.learner.stats import LearnerStats
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.protocol import signing
 from ddiloco_cli.store.base import Store
 from ddiloco_cli.store.retry import OUTAGE_POLICY, retrying
 

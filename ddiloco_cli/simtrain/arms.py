@@ -23,8 +23,8 @@ from typing import Any, Iterator
 import torch
 
 from ddiloco_cli.learner.learn import lr_at, train_step
-from ddiloco_cli.outer import OuterOptimizer
-from ddiloco_cli.runconfig import RunConfig
+from ddiloco_cli.numerics.outer import OuterOptimizer
+from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.tasks import Task, evaluate
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ddiloco_cli import layout
 from ddiloco_cli.clock import VIRTUAL_EPOCH_S
+from ddiloco_cli.protocol import layout
 from ddiloco_cli.simtrain.loop import TurnClock
 from ddiloco_cli.store import check_key
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError

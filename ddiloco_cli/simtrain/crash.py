@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from ddiloco_cli import layout
-from ddiloco_cli.audit import audit_ledger
+from ddiloco_cli.protocol import layout
 from ddiloco_cli.simtrain.bucket import Link, SimBucket, SimStore
 from ddiloco_cli.simtrain.loop import SimCrash, TurnClock
 from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.simtrain.world import World
-from ddiloco_cli.syncer import Syncer, SyncerOptions
-from ddiloco_cli.update import FragmentValue
+from ddiloco_cli.syncer.audit import audit_ledger
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+from ddiloco_cli.syncer.update import FragmentValue
 
 PHASES = {"syncer": ("before", "after"), "learner": ("before", "after", "queued")}
 RESTART_S = 1.0  # a killed syncer's process is started again this much later

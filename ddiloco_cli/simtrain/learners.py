@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddiloco_cli.learner.learn import lr_at, resumable_batches, train_step
+from ddiloco_cli.learner.schedule import fragments_due
 from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions
-from ddiloco_cli.schedule import fragments_due
 from ddiloco_cli.simtrain.bucket import Link, SimStore
 from ddiloco_cli.simtrain.loop import Timer, TurnClock
 

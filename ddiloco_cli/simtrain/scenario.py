@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+import tomllib
+
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.runconfig import RunConfig
+from ddiloco_cli.protocol.runconfig import RunConfig
 
 SPEEDS = ("constant", "two", "lognormal")
 # bench_syncer.py's figure: the outer update merges about 2.2e8 parameter x contributions per second

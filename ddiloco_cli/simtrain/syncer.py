@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ddiloco_cli.simtrain.bucket import Link, SimStore
 from ddiloco_cli.simtrain.loop import Timer, TurnClock
-from ddiloco_cli.syncer import FragmentState, Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import FragmentState, Syncer, SyncerOptions
 
 if TYPE_CHECKING:
     from ddiloco_cli.simtrain.world import World

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ddiloco_cli import layout, ledger
-from ddiloco_cli.published import load_global_model
-from ddiloco_cli.runconfig import RunConfig
-from ddiloco_cli.runinit import init_run
+from ddiloco_cli.ops.runinit import init_run
+from ddiloco_cli.protocol import layout, ledger
+from ddiloco_cli.protocol.published import load_global_model
+from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.simtrain.bucket import Link, SimBucket, SimStore
 from ddiloco_cli.simtrain.learners import SimLearner
 from ddiloco_cli.simtrain.loop import EventLoop, TurnClock

@@ -65,7 +65,7 @@ TEMP_PREFIX = ".tmp-"
 def check_key(key: str) -> None:
     """Assert that ``key`` is a well-formed store key (relative, ``/``-separated, no
     empty, ``.`` or ``..`` segments, no temp-file names). Keys come from
-    ``ddiloco_cli.layout``, so a bad one is a programming error."""
+    ``ddiloco_cli.protocol.layout``, so a bad one is a programming error."""
     parts = key.split("/")
     assert key and all(p not in ("", ".", "..") for p in parts), f"bad store key {key!r}"
     assert not parts[-1].startswith(TEMP_PREFIX), f"bad store key {key!r}"

@@ -23,12 +23,12 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from ddiloco_cli import layout
 from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli.protocol import layout
 from ddiloco_cli.store.base import NotFound, Store, StoreWrapper
 
 if TYPE_CHECKING:
-    from ddiloco_cli.fragments import FragmentPlan
+    from ddiloco_cli.protocol.fragments import FragmentPlan
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class BoundedStore(StoreWrapper):
             return self._plan
 
     def _read_plan(self) -> "FragmentPlan | None":
-        from ddiloco_cli import ledger, records
+        from ddiloco_cli.protocol import ledger, records
 
         where = f"{self.url}/{layout.PLAN}"
         try:

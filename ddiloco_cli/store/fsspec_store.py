@@ -42,8 +42,8 @@ import time
 import uuid
 from typing import Callable, TypeVar
 
-from ddiloco_cli import layout
 from ddiloco_cli.errors import StoreAccessError, UsageError
+from ddiloco_cli.protocol import layout
 from ddiloco_cli.store import check_key
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, TransientStoreError, UnreadableObjectError
 from ddiloco_cli.store.retry import DEFAULT_POLICY, RetryPolicy, retrying

@@ -46,7 +46,7 @@ import uuid
 from typing import Callable, TypeVar
 
 from ddiloco_cli.errors import StoreAccessError
-from ddiloco_cli.layout import CONTRIBUTION_ROOT
+from ddiloco_cli.protocol.layout import CONTRIBUTION_ROOT
 from ddiloco_cli.store import TEMP_PREFIX, check_key
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, TransientStoreError, UnreadableObjectError
 

@@ -1,6 +1,6 @@
 """Issue 26 item 9: the console script imports only the command it runs, so `--version`,
 `status`, `inspect`, `keys` and `admit` never import torch (monitors run `status --check`
-every few seconds). Each command runs in a fresh interpreter through ``clibase.main``
+every few seconds). Each command runs in a fresh interpreter through ``cli.base.main``
 (what the `ddiloco` script calls), which then reports whether torch was imported."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from support.built_run import build_run
 PROBE = """
 import json, sys
 sys.argv = ["ddiloco", *json.loads(sys.argv[1])]
-from ddiloco_cli.clibase import main
+from ddiloco_cli.cli.base import main
 try:
     main()
     code = 0

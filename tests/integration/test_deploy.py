@@ -11,15 +11,16 @@ import signal
 import stat
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 import yaml
-from support.procs import learner_heartbeat, wait_for
 
-from ddiloco_cli import metrics
+from ddiloco_cli.ops import metrics
 from ddiloco_cli.store import open_store
+
 from support import REPO
+from support.procs import learner_heartbeat, wait_for
 
 ROOT = str(REPO)
 SKY_DIR = os.path.join(ROOT, "examples", "skypilot")

@@ -10,9 +10,11 @@ import time
 import pytest
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import evaluate, load_task
+
 from support.built_run import invoke
 from support.procs import Procs, all_manifests, learner_heartbeat, terminate, versions, wait_for
 

@@ -20,9 +20,10 @@ import time
 
 import pytest
 
-from ddiloco_cli import layout, ledger
 from ddiloco_cli.errors import FencedError
+from ddiloco_cli.protocol import layout, ledger
 from ddiloco_cli.store import open_store
+
 from support import REPO
 
 ROOT = str(REPO)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
+
 from support.hostile import DEEP, nested, one_error, run_cli
 from support.runs import make_run
-
 
 EPOCH_BACKENDS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
 

@@ -17,11 +17,12 @@ import signal
 
 import pytest
 
-from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import FencedError
-from ddiloco_cli.fence import FencedStore
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+from ddiloco_cli.syncer.fence import FencedStore
+
 from support.built_run import invoke
 from support.procs import Procs, wait_for
 from support.runs import RecordingStore, beat, contribution, live_syncer, make_run, manifests, restored, step

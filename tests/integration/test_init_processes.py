@@ -13,9 +13,10 @@ import sys
 
 import pytest
 
-from ddiloco_cli import layout, ledger, records
-from ddiloco_cli.observe import verify_run
+from ddiloco_cli.ops.observe import verify_run
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
+
 from support import SUPPORT
 from support.built_run import invoke
 from support.procs import Procs, wait_for
@@ -123,7 +124,7 @@ def test_six_concurrent_identical_inits_all_succeed_on_one_run(backend, tmp_path
     settings), the run is consistent, and an init of another config is still refused."""
     if backend == "s3":
         url, env = request.getfixturevalue("s3_url")
-        from ddiloco_cli.signing import load_admin_key
+        from ddiloco_cli.protocol.signing import load_admin_key
 
         admin = str(tmp_path / "admin.pem")
         load_admin_key(admin, create=True)  # the fleet's admin key, made once

@@ -11,8 +11,9 @@ import socket
 import pytest
 
 from ddiloco_cli.learner.session import read_heartbeat
-from ddiloco_cli.observe import run_status
+from ddiloco_cli.ops.observe import run_status
 from ddiloco_cli.store import open_store
+
 from support.built_run import invoke
 from support.procs import Procs, learner_heartbeat, terminate, versions, wait_for
 

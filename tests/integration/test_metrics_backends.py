@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco_cli.metrics import MetricsWriter, read_metrics
+from ddiloco_cli.ops.metrics import MetricsWriter, read_metrics
 
 
 def test_writer_round_trips_on_every_backend(store):

@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
-from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import NotFound
+
 from support.runs import STORE_BACKENDS
 
 

@@ -16,14 +16,15 @@ import sys
 import pytest
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records, signing
 from ddiloco_cli.errors import FencedError, UsageError
-from ddiloco_cli.observe import inspect_run
-from ddiloco_cli.published import expected_shapes
-from ddiloco_cli.runinit import RunSpec, init_run
-from ddiloco_cli.signing import SignatureError
+from ddiloco_cli.ops.observe import inspect_run
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol.published import expected_shapes
+from ddiloco_cli.protocol.signing import SignatureError
 from ddiloco_cli.store import open_store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+
 from support.built_run import invoke
 from support.procs import Procs, all_manifests, terminate, wait_for
 from support.runs import fragment0_contribution

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from ddiloco_cli.observe import run_status
+from ddiloco_cli.ops.observe import run_status
 from ddiloco_cli.store import open_store
+
 from support.built_run import BuiltRun, build_run, invoke
 from support.procs import Procs, wait_for
 

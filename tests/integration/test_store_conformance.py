@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from ddiloco_cli import layout
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, StoreAccessError, UsageError
+from ddiloco_cli.protocol import layout
 from ddiloco_cli.store import (
     NotFound,
     ObjectInfo,

@@ -11,11 +11,12 @@ import threading
 
 import pytest
 
-from ddiloco_cli import layout
 from ddiloco_cli.errors import StoreAccessError, UsageError
+from ddiloco_cli.protocol import layout
 from ddiloco_cli.store import NotFound, TransientStoreError, open_store
 from ddiloco_cli.store.faults import FAULTS_ENV, FaultSpec, FaultyStore
 from ddiloco_cli.store.retry import RetryingStore, RetryPolicy, retrying
+
 from support import REPO
 
 FAST = {"retry_base_delay_s": 0.0, "retry_max_delay_s": 0.0}

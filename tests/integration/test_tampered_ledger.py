@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
+
 from support.runs import STORE_BACKENDS
 
 
@@ -28,7 +29,7 @@ def _two_fragment_syncer(store, **run):
 
 @pytest.mark.parametrize("backend", STORE_BACKENDS)
 def test_a_manifest_copied_to_the_next_version_halts_only_its_fragment(backend, store_url):
-    from ddiloco_cli.observe import verify_run
+    from ddiloco_cli.ops.observe import verify_run
 
     store = open_store(store_url(backend))
     s, contribution, step = _two_fragment_syncer(store)
@@ -43,7 +44,7 @@ def test_a_manifest_copied_to_the_next_version_halts_only_its_fragment(backend, 
     assert s.states[1].version == 5
     beat = records.loads(store.get(layout.syncer_heartbeat_key(s.epoch.epoch)), "syncer_heartbeat", where="hb")
     assert any("fragment 0 is not served" in a for a in beat["alerts"])
-    from ddiloco_cli.observe import run_status
+    from ddiloco_cli.ops.observe import run_status
 
     assert any("fragment 0 is not served" in a for a in run_status(store)["alerts"])  # what status --check prints
     assert any(layout.manifest_key(0, 4) in p for p in verify_run(store))
@@ -52,8 +53,8 @@ def test_a_manifest_copied_to_the_next_version_halts_only_its_fragment(backend, 
 @pytest.mark.parametrize("backend", STORE_BACKENDS)
 def test_a_deleted_newest_manifest_is_put_back_and_learners_get_one_line(backend, store_url):
     from ddiloco_cli.errors import ProtocolError
-    from ddiloco_cli.observe import verify_run
-    from ddiloco_cli.published import FragmentReader
+    from ddiloco_cli.ops.observe import verify_run
+    from ddiloco_cli.protocol.published import FragmentReader
 
     store = open_store(store_url(backend))
     s, contribution, step = _two_fragment_syncer(store, publish_codec="int8")  # odd versions: a delta only

@@ -49,9 +49,9 @@ def test_island_of_two_ranks_trains_and_contributes(tmp_path):
 
 def _lockstep_island(tmp_path, parallel: str) -> dict:
     """Two lock-step rounds of a 2-rank island (P=1, H=4, M=1, codec none): the global model after them."""
-    from ddiloco_cli.published import read_global_params
+    from ddiloco_cli.protocol import ledger
+    from ddiloco_cli.protocol.published import read_global_params
     from ddiloco_cli.store import open_store
-    from ddiloco_cli import ledger
 
     url = str(tmp_path / f"bucket-{parallel}")
     procs = Procs(tmp_path)

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import torch
 from typer.testing import CliRunner
 
-from ddiloco_cli import codec, layout, ledger, records
-from ddiloco_cli.cli import app
-from ddiloco_cli.fragments import FragmentPlan
-from ddiloco_cli.published import FragmentReader, expected_shapes
-from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.cli.app import app
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.fragments import FragmentPlan
+from ddiloco_cli.protocol.published import FragmentReader, expected_shapes
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import Store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
-
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
 
 LEARNER = "alice"
 

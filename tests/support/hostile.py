@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from ddiloco_cli import cli
-
+from ddiloco_cli.cli import app as cli
 
 DEEP = 100_000  # far beyond Python's recursion limit
 

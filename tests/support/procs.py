@@ -10,8 +10,9 @@ import sys
 import time
 from typing import Callable
 
-from ddiloco_cli import layout, ledger, records
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
+
 from support import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))

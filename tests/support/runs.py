@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records, signing
-from ddiloco_cli.published import expected_shapes
-from ddiloco_cli.runinit import RunSpec, init_run
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol.published import expected_shapes
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
 
 TASK = "support.runs:TinyTask"  # a module name: learners never import a file path from run.json [L1]
 LOCAL_BACKENDS = ["local", "memory"]

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records, signing
-from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.store import open_store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+
 from support.runs import fragment0_contribution
 
 TASK = "ddiloco_cli.tasks.gpt:tiny"
@@ -108,9 +110,9 @@ def test_a_forged_or_resized_quarantine_report_is_not_believed_A2(tmp_path, keys
 
 # ------------------------------------------------------------ bounded influence
 def test_one_learners_share_of_a_merge_is_capped_and_replayed(tmp_path):
-    from support.runs import beat, contribution, live_syncer, make_run, restored, step
+    from ddiloco_cli.syncer.decide import MAX_SHARE
 
-    from ddiloco_cli.decide import MAX_SHARE
+    from support.runs import beat, contribution, live_syncer, make_run, restored, step
 
     store = open_store(str(tmp_path / "run"))
     make_run(store, quorum=3)
@@ -153,9 +155,9 @@ def test_a_merge_of_weight_zero_takes_no_outer_step_momentum_included(tmp_path):
 def test_counted_tokens_and_steps_are_bounded_by_the_run_and_the_clock(tmp_path):
     import time
 
-    from support.runs import beat, contribution, live_syncer, make_run, step
+    from ddiloco_cli.syncer.decide import STEP_SLACK, TOKEN_SLACK
 
-    from ddiloco_cli.decide import STEP_SLACK, TOKEN_SLACK
+    from support.runs import beat, contribution, live_syncer, make_run, step
 
     store = open_store(str(tmp_path / "run"))
     t0 = time.time()
@@ -181,10 +183,10 @@ def test_a_heartbeat_dated_in_the_future_is_invalid_not_live(tmp_path):
     import os
     import time
 
-    from support.runs import beat, live_syncer, make_run
-
     from ddiloco_cli.learner.session import check_id_free
-    from ddiloco_cli.observe import run_status
+    from ddiloco_cli.ops.observe import run_status
+
+    from support.runs import beat, live_syncer, make_run
 
     store = open_store(str(tmp_path / "run"))
     make_run(store, lease_s=2.0)
@@ -205,10 +207,10 @@ def test_a_heartbeat_dated_in_the_future_is_invalid_not_live(tmp_path):
 
 # ------------------------------------------------------------------- visibility
 def test_status_alerts_on_a_learner_whose_contributions_keep_being_clipped(tmp_path):
-    from support.runs import beat, contribution, live_syncer, make_run, step
+    from ddiloco_cli.ops.observe import run_status
+    from ddiloco_cli.syncer.state import SUSPECT_AFTER
 
-    from ddiloco_cli.observe import run_status
-    from ddiloco_cli.syncstate import SUSPECT_AFTER
+    from support.runs import beat, contribution, live_syncer, make_run, step
 
     store = open_store(str(tmp_path / "run"))
     make_run(store)

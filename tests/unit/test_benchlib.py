@@ -171,11 +171,11 @@ def test_data_parallel_baseline_uses_the_inner_schedule(monkeypatch):
 def test_every_convergence_arm_makes_a_run_init_accepts(tmp_path, arm):
     """bench_convergence's init flags per arm go through the real CLI: the classic-DiLoCo
     reference must really be one fragment, no overlap, exact gradients and every learner."""
+    import bench_convergence
     from typer.testing import CliRunner
 
-    import bench_convergence
-    from ddiloco_cli.cli import app
-    from ddiloco_cli.runconfig import read_run_config
+    from ddiloco_cli.cli.app import app
+    from ddiloco_cli.protocol.runconfig import read_run_config
     from ddiloco_cli.store import open_store
 
     args = bench_convergence.parse_args(["--learners", "4"])

@@ -10,9 +10,10 @@ import uuid
 import pytest
 import torch
 
-from ddiloco_cli import ledger
-from ddiloco_cli.outer import OuterOptimizer
+from ddiloco_cli.numerics.outer import OuterOptimizer
+from ddiloco_cli.protocol import ledger
 from ddiloco_cli.store import open_store
+
 from support.runs import assert_same_state, beat, contribution, live_syncer, make_run, restored
 
 H = 2  # make_run's sync_every

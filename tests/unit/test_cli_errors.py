@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from support.built_run import build_run, invoke
 
-from ddiloco_cli.fragspec import MAX_FRAGMENTS, format_fragment_spec, parse_fragment_spec
 from ddiloco_cli.errors import UsageError
+from ddiloco_cli.protocol.fragspec import MAX_FRAGMENTS, format_fragment_spec, parse_fragment_spec
+
+from support.built_run import build_run, invoke
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_user_errors_exit_cleanly(args, exit_code, needle, run_url, tmp_path):
 
 
 def test_every_command_has_an_error_case():
-    from ddiloco_cli.cli import app
+    from ddiloco_cli.cli.app import app
 
     names = {c.name or c.callback.__name__ for c in app.registered_commands} | {g.name for g in app.registered_groups}
     covered = {args[0] for args, _, _ in CASES}
@@ -146,7 +147,7 @@ def test_a_dotdot_key_in_a_manifest_is_a_clean_error(tmp_path, entry):
     one protocol-error line (exit 4), not an assertion deep in the store."""
     import json
 
-    from ddiloco_cli import layout
+    from ddiloco_cli.protocol import layout
 
     built = build_run(str(tmp_path / "run"), rounds=1)
     key = layout.manifest_key(0, 1)
@@ -164,7 +165,7 @@ def test_help_of_every_command_names_no_bool_placeholder():
     """Flags take no value, so no help line may show a "<bool>" placeholder for one."""
     import typer
 
-    from ddiloco_cli.cli import app
+    from ddiloco_cli.cli.app import app
 
     def paths(command, prefix):
         yield prefix

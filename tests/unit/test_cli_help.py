@@ -11,7 +11,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from ddiloco_cli.cli import app
+from ddiloco_cli.cli.app import app
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_completion_is_on():
     env = {**os.environ, "PYTHONPATH": str(REPO), "_DDILOCO_COMPLETE": "complete_bash",
            "COMP_WORDS": "ddiloco sta", "COMP_CWORD": "1"}
     done = subprocess.run([sys.executable, "-c", "import sys; sys.argv[0] = 'ddiloco'; "
-                           "from ddiloco_cli.clibase import main; main()"],
+                           "from ddiloco_cli.cli.base import main; main()"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert "status" in done.stdout.split(), (done.stdout, done.stderr)
 

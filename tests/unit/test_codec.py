@@ -8,7 +8,9 @@ import safetensors.torch
 import torch
 import zstandard
 
-from ddiloco_cli.codec import (
+from ddiloco_cli.errors import InvalidPayloadError, UsageError
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.numerics.codec import (
     CODECS,
     apply_published_delta,
     decode_tensors,
@@ -16,8 +18,6 @@ from ddiloco_cli.codec import (
     encode_tensors,
     payload_codec,
 )
-from ddiloco_cli import codec
-from ddiloco_cli.errors import InvalidPayloadError, UsageError
 
 
 def sample(seed=0):
@@ -241,8 +241,8 @@ def test_without_error_feedback_the_error_would_accumulate():
 
 @pytest.mark.parametrize("codec,block", [("int4", 64), ("int4", 3), ("int8", 7)])
 def test_chunked_quantization_equals_one_shot(monkeypatch, codec, block):
-    import ddiloco_cli.blockquant as B
-    import ddiloco_cli.quantized as Q
+    import ddiloco_cli.numerics.blockquant as B
+    import ddiloco_cli.numerics.quantized as Q
 
     def chunks(elems):  # the encoder's and the decoder's chunk size
         for module in (B, Q):

@@ -13,8 +13,8 @@ import pytest
 import torch
 import zstandard
 
-import ddiloco_cli.blockquant as B
-import ddiloco_cli.codec as C
+import ddiloco_cli.numerics.blockquant as B
+import ddiloco_cli.numerics.codec as C
 from ddiloco_cli.errors import InvalidPayloadError
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import ddiloco_cli.blockquant as B
-import ddiloco_cli.codec as C
-from ddiloco_cli import quantized
+import ddiloco_cli.numerics.blockquant as B
+import ddiloco_cli.numerics.codec as C
 from ddiloco_cli.errors import UsageError
+from ddiloco_cli.numerics import quantized
 
 SHAPES = [(5, 7), (0,), (1,), (64,), (130,), (3, 1, 3)]
 

@@ -1,4 +1,4 @@
-"""The sparse codec (ddiloco_cli/sparse.py): Top-k per chunk, 2-bit values, bounded decoder."""
+"""The sparse codec (ddiloco_cli/numerics/sparse.py): Top-k per chunk, 2-bit values, bounded decoder."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import zstandard
 
-from ddiloco_cli import codec, container, sparse
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
+from ddiloco_cli.numerics import codec, container, sparse
 
 
 def _payload(frames: dict[str, tuple[list[int], bytes]], *, chunk: int = 16, topk: int = 4,

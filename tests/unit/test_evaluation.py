@@ -6,12 +6,13 @@ import json
 import logging
 
 import pytest
-from support.built_run import build_run, invoke
 
-from ddiloco_cli import published
-from ddiloco_cli.evaluation import GlobalEvaluator, PeriodicEvaluator, evaluate_global
+from ddiloco_cli.ops.evaluation import GlobalEvaluator, PeriodicEvaluator, evaluate_global
+from ddiloco_cli.protocol import published
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import evaluate, load_task
+
+from support.built_run import build_run, invoke
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,6 @@ def test_the_evaluator_refuses_a_task_whose_code_differs(built, monkeypatch):
     from ddiloco_cli.errors import UsageError
 
     run = dict(built.run, task_sha256="0" * 64)  # run.json as a machine with other task code wrote it
-    monkeypatch.setattr("ddiloco_cli.evaluation.ledger.read_run", lambda store: run)
+    monkeypatch.setattr("ddiloco_cli.ops.evaluation.ledger.read_run", lambda store: run)
     with pytest.raises(UsageError, match="differs from the run's"):
         GlobalEvaluator(built.store)

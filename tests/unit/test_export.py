@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.built_run import build_run, invoke, latest_values
 
-from ddiloco_cli import ledger
-from ddiloco_cli.export import assemble_parameters, export_model, exported_metadata, load_exported
-from ddiloco_cli.fragments import gather_fragment, plan_fragments
+from ddiloco_cli.ops.export import assemble_parameters, export_model, exported_metadata, load_exported
+from ddiloco_cli.protocol import ledger
+from ddiloco_cli.protocol.fragments import gather_fragment, plan_fragments
 from ddiloco_cli.tasks import load_task
+
+from support.built_run import build_run, invoke, latest_values
 
 
 def test_assemble_parameters_inverts_gather_with_row_splits():

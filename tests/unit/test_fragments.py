@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ddiloco_cli.errors import ProtocolError, UsageError
-from ddiloco_cli.fragments import (
+from ddiloco_cli.protocol.fragments import (
     FragmentPlan,
     gather_fragment,
     named_shapes_of,

@@ -1,4 +1,4 @@
-"""`ddiloco gc` (ddiloco_cli/gc.py): retention after several versions and checkpoints.
+"""`ddiloco gc` (ddiloco_cli/syncer/gc.py): retention after several versions and checkpoints.
 
 Run: 2 fragments, 5 merges each (version v merges alice's contribution seq v-1),
 checkpoints every 2 versions (2 and 4), keyframes every 2, retain_versions 2,
@@ -16,15 +16,16 @@ import time
 
 import pytest
 import torch
-from support.built_run import LEARNER, build_run, copy_run, invoke, latest_values, write_contribution
 
-from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import ProtocolError, UsageError
-from ddiloco_cli.gc import collect_garbage
-from ddiloco_cli.observe import verify_run
-from ddiloco_cli.runconfig import RunConfig
+from ddiloco_cli.ops.observe import verify_run
+from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.store import open_store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+from ddiloco_cli.syncer.gc import collect_garbage
+
+from support.built_run import LEARNER, build_run, copy_run, invoke, latest_values, write_contribution
 
 GRACE_S = 60.0
 

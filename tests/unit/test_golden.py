@@ -39,14 +39,15 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco_cli import codec, ledger
 from ddiloco_cli.learner import DiLoCoSync, SyncOptions
-from ddiloco_cli.published import FragmentReader
-from ddiloco_cli.runconfig import read_run_config
-from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import ledger
+from ddiloco_cli.protocol.published import FragmentReader
+from ddiloco_cli.protocol.runconfig import read_run_config
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.memory import drop_bucket
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 SHAPES = {"wte.weight": (6, 3), "h.0.w": (4, 5), "h.0.b": (5,), "ln.w": (3,)}

@@ -7,11 +7,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from support.built_run import build_run, invoke  # noqa: E402
-
 from ddiloco_cli.errors import UsageError  # noqa: E402
-from ddiloco_cli.published import read_global_params  # noqa: E402
+from ddiloco_cli.protocol.published import read_global_params  # noqa: E402
 from ddiloco_cli.tasks import load_task  # noqa: E402
+
+from support.built_run import build_run, invoke  # noqa: E402
 
 TINY_LLAMA = ("ddiloco_cli.tasks.hf:causal_lm?config=llama&hidden_size=32&intermediate_size=64"
               "&num_hidden_layers=2&num_attention_heads=4&num_key_value_heads=2&seq_len=32")
@@ -72,7 +72,7 @@ def test_export_hf_dir_refuses_a_model_that_is_not_transformers(tmp_path):
 
 
 def test_export_hf_dir_has_tokenizer_card_and_pushes_to_a_local_hub(tmp_path, monkeypatch):
-    from ddiloco_cli.metrics import MetricsWriter
+    from ddiloco_cli.ops.metrics import MetricsWriter
 
     built = build_run(str(tmp_path / "run"), rounds=1, num_fragments=2, task=TINY_LLAMA)
     w = MetricsWriter(built.store, role="syncer", writer_id="s", flush_every_s=3600)

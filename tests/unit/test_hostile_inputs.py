@@ -23,13 +23,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+
 from support.hostile import DEEP, nested, one_error, run_cli
 from support.runs import beat, contribution, live_syncer, make_run, step
-
 
 # ============================================================ 1. parser bombs
 BOMBS = {
@@ -238,7 +239,7 @@ def test_unreadable_fragment_is_left_out_and_retried_V1(local_run, monkeypatch):
     """[V1] a fragment whose committed value cannot be read (a corrupt payload of its latest
     version) does not stop the syncer: the other fragment commits, and once the object is
     repaired the next retry restores the fragment and it commits too."""
-    import ddiloco_cli.syncer as syncer_module
+    import ddiloco_cli.syncer.core as syncer_module
 
     store = local_run
     beat(store, "a")
@@ -518,8 +519,8 @@ def _syncer_commits(store, what: str) -> None:
 
 
 def _observers_and_export(store, tmp_root: str) -> None:
-    from ddiloco_cli.export import export_model
-    from ddiloco_cli.observe import inspect_run, run_status, verify_run
+    from ddiloco_cli.ops.export import export_model
+    from ddiloco_cli.ops.observe import inspect_run, run_status, verify_run
 
     for reader in (lambda: run_status(store), lambda: inspect_run(store), lambda: verify_run(store),
                    lambda: export_model(store, os.path.join(tmp_root, "model.safetensors"))):

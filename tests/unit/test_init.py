@@ -8,12 +8,20 @@ import json
 
 import pytest
 
-from ddiloco_cli import layout, ledger, records
 from ddiloco_cli.errors import ProtocolError, UsageError
-from ddiloco_cli.observe import verify_run
-from ddiloco_cli.runconfig import RunConfig, default_config_toml, flag, hyperparameters, load_config_file, setting_key
-from ddiloco_cli.runinit import PENDING_RUN, init_run
+from ddiloco_cli.ops.observe import verify_run
+from ddiloco_cli.ops.runinit import PENDING_RUN, init_run
+from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.runconfig import (
+    RunConfig,
+    default_config_toml,
+    flag,
+    hyperparameters,
+    load_config_file,
+    setting_key,
+)
 from ddiloco_cli.store import open_store
+
 from support.built_run import invoke
 
 SMALL = ["--fragments", "2", "--sync-every", "4", "--overlap-steps", "1"]
@@ -70,10 +78,9 @@ def test_run_config_refuses_bad_values(field, value):
 
 def test_every_setting_is_an_init_flag_and_a_config_key():
     import tomllib
-
     import typer
 
-    from ddiloco_cli.cli import app
+    from ddiloco_cli.cli.app import app
 
     init = typer.main.get_command(app).commands["init"]
     by_name = {param.name: param for param in init.params}
@@ -203,7 +210,7 @@ def test_identical_init_joins_the_run_and_another_config_is_refused(tmp_path):
 def test_init_that_finds_the_run_made_after_it_looked_joins_it(tmp_path, monkeypatch):
     """The race the concurrent test hit on S3: the run.json appears between init's look and
     its create_run (a faster identical init finished): that init joins, not fails."""
-    from ddiloco_cli import runinit
+    from ddiloco_cli.ops import runinit
 
     url = str(tmp_path / "run")
     spec = RunConfig(num_fragments=2, sync_every=4, overlap_steps=1)
@@ -217,8 +224,8 @@ def test_init_that_finds_the_run_made_after_it_looked_joins_it(tmp_path, monkeyp
 
 
 def test_wait_for_run_backs_off_then_gives_up():
-    from ddiloco_cli.ledger import RunNotFoundError
-    from ddiloco_cli.runconfig import wait_for_run_config
+    from ddiloco_cli.protocol.ledger import RunNotFoundError
+    from ddiloco_cli.protocol.runconfig import wait_for_run_config
 
     store = open_store("memory://wait-for-run-backoff")
     slept: list[float] = []

@@ -9,11 +9,13 @@ import os
 import pytest
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records
-from ddiloco_cli.observe import inspect_run, verify_run
-from ddiloco_cli.published import FragmentReader
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.ops.observe import inspect_run, verify_run
+from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import Store
+
 from support.built_run import LEARNER, BuiltRun, build_run, copy_run, invoke, latest_values, write_contribution
 
 

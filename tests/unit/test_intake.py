@@ -10,9 +10,11 @@ import uuid
 import pytest
 import torch
 
-from ddiloco_cli import heap, layout, records
-from ddiloco_cli.intake import delta_norm
+from ddiloco_cli import heap
+from ddiloco_cli.protocol import layout, records
 from ddiloco_cli.store import open_store
+from ddiloco_cli.syncer.intake import delta_norm
+
 from support.runs import beat, contribution, live_syncer, make_run
 
 

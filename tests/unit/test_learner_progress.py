@@ -9,10 +9,10 @@ import logging
 
 from rich.console import Console
 
+from ddiloco_cli.cli.live import learner_view
 from ddiloco_cli.learner.learn import resumable_batches
 from ddiloco_cli.learner.progress import log_step, summary
 from ddiloco_cli.learner.stats import LearnerStats
-from ddiloco_cli.live import learner_view
 
 
 def _progress(step: int) -> dict:

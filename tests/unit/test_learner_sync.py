@@ -13,15 +13,17 @@ from collections import Counter
 import pytest
 import torch
 
-from ddiloco_cli import DiLoCoSync, codec, layout, ledger, records
+from ddiloco_cli import DiLoCoSync
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.learner import Learner, LearnerOptions
 from ddiloco_cli.learner.island import move_model
 from ddiloco_cli.learner.receiver import Receiver
 from ddiloco_cli.learner.session import SessionWriter, heartbeat_bytes
 from ddiloco_cli.learner.stats import LearnerStats
-from ddiloco_cli.published import FragmentReader
-from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import StoreWrapper
 from ddiloco_cli.tasks import load_run_task, load_task
@@ -172,7 +174,7 @@ def test_a_refused_contribution_is_logged_and_the_fragment_re_based(caplog):
     manifest logs the reason and re-bases the fragment on that version."""
     import time
 
-    from ddiloco_cli.published import FragmentReader, encode_version, upload_payloads
+    from ddiloco_cli.protocol.published import FragmentReader, encode_version, upload_payloads
 
     store = _run(num_fragments=1, sync_every=2, overlap_steps=0)
     run = ledger.read_run(store)
@@ -435,7 +437,7 @@ def test_a_stopping_learner_sends_the_progress_it_has_not_sent_L7():
 def test_error_feedback_adds_what_the_codec_dropped_to_the_next_delta_L6():
     """[L6] int4: the second contribution of a fragment is Q(delta_2 + r_1), r_1 = delta_1 -
     decode(Q(delta_1)); without error feedback it would be Q(delta_2)."""
-    from ddiloco_cli.codec import encode_with_residual
+    from ddiloco_cli.numerics.codec import encode_with_residual
 
     store = _run(num_fragments=1, sync_every=2, overlap_steps=0, codec="int4")
     model = load_task(TINY).build_model()
@@ -475,7 +477,7 @@ def test_error_feedback_adds_what_the_codec_dropped_to_the_next_delta_L6():
 def _publish(store, *, version: int, prev: dict, high_water: dict) -> dict:
     """Commit version ``version`` of fragment 0 by hand (prev + 0.5, no contributions, the
     given high-water marks), as a syncer merging other learners would; returns its value."""
-    from ddiloco_cli.published import encode_version, upload_payloads
+    from ddiloco_cli.protocol.published import encode_version, upload_payloads
 
     run = ledger.read_run(store)
     plan = ledger.read_plan(store, run_id=run["run_id"])

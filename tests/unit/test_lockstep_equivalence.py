@@ -10,13 +10,13 @@ import uuid
 
 import torch
 
-from ddiloco_cli import ledger
-from ddiloco_cli.fragments import gather_fragment, scatter_fragment
-from ddiloco_cli.schedule import fragments_due
 from ddiloco_cli.learner import Learner, LearnerOptions, lr_at
-from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.learner.schedule import fragments_due
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import ledger
+from ddiloco_cli.protocol.fragments import gather_fragment, scatter_fragment
 from ddiloco_cli.store import open_store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
 from ddiloco_cli.tasks import load_task
 
 H, ROUNDS = 4, 3

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
-from ddiloco_cli.merge import (
+from ddiloco_cli.numerics.merge import (
     all_finite,
     check_finite,
     is_embedding_key,

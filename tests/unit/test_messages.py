@@ -9,9 +9,9 @@ import uuid
 import pytest
 import torch
 
-from ddiloco_cli import ledger, signing
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.fragments import plan_fragments
+from ddiloco_cli.protocol import ledger, signing
+from ddiloco_cli.protocol.fragments import plan_fragments
 from ddiloco_cli.store import open_store
 
 

@@ -11,9 +11,10 @@ import os
 
 import pytest
 
-from ddiloco_cli import layout, metrics
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.metrics import MetricsWriter, Record, read_metrics
+from ddiloco_cli.ops import metrics
+from ddiloco_cli.ops.metrics import MetricsWriter, Record, read_metrics
+from ddiloco_cli.protocol import layout
 from ddiloco_cli.store import open_store
 
 
@@ -171,7 +172,7 @@ def test_csv_export(tmp_path, store_url):
 
 
 def test_wandb_project_comes_from_the_flag_or_the_environment(monkeypatch):
-    from ddiloco_cli.metric_loggers import wandb_project
+    from ddiloco_cli.ops.metric_loggers import wandb_project
 
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
     assert wandb_project() == "ddiloco"
@@ -255,10 +256,11 @@ def test_reader_bounds_the_read_even_when_the_listing_understates_the_size_H2(st
 
 
 def test_status_shows_the_newest_global_val_loss(tmp_path):
-    from ddiloco_cli.observe import run_status
-    from ddiloco_cli.render import render_status
-    from ddiloco_cli.runinit import RunSpec, init_run
     from rich.console import Console
+
+    from ddiloco_cli.cli.render import render_status
+    from ddiloco_cli.ops.observe import run_status
+    from ddiloco_cli.ops.runinit import RunSpec, init_run
 
     store = open_store(str(tmp_path / "run"))
     init_run(store, RunSpec())

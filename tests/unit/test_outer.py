@@ -4,9 +4,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from ddiloco_cli.codec import decode_tensors, encode_tensors
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
-from ddiloco_cli.outer import OuterOptimizer
+from ddiloco_cli.numerics.codec import decode_tensors, encode_tensors
+from ddiloco_cli.numerics.outer import OuterOptimizer
 
 
 def make(seed):
@@ -38,7 +38,7 @@ def test_stepped_is_copy_then_step_bit_for_bit(lr, momentum, nesterov, monkeypat
     """``stepped`` (range by range, into new tensors: the syncer's update) makes the bits of
     ``copy()`` then ``step`` on copies, over many ranges with a short last one, a first step,
     a key without a gradient and a non-contiguous tensor; the inputs are left as they were."""
-    import ddiloco_cli.outer as outer_mod
+    import ddiloco_cli.numerics.outer as outer_mod
 
     monkeypatch.setattr(outer_mod, "STEP_CHUNK_ELEMS", 64)
     g = torch.Generator().manual_seed(3)

@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli.ops.runinit import RunSpec, init_run
 from ddiloco_cli.store import open_store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
 
 
 @pytest.mark.parametrize("scaling", ["participation", "none"])

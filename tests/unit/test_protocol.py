@@ -20,17 +20,31 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records
 from ddiloco_cli.errors import FencedError, InvalidPayloadError, ProtocolError, UsageError
-from ddiloco_cli.gc import collect_garbage
 from ddiloco_cli.learner import LearnerStats, Uploader
-from ddiloco_cli.published import FragmentReader, expected_shapes
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.published import FragmentReader, expected_shapes
 from ddiloco_cli.store import open_store
-from ddiloco_cli.audit import audit_ledger
-from ddiloco_cli.syncer import Syncer, SyncerOptions
+from ddiloco_cli.syncer.audit import audit_ledger
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+from ddiloco_cli.syncer.gc import collect_garbage
+
 from support import REPO
-from support.runs import (LOCAL_BACKENDS, RecordingStore, assert_same_state, beat, contribution, delta_for, drive,
-                          live_syncer, make_run, manifests, restored, step)
+from support.runs import (
+    LOCAL_BACKENDS,
+    RecordingStore,
+    assert_same_state,
+    beat,
+    contribution,
+    delta_for,
+    drive,
+    live_syncer,
+    make_run,
+    manifests,
+    restored,
+    step,
+)
 
 
 @pytest.fixture(params=LOCAL_BACKENDS)

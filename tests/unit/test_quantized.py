@@ -1,4 +1,4 @@
-"""int4/int8 tensors read from their codes (ddiloco_cli.quantized): the same values as the
+"""int4/int8 tensors read from their codes (ddiloco_cli.numerics.quantized): the same values as the
 dequantised tensor, norms from the codes, and the syncer's merge of contributions kept as codes."""
 
 import json
@@ -11,13 +11,15 @@ import pytest
 import torch
 import zstandard
 
-from ddiloco_cli import ledger, quantized
-from ddiloco_cli.codec import decode_tensors, encode_tensors
 from ddiloco_cli.errors import InvalidPayloadError
-from ddiloco_cli.intake import delta_norm
-from ddiloco_cli.merge import merge_outer_gradients
-from ddiloco_cli.quantized import DecodedTensors, Quantized
+from ddiloco_cli.numerics import quantized
+from ddiloco_cli.numerics.codec import decode_tensors, encode_tensors
+from ddiloco_cli.numerics.merge import merge_outer_gradients
+from ddiloco_cli.numerics.quantized import DecodedTensors, Quantized
+from ddiloco_cli.protocol import ledger
 from ddiloco_cli.store import open_store
+from ddiloco_cli.syncer.intake import delta_norm
+
 from support.runs import assert_same_state, beat, contribution, live_syncer, make_run, step
 
 CASES = [("int4", 64, 10_000), ("int4", 64, 4_097), ("int4", 3, 1001), ("int4", 5, 7), ("int4", 1, 1), ("int4", 2, 1000),
@@ -138,7 +140,7 @@ def test_merging_codes_is_merging_their_values(method):
 
 
 def test_merge_of_codes_in_many_ranges_equals_one_range(monkeypatch):
-    import ddiloco_cli.merge as M
+    import ddiloco_cli.numerics.merge as M
 
     kept = _contributions(3, codec="int8", block=6)
     monkeypatch.setattr(M, "MERGE_CHUNK_ELEMS", 10**9)
@@ -152,7 +154,7 @@ def test_merge_of_codes_in_many_ranges_equals_one_range(monkeypatch):
 def test_merge_of_int4_codes_by_word_views_equals_by_values(monkeypatch, shape):
     """The merge reads int4 codes as q8 times the scales (``_codes_term``); the same bits as
     ``Quantized.values`` of each range, in one range or many."""
-    import ddiloco_cli.merge as M
+    import ddiloco_cli.numerics.merge as M
 
     g = torch.Generator().manual_seed(4)
     kept = [decode_tensors(encode_tensors({"w": torch.randn(shape, generator=g) * (i + 1)}, codec="int4",
@@ -225,7 +227,7 @@ def test_a_replay_merges_int4_contributions_as_the_syncer_did(tmp_path, qmax):
 def test_q8_of_the_codes_equals_the_table(codec, n):
     """``q8_into`` (integer unpacking, for the merge) gives the q of ``q_values`` (the table),
     every byte value included, odd counts too."""
-    from ddiloco_cli.quantized import PER_BYTE, q8_into, q_values
+    from ddiloco_cli.numerics.quantized import PER_BYTE, q8_into, q_values
 
     rng = np.random.default_rng(n)
     codes = rng.integers(0, 256, size=-(-n // PER_BYTE[codec]), dtype=np.uint8)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ddiloco_cli.errors import ProtocolError, UsageError
-from ddiloco_cli.runconfig import LAST_VERSION_WITH_RETIRED, RETIRED_VALUES, RunConfig
+from ddiloco_cli.protocol.runconfig import LAST_VERSION_WITH_RETIRED, RETIRED_VALUES, RunConfig
 
 
 def _record(**fields):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import typing
 
-from ddiloco_cli.runconfig import RunConfig, hyperparameters, setting_key
-from ddiloco_cli.runflags import run_setting_options
+from ddiloco_cli.cli.runflags import run_setting_options
+from ddiloco_cli.protocol.runconfig import RunConfig, hyperparameters, setting_key
 
 
 def test_every_setting_is_one_option_with_its_flag_default_and_help():
@@ -28,9 +28,9 @@ def test_every_setting_is_one_option_with_its_flag_default_and_help():
 def test_init_takes_a_setting_from_its_generated_option(tmp_path):
     from typer.testing import CliRunner
 
-    from ddiloco_cli.cli import app
+    from ddiloco_cli.cli.app import app
+    from ddiloco_cli.protocol.runconfig import read_run_config
     from ddiloco_cli.store import open_store
-    from ddiloco_cli.runconfig import read_run_config
 
     url = str(tmp_path / "run")
     result = CliRunner().invoke(app, ["init", url, "-H", "12", "--fragments", "3", "--discard-overlap-progress",

@@ -3,7 +3,7 @@
 import pytest
 
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.schedule import FragmentCounters, aligned_offset, fragments_due
+from ddiloco_cli.learner.schedule import FragmentCounters, aligned_offset, fragments_due
 
 
 @pytest.mark.parametrize("P,H", [(24, 24), (4, 24), (1, 1), (3, 7), (30, 24), (8, 100), (5, 5)])

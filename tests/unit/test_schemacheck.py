@@ -15,7 +15,8 @@ import random
 
 import pytest
 
-from ddiloco_cli import records, schemacheck
+from ddiloco_cli.protocol import records, schemacheck
+
 from support.built_run import build_run
 
 REPLACEMENTS = [None, True, False, 0, 1, -1, 1.0, 1.5, -0.0, 2**53, 2**53 + 1, 2**63, 1e300, "", "x", "a" * 300,

@@ -17,10 +17,11 @@ import safetensors.torch
 import torch
 from typer.testing import CliRunner
 
-from ddiloco_cli import codec, layout, ledger, records, signing
-from ddiloco_cli.cli import app
+from ddiloco_cli.cli.app import app
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
-from ddiloco_cli.signing import SignatureError
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol.signing import SignatureError
 from ddiloco_cli.store import open_store
 
 RUN = "ed60776216ed4c78b7f75565aa1fe720"
@@ -334,7 +335,7 @@ def test_keys_list_admit_from_file_and_inspect_show_the_admissions(keys, tmp_pat
 
 
 def test_wait_for_admission_makes_the_key_says_the_command_and_returns_once_admitted(keys, tmp_path):
-    from ddiloco_cli.admission import wait_for_admission
+    from ddiloco_cli.ops.admission import wait_for_admission
 
     store = open_store(f"memory://{uuid.uuid4().hex}")
     run = {"run_id": RUN, "require_signatures": True, "admin_key": keys["admin"].public_key}
@@ -424,8 +425,8 @@ def test_signer_for_run_fails_at_start_without_an_admitted_key_A1(keys, tmp_path
 
 # ------------------------------------------------------------------------ status
 def test_status_lists_only_verified_learners_A3(keys, tmp_path):
-    from ddiloco_cli.observe import run_status
-    from ddiloco_cli.runinit import RunSpec, init_run
+    from ddiloco_cli.ops.observe import run_status
+    from ddiloco_cli.ops.runinit import RunSpec, init_run
 
     store = open_store(str(tmp_path / "run"))
     run = init_run(store, RunSpec(task="ddiloco_cli.tasks.gpt:tiny", num_fragments=2, sync_every=4), admin=keys["admin"])

@@ -1,4 +1,4 @@
-"""Tests for the goodput simulator (ddiloco_cli/simulate.py)."""
+"""Tests for the goodput simulator (ddiloco_cli/simtrain/goodput.py)."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.simulate import MODES, SECONDS_PER_YEAR, simulate
+from ddiloco_cli.simtrain.goodput import MODES, SECONDS_PER_YEAR, simulate
 
 PAPER_CHIPS = 1_200_000
 # Decoupled DiLoCo paper, 1.2M chips, 1-year MTBI per chip: (mode, M, goodput %).

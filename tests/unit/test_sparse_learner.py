@@ -9,8 +9,10 @@ import uuid
 
 import torch
 
-from ddiloco_cli import DiLoCoSync, codec, layout, ledger
-from ddiloco_cli.runinit import RunSpec, init_run
+from ddiloco_cli import DiLoCoSync
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import layout, ledger
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import load_task
 

@@ -9,9 +9,11 @@ import uuid
 import pytest
 import torch
 
-from ddiloco_cli import codec, layout, ledger, records
-from ddiloco_cli.merge import merge_outer_gradients
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.numerics.merge import merge_outer_gradients
+from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
+
 from support.runs import assert_same_state, beat, contribution, delta_for, drive, live_syncer, make_run, restored, step
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddiloco_cli.outer import OuterOptimizer
-from ddiloco_cli.update import contribution_gradient
+from ddiloco_cli.numerics.outer import OuterOptimizer
+from ddiloco_cli.syncer.update import contribution_gradient
 
 LR, BETA, M = 0.7, 0.9, 4
 SPLITS = [[3, 1], [2, 2], [1, 1, 1, 1]]

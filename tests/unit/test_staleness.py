@@ -9,9 +9,10 @@ import uuid
 
 import pytest
 
-from ddiloco_cli import ledger
-from ddiloco_cli.staleness import cycle_advance, others_work, version_shares
+from ddiloco_cli.protocol import ledger
 from ddiloco_cli.store import open_store
+from ddiloco_cli.syncer.staleness import cycle_advance, others_work, version_shares
+
 from support.runs import beat, contribution, live_syncer, make_run, restored, step
 
 H = 2  # make_run's sync_every

@@ -12,10 +12,11 @@ import time
 import pytest
 from rich.console import Console
 
-from ddiloco_cli import layout
+from ddiloco_cli.cli.render import render_inspect, render_status, watch_status
 from ddiloco_cli.errors import StoreAccessError
-from ddiloco_cli.observe import PILE_UP, bytes_moved, goodput, run_status
-from ddiloco_cli.render import render_inspect, render_status, watch_status
+from ddiloco_cli.ops.observe import PILE_UP, bytes_moved, goodput, run_status
+from ddiloco_cli.protocol import layout
+
 from support.built_run import LEARNER, build_run, copy_run, invoke, write_contribution, write_learner_heartbeat
 
 LEARNER_KEYS = {"learner_id", "alive", "state", "step", "tokens", "tokens_per_s", "loss", "last_contribution_age_s",
@@ -129,7 +130,7 @@ def _text(renderable) -> str:
 
 
 def test_render_status_and_inspect(built):
-    from ddiloco_cli.observe import inspect_run
+    from ddiloco_cli.ops.observe import inspect_run
 
     status = run_status(built.store)
     text = _text(render_status(status))

@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from support.runs import beat, contribution, live_syncer, make_run, step
 
-from ddiloco_cli import codec, layout, ledger, replay
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.protocol import layout, ledger
 from ddiloco_cli.store import ObjectTooLargeError, open_store
 from ddiloco_cli.store.bounds import (
     RECORD_MAX_BYTES,
@@ -17,6 +17,9 @@ from ddiloco_cli.store.bounds import (
     max_bytes_for,
     tensor_max_bytes,
 )
+from ddiloco_cli.syncer import replay
+
+from support.runs import beat, contribution, live_syncer, make_run, step
 
 
 @pytest.fixture

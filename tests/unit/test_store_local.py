@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import ddiloco_cli.store.local as local
-from ddiloco_cli import codec, layout, records
 from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.learner.uploader import contribution_bytes
-from ddiloco_cli.published import expected_shapes
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.protocol import layout, records
+from ddiloco_cli.protocol.published import expected_shapes
 from ddiloco_cli.store import open_store
+
 from support.runs import beat, live_syncer, make_run
 
 

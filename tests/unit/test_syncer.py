@@ -7,21 +7,22 @@ from __future__ import annotations
 import heapq
 import json
 import shutil
-import uuid
 import statistics
+import uuid
 
 import pytest
 import torch
 
-from ddiloco_cli import layout, ledger
-from ddiloco_cli.audit import audit_ledger
 from ddiloco_cli.clock import VirtualClock
-from ddiloco_cli.intake import Contribution, add_pending
-from ddiloco_cli.judge import NORM_BOUND_FACTOR
-from ddiloco_cli.outer import OuterOptimizer
+from ddiloco_cli.numerics.outer import OuterOptimizer
+from ddiloco_cli.protocol import layout, ledger
 from ddiloco_cli.store import open_store
-from ddiloco_cli.syncer import Syncer, SyncerOptions
-from ddiloco_cli.update import FragmentValue, outer_update
+from ddiloco_cli.syncer.audit import audit_ledger
+from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+from ddiloco_cli.syncer.intake import Contribution, add_pending
+from ddiloco_cli.syncer.judge import NORM_BOUND_FACTOR
+from ddiloco_cli.syncer.update import FragmentValue, outer_update
+
 from support.runs import assert_same_state, beat, contribution, drive, live_syncer, make_run, restored, step
 
 QMAX = {"int8": 127, "int4": 7}

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import uuid
 
-from ddiloco_cli import ledger, records
+from ddiloco_cli.protocol import ledger, records
+from ddiloco_cli.protocol.typed_records import LedgerEntry, Manifest, SyncerHeartbeat
 from ddiloco_cli.store import open_store
-from ddiloco_cli.typed_records import LedgerEntry, Manifest, SyncerHeartbeat
-from ddiloco_cli.update import Decision
+from ddiloco_cli.syncer.update import Decision
+
 from support.runs import beat, contribution, live_syncer, make_run, step
 
 

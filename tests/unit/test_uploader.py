@@ -8,8 +8,8 @@ import uuid
 import pytest
 import torch
 
-from ddiloco_cli import codec
 from ddiloco_cli.learner import LearnerStats, Uploader
+from ddiloco_cli.numerics import codec
 from ddiloco_cli.store import open_store
 
 

@@ -1,0 +1,1 @@
+"""The command line: the typer app, its commands and the Rich views."""

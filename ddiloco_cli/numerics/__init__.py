@@ -1,0 +1,1 @@
+"""The numerics: payload codecs, token-weighted merge and RDA, the outer optimizer."""

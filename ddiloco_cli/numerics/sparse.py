@@ -1,0 +1,283 @@
+"""The sparse codec: chunk-wise Top-k with 2-bit values (SparseLoCo-style outer gradients).
+
+A tensor of n elements is cut into chunks of ``chunk`` elements (the payload's block size;
+the last chunk may be shorter). Each chunk sends its ``k`` largest values by magnitude:
+their positions and a 2-bit code each, meaning {-2s, -s, +s, +2s} with one bf16 scale ``s``
+per chunk, fitted by least squares to the chosen magnitudes. Everything else decodes to zero.
+
+A short last chunk of length L sends ceil(k * L / chunk): a small tensor (a bias, a norm's
+weight) is sent at about the same density as a large one.
+
+The decompressed frame (codec.py wraps it in zstd and safetensors as for every codec), with
+R = ceil(n / chunk) chunks and K = the number of sent values:
+
+    R   bf16 scales (non-negative, finite)
+    ceil(K / 4) bytes of codes, four per byte, the first in the low bits (0..3 meaning
+        -2, -1, +1, +2 times the scale); the unused bits of the last byte are zero
+    K   bytes: the low byte of each gap
+    K   bytes: the high byte of each gap
+
+Per chunk, the first gap is the first position and each next gap is ``position - previous
+position - 1``: positions are strictly increasing by construction, and the decoder checks
+the last one of each chunk lies inside it. The two byte planes compress well (most gaps
+are below 256, so the high plane is nearly all zeros). Every size follows from n, chunk and
+k, so the decoder checks them before decompressing, like the other codecs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ddiloco_cli.errors import InvalidPayloadError
+from ddiloco_cli.numerics.codecnames import SPARSE_DEFAULT_CHUNK as DEFAULT_CHUNK
+from ddiloco_cli.numerics.codecnames import SPARSE_DEFAULT_DENSITY as DEFAULT_DENSITY
+from ddiloco_cli.numerics.codecnames import topk
+
+MAX_CHUNK = 1 << 16  # a gap fits in 16 bits
+_MAX_BF16_BITS = 0x7F7F  # the largest finite bf16 (16 bits)
+# the largest bf16 whose double is finite in fp32 (2 * s for the +-2 codes)
+_BOUNDED_BF16 = 0x7EFF
+# code -> its multiple of the scale
+_CODE_VALUE = np.array([-2.0, -1.0, 1.0, 2.0], dtype=np.float32)
+
+
+def check_params(chunk: int, k: int) -> None:
+    """A frame's chunk size and per-chunk count must be ones an encoder can make."""
+    if not (isinstance(chunk, int) and not isinstance(chunk, bool) and 1 <= chunk <= MAX_CHUNK):
+        raise InvalidPayloadError(f"sparse chunk size must be in [1, {MAX_CHUNK}], got {chunk!r}")
+    if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= chunk):
+        raise InvalidPayloadError(f"sparse topk must be in [1, {chunk}], got {k!r}")
+
+
+def _counts(n: int, chunk: int, k: int) -> tuple[int, int, int]:
+    """(full chunks, length of the short last chunk (0: none), values it sends: k in proportion,
+    rounded up)."""
+    full, rest = divmod(n, chunk)
+    return full, rest, -(-k * rest // chunk)
+
+
+def sent_count(n: int, chunk: int, k: int) -> int:
+    full, _, last_k = _counts(n, chunk, k)
+    return full * k + last_k
+
+
+def raw_nbytes(n: int, chunk: int, k: int) -> int:
+    """A short last chunk of length L sends ceil(k * L / chunk): a small tensor (a bias, a norm's
+weight) is sent at about the same density as a large one.
+
+The decompressed frame's size for a tensor of n elements."""
+    rows = -(-n // chunk)
+    count = sent_count(n, chunk, k)
+    return 2 * rows + -(-count // 4) + 2 * count
+
+
+# --- encoding ----------------------------------------------------------------------------
+
+
+_ROWS_AT_ONCE_ELEMS = 1 << 17  # the rows selected together: their keys and mask stay in cache
+
+
+def _top_positions(rows: np.ndarray, k: int) -> np.ndarray:
+    """The flat positions (in ``rows``, (rows, width) fp32) of each row's k largest magnitudes,
+    ascending, as (rows, k) int64; NaN counts as the largest.
+
+    The selection is on one int32 key per value: the magnitude's bits (whose order is the
+    magnitudes') with their lowest b bits replaced by ``width - 1 - column`` (b: the bits of a
+    column). Every key of a row is then distinct, so exactly k are at or above the k-th largest,
+    and numpy's selection keeps its speed (it slows down 30x on long runs of equal values, such
+    as the zeros of a merge of sparse gradients). Magnitudes within a relative 2**(b - 23) of
+    each other (0.05% for chunks of 4096) count as equal and go to the earlier column: zeros
+    and exact ties too. A few rows at a time, in reused buffers that stay in cache."""
+    nrows, width = rows.shape
+    if k == width:
+        return np.arange(nrows * width, dtype=np.int64).reshape(nrows, width)
+    low = max(1, (width - 1).bit_length())
+    high_mask = np.int32(-(1 << low))
+    column_key = (width - 1 - np.arange(width)).astype(np.int32)
+    step = max(1, min(nrows, _ROWS_AT_ONCE_ELEMS // width))
+    key_buf = np.empty((step, width), dtype=np.float32)
+    part_buf = np.empty((step, width), dtype=np.int32)
+    mask_buf = np.empty((step, width), dtype=bool)
+    out = np.empty((nrows, k), dtype=np.int64)
+    for r0 in range(0, nrows, step):
+        r1 = min(nrows, r0 + step)
+        a, part, mask = key_buf[: r1 - r0], part_buf[: r1 - r0], mask_buf[: r1 - r0]
+        keys = a.view(np.int32)
+        np.abs(rows[r0:r1], out=a)
+        keys &= high_mask
+        keys |= column_key
+        np.copyto(part, keys)
+        part.partition(width - k, axis=1)
+        np.greater_equal(keys, part[:, width - k : width - k + 1], out=mask)  # each row's k-th largest key
+        out[r0:r1] = np.flatnonzero(mask).reshape(-1, k)
+        out[r0:r1] += r0 * width
+    return out
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 -> nearest bf16 (ties to even) as its 16 bits (uint16); non-negative finite input,
+    overflow saturating at infinity."""
+    b = x.astype(np.float32).view(np.uint32)
+    b = b + (np.uint32(0x7FFF) + ((b >> 16) & 1))
+    return (b >> 16).astype(np.uint16)
+
+
+def _fit(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scales and multiples for magnitudes ``a`` (rows, k): (bf16 bits, fp32 scale, m in {1, 2}).
+    m = 2 where a >= 1.5 s; s fitted by least squares to the chosen multiples, twice."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        s = a.mean(axis=1, dtype=np.float64)
+        for _ in range(2):
+            m = np.where(a >= 1.5 * s[:, None], 2.0, 1.0)
+            s = (a * m).sum(axis=1, dtype=np.float64) / (m * m).sum(axis=1)
+        s = np.nan_to_num(s, nan=np.inf)
+        bits = _round_bf16(np.minimum(s, np.float64(np.finfo(np.float32).max) * 2).astype(np.float32))
+        scale = (bits.astype(np.uint32) << 16).view(np.float32)
+        m = np.where(a >= np.float32(1.5) * scale[:, None], np.uint8(2), np.uint8(1))
+    return bits, scale, m
+
+
+def _pack2(codes: np.ndarray) -> np.ndarray:
+    """2-bit codes (uint8 0..3), four per byte, the first in the low bits; zero-padded."""
+    pad = -codes.size % 4
+    c = np.concatenate([codes, np.zeros(pad, dtype=np.uint8)]) if pad else codes
+    c = c.reshape(-1, 4)
+    return (c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)).astype(np.uint8)
+
+
+def _rows(x: np.ndarray, chunk: int, k: int) -> list[tuple[np.ndarray, int, int]]:
+    """(chunk rows as (rows, width), offset of the first, values per row) of the full chunks
+    and of a short last chunk."""
+    full, rest, last_k = _counts(x.size, chunk, k)
+    parts = []
+    if full:
+        parts.append((x[: full * chunk].reshape(full, chunk), 0, k))
+    if rest:
+        parts.append((x[full * chunk :].reshape(1, rest), full * chunk, last_k))
+    return parts
+
+
+class Encoded:
+    """One tensor's sparse frame (``buffers``), with what it sends: flat positions ``index``
+    (int64, ascending) and the values a decoder makes of them (``value``, fp32)."""
+
+    __slots__ = ("buffers", "index", "value", "bounded")
+
+    def __init__(self, buffers: list[np.ndarray], index: np.ndarray, value: np.ndarray, bounded: bool):
+        self.buffers, self.index, self.value, self.bounded = buffers, index, value, bounded
+
+
+def encode(x: np.ndarray, chunk: int, k: int) -> Encoded:
+    """The frame of flat fp32 ``x`` (Top-k per chunk by magnitude, 2-bit codes)."""
+    scales, codes, gaps, index, value = [], [], [], [], []
+    with np.errstate(invalid="ignore", over="ignore"):
+        for rows, offset, kk in _rows(x, chunk, k):
+            pos = _top_positions(rows, kk)
+            v = rows.reshape(-1)[pos]
+            bits, scale, m = _fit(np.abs(v))
+            neg = np.signbit(v)
+            codes.append(np.where(neg, 2 - m, m + 1).astype(np.uint8).reshape(-1))
+            g = np.empty_like(pos)
+            g[:, 0] = pos[:, 0] - np.arange(rows.shape[0], dtype=np.int64) * rows.shape[1]  # the column
+            np.subtract(pos[:, 1:], pos[:, :-1] + 1, out=g[:, 1:])
+            gaps.append(g.reshape(-1))
+            scales.append(bits)
+            index.append(pos.reshape(-1) + offset)
+            mv = m.astype(np.float32) * scale[:, None]
+            value.append(np.where(neg, -mv, mv).reshape(-1))
+    cat = (lambda parts, dt: np.concatenate(parts) if parts else np.empty(0, dtype=dt))
+    g = cat(gaps, np.int64).astype(np.uint16)
+    sb = cat(scales, np.uint16)
+    bounded = not sb.size or int(sb.max()) <= _BOUNDED_BF16
+    buffers = [sb, _pack2(cat(codes, np.uint8)), (g & 0xFF).astype(np.uint8), (g >> 8).astype(np.uint8)]
+    return Encoded(buffers, cat(index, np.int64), cat(value, np.float32), bounded)
+
+
+# --- decoding ----------------------------------------------------------------------------
+
+
+class SparseTensor:
+    """A decoded sparse tensor: ``index`` (flat positions, int64, strictly increasing) and
+    ``value`` (fp32) of the sent entries; everything else is zero."""
+
+    def __init__(self, *, shape: tuple[int, ...], index: np.ndarray, value: np.ndarray):
+        self.shape = tuple(shape)
+        self.numel = int(math.prod(self.shape))
+        self.index, self.value = index, value
+        self._dense: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        """All values (fp32, its shape), made on the first call and kept."""
+        if self._dense is None:
+            out = np.zeros(self.numel, dtype=np.float32)
+            out[self.index] = self.value
+            self._dense = torch.from_numpy(out).view(self.shape)
+        return self._dense
+
+    def values(self, start: int, stop: int, *, out: torch.Tensor, factor: float | None = None) -> torch.Tensor:
+        """Elements [start, stop) (flat) written into out[:stop - start] and returned, each
+        sent value times ``factor`` when given (one fp32 multiply)."""
+        t = out[: stop - start]
+        t.zero_()
+        lo, hi = np.searchsorted(self.index, (start, stop))
+        v = self.value[lo:hi]
+        if factor is not None:
+            v = v * np.float32(factor)
+        t.numpy()[self.index[lo:hi] - start] = v
+        return t
+
+    @property
+    def sum_of_squares(self) -> float:
+        return float(np.square(self.value, dtype=np.float64).sum())
+
+
+def _bad(where: str, msg: str) -> InvalidPayloadError:
+    return InvalidPayloadError(f"{where}: {msg}")
+
+
+def _unpack2(body: np.ndarray, count: int, where: str) -> np.ndarray:
+    """The ``count`` 2-bit codes of ``body``; the unused bits of its last byte must be zero."""
+    c = np.empty((body.size, 4), dtype=np.uint8)
+    for j in range(4):
+        np.bitwise_and(body >> (2 * j), 3, out=c[:, j])
+    c = c.reshape(-1)
+    if c[count:].any():
+        raise _bad(where, "non-zero padding after the last 2-bit code")
+    return c[:count]
+
+
+def decode(raw: bytes, shape: tuple[int, ...], chunk: int, k: int, *, where: str) -> SparseTensor:
+    """The tensor of a decompressed frame whose length is already checked (``raw_nbytes``).
+    Raises InvalidPayloadError on a negative or non-finite scale, a position outside its
+    chunk, or set padding bits."""
+    n = int(math.prod(shape))
+    rows = -(-n // chunk)
+    count = sent_count(n, chunk, k)
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    sb = buf[: 2 * rows].view(np.uint16)  # as bf16 is read: this machine's byte order
+    if sb.size and int(sb.max()) > _MAX_BF16_BITS:  # sign bit set, Inf or NaN
+        raise _bad(where, "a sparse scale is negative or not finite")
+    scale = (sb.astype(np.uint32) << 16).view(np.float32)
+    off = 2 * rows
+    codes = _unpack2(buf[off : off + -(-count // 4)], count, where)
+    off += -(-count // 4)
+    gaps = buf[off : off + count].astype(np.int64) | (buf[off + count : off + 2 * count].astype(np.int64) << 8)
+    full, rest, last_k = _counts(n, chunk, k)
+    index = np.empty(count, dtype=np.int64)
+    for lo, nrows, width, kk, first in ((0, full, chunk, k, 0), (full * k, 1 if rest else 0, rest, last_k, full)):
+        if not nrows:
+            continue
+        g = gaps[lo : lo + nrows * kk].reshape(nrows, kk) + 1
+        pos = np.cumsum(g, axis=1) - 1
+        if int(pos[:, -1].max()) >= width:
+            raise _bad(where, "a sparse index lies outside its chunk")
+        index[lo : lo + nrows * kk] = (pos + (np.arange(first, first + nrows, dtype=np.int64) * chunk)[:, None]).reshape(-1)
+    row_of = np.repeat(np.arange(rows), [k] * full + ([last_k] if rest else []))
+    with np.errstate(over="ignore"):
+        value = _CODE_VALUE[codes] * scale[row_of]  # exact (a bf16 times 1 or 2), finite (checked below)
+    if scale.size and not np.isfinite(value).all():
+        raise _bad(where, "a sparse value is not finite")
+    return SparseTensor(shape=shape, index=index, value=value.astype(np.float32, copy=False))

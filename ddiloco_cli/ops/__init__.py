@@ -1,0 +1,1 @@
+"""Operator tools: status and inspect, verify, metrics, evaluation, export, init, demo."""

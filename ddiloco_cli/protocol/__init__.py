@@ -1,0 +1,1 @@
+"""The bucket protocol: keys, records, the ledger, signatures, published versions, run.json."""

@@ -1,0 +1,501 @@
+"""The run config (``run.json``) as one typed, frozen value, validated once.
+
+``RunConfig`` is what ``ddiloco init`` writes and what every reader of a run
+gets back: ``RunConfig(...)`` (flags, a config file, code) and
+``RunConfig.from_record`` (a run.json read from the bucket) run the same checks,
+so a value that exists is valid. Each field's metadata is the single table that
+names its command-line flag (also its key in an ``init --config`` file), its
+place in run.json, its allowed range and its help text (``runflags`` makes `ddiloco
+init`'s options from it: each setting is declared once); the codec names and default
+block sizes come from ``ddiloco_cli.numerics.codec``.
+
+Errors name the flag and what to do: ``UsageError`` for user input, ``ProtocolError`` for a run.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Mapping
+
+from ddiloco_cli.errors import ProtocolError, UsageError
+from ddiloco_cli.numerics import codecnames as codec
+from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.store.base import Store
+
+# -- choices of the enum fields (the CLI offers exactly these) --
+Codec = Enum("Codec", {c: c for c in codec.CODECS}, type=str)  # type: ignore[misc]
+
+
+class Merge(str, Enum):
+    rda = "rda"
+    mean = "mean"
+
+
+class OuterLrScaling(str, Enum):
+    participation = "participation"
+    none = "none"
+
+
+class Mode(str, Enum):
+    decoupled = "decoupled"
+    lockstep = "lockstep"
+
+
+class LrSchedule(str, Enum):
+    cosine = "cosine"
+    constant = "constant"
+
+
+# Help panels of `ddiloco init --help`; config files and --print-config group keys the same way.
+PANELS = ("Task and fragments", "Schedule", "Merge and outer optimizer", "Inner optimizer", "Codec",
+          "Fault tolerance")
+
+_MAX_INT = 2**53  # JSON-safe: no reader loses precision below this
+
+# Settings that lost (docs/results.md) and were retired in 0.2.0 (PROTOCOL.md "Retired settings"):
+# run.json key -> the values this version refuses to run. A run.json naming one is refused with
+# the last version that runs it; the retired keys' surviving values (outer_gradient = current,
+# await_own_merge = true) are what this version always does, so they are read and dropped.
+RETIRED_VALUES: dict[str, tuple[Any, ...]] = {
+    "outer_gradient": ("delta",),
+    "outer_lr_scaling": ("cycle",),
+    "await_own_merge": (False,),
+}
+RETIRED_KEYS = ("outer_gradient", "await_own_merge")  # no longer settings at all
+LAST_VERSION_WITH_RETIRED = "0.1.0"  # the last ddiloco that runs the retired values
+
+
+def _spec(flag: str, panel: str, *, kind: type | str, lo: float | None = None, hi: float | None = None,
+          lo_open: bool = False, hi_open: bool = False, choices: type[Enum] | None = None,
+          json_key: str | None = None, optional: bool = False, help: str | None = None,
+          metavar: str | None = None, short: str | None = None, off: str | None = None) -> dict[str, Any]:
+    """Field metadata: flag (without ``--``; also the config-file key), panel, kind
+    (int, float, bool, str, or tuple for a pair of floats), inclusive or open bounds, enum choices,
+    the key in run.json ("inner.lr" for nested ones; default: the field name),
+    and whether None is allowed (then a default is filled in after validation); for the
+    command line (``runflags`` makes `ddiloco init`'s options from it): the help text, the
+    metavar, a one-letter alias (``-H``) and a bool's off flag (without ``--``)."""
+    return {"flag": flag, "panel": panel, "kind": kind, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open,
+            "choices": choices, "json_key": json_key, "optional": optional, "help": help, "metavar": metavar,
+            "short": short, "off": off}
+
+
+def _f(default: Any, flag: str, panel: str, **kw: Any) -> Any:
+    return field(default=default, metadata=_spec(flag, panel, **kw))
+
+
+_T, _S, _M, _I, _C, _F = PANELS
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every hyperparameter of a run: the fields of run.json (PROTOCOL.md, "Run config").
+
+    ``run_id`` and ``created_s`` are set on a config read from the bucket (empty /
+    0 on one built from flags). ``extra`` keeps run.json keys this version does
+    not know, so they survive a round trip.
+    """
+
+    task: str = _f("ddiloco_cli.tasks.gpt:tiny", "task", _T, kind=str,
+                   metavar="MODULE:OBJECT", help="module:object (or path.py:object) giving the model, data and loss")
+    num_fragments: int = _f(4, "fragments", _T, kind=int, lo=1, hi=99_999,
+                            short="-P", metavar="P", help="Number of fragments P")  # keys hold 5 digits
+    seed: int = _f(0, "seed", _T, kind=int, lo=0, hi=2**63 - 1,
+                   metavar="N", help="Seed of the initial model")
+    sync_every: int = _f(24, "sync-every", _S, kind=int, lo=1, hi=_MAX_INT,
+                         short="-H", metavar="H", help="Inner steps between two syncs of a fragment (H)")
+    overlap_steps: int = _f(2, "overlap-steps", _S, kind=int, lo=0, hi=_MAX_INT,
+                            metavar="TAU", help="Steps a fragment's sync overlaps with compute (tau)")
+    mode: str = _f("decoupled", "mode", _S, kind=str, choices=Mode,
+                   help="decoupled, or lockstep (the streaming-DiLoCo baseline)")
+    quorum: int = _f(1, "quorum", _M, kind=int, lo=1, hi=_MAX_INT,
+                     short="-K", metavar="K", help="Minimum distinct learners per merge (K)")
+    alpha: float = _f(0.0, "alpha", _M, kind=float, lo=0.0, hi=1.0,
+                      metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*global")
+    keep_overlap_progress: bool = _f(True, "keep-overlap-progress", _M, kind=bool,
+                                     off="discard-overlap-progress",
+                                     help="On receive, keep the steps trained since the send (theta <- Theta_new + "
+                                          "progress) or overwrite them")
+    merge: str = _f("rda", "merge", _M, kind=str, choices=Merge,
+                    help="Radial-Directional Averaging or a token-weighted mean")
+    outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True,
+                         metavar="LR", help="Outer Nesterov learning rate")
+    # 0: plain averaged descent, no outer momentum (sparse runs: the learners' error-feedback accumulators are the momentum)
+    outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True,
+                               metavar="X", help="Outer Nesterov momentum (0: plain averaged descent)")
+    outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling,
+                               help="participation: a merge of m of M live learners uses lr*m/M")
+    inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr",
+                         metavar="LR", help="Inner AdamW peak learning rate")
+    adam_betas: tuple[float, float] = _f((0.9, 0.95), "adam-betas", _I, kind=tuple, lo=0.0, hi=1.0, hi_open=True,
+                                         json_key="inner.betas",
+                                         metavar="B1,B2", help="Inner AdamW betas")
+    weight_decay: float = _f(0.1, "weight-decay", _I, kind=float, lo=0.0, json_key="inner.weight_decay",
+                             metavar="X", help="Inner AdamW weight decay")
+    warmup_steps: int = _f(20, "warmup-steps", _I, kind=int, lo=0, hi=_MAX_INT, json_key="inner.warmup_steps",
+                           metavar="N", help="Inner LR warmup steps")
+    lr_schedule: str = _f("cosine", "lr-schedule", _I, kind=str, choices=LrSchedule, json_key="inner.lr_schedule",
+                          help="Inner LR schedule after warmup")
+    total_steps: int = _f(1000, "total-steps", _I, kind=int, lo=0, hi=_MAX_INT, json_key="inner.total_steps",
+                          metavar="N", help="Inner steps per learner (schedule length; 0: unlimited)")
+    grad_clip: float = _f(1.0, "grad-clip", _I, kind=float, lo=0.0, json_key="inner.grad_clip",
+                          metavar="NORM", help="Gradient-norm clip (0 disables)")
+    batch_size: int = _f(16, "batch-size", _I, kind=int, lo=1, hi=_MAX_INT, json_key="inner.batch_size",
+                         metavar="N", help="Inner batch size per learner")
+    codec: str = _f("int4", "codec", _C, kind=str, choices=Codec,
+                    help="Outer-gradient codec")
+    codec_block: int | None = _f(None, "codec-block", _C, kind=int, lo=2, hi=2**24, optional=True,
+                                 metavar="N", help="Quantization block size (default 64 for int4, 256 for int8; sparse: chunk, 4096)")
+    codec_qmax: int | None = _f(None, "codec-qmax", _C, kind=int, lo=1, hi=127, optional=True,
+                                metavar="Q", help="Largest |code| the int4/int8 encoders write (default 3 for int4: "
+                                                  "29% fewer bytes than its whole range, 7; 127 for int8)")
+    codec_density: float | None = _f(None, "codec-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0, optional=True,
+                                     metavar="X", help="Sparse codec: fraction of each chunk's values sent (Top-k; default 0.02)")
+    publish_density: float | None = _f(None, "publish-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0,
+                                       optional=True, metavar="X",
+                                       help="Sparse published deltas: fraction of each chunk's values sent "
+                                            "(default: --codec-density)")
+    publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True,
+                                   help="Codec of published fragment deltas (default: --codec)")
+    keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT,
+                             metavar="N", help="Full (exact) payload every N versions")
+    error_feedback: bool = _f(True, "error-feedback", _C, kind=bool,
+                              off="no-error-feedback", help="Learners add what the codec dropped from their last "
+                                                            "contribution of a fragment to the next one")
+    error_feedback_decay: float | None = _f(None, "error-feedback-decay", _C, kind=float, lo=0.0, hi=1.0, optional=True,
+                                            metavar="BETA", help="Learners carry BETA times that residual (e <- BETA*e + "
+                                                                 "delta; default 0.95 for sparse, 1 otherwise)")
+    grace_gamma: float = _f(0.5, "grace-gamma", _F, kind=float, lo=0.0, hi=1.0, hi_open=True,
+                            metavar="X", help="Grace window = gamma * slack of the overlap window")
+    grace_max_s: float = _f(30.0, "grace-max", _F, kind=float, lo=0.0,
+                            metavar="SECONDS", help="Upper bound of the grace window")
+    max_tokens_per_step: int | None = _f(None, "max-tokens-per-step", _F, kind=int, lo=1, hi=_MAX_INT, optional=True,
+                                         metavar="N", help="Tokens per inner step (batch x sequence x accumulation); "
+                                                           "a contribution counts at most 2x this per step")
+    max_staleness: int = _f(8, "max-staleness", _F, kind=int, lo=0, hi=_MAX_INT,
+                            metavar="N", help="Oldest base accepted, in cycles of the fragment behind the latest "
+                                              "version (discounted beyond 2)")
+    checkpoint_every: int = _f(10, "checkpoint-every", _F, kind=int, lo=1, hi=_MAX_INT,
+                               metavar="N", help="Outer-state checkpoint every N versions")
+    lease_s: float = _f(10.0, "lease", _F, kind=float, lo=0.0, lo_open=True,
+                        metavar="SECONDS", help="Syncer lease")
+    heartbeat_s: float = _f(2.0, "heartbeat", _F, kind=float, lo=0.0, lo_open=True,
+                            metavar="SECONDS", help="Heartbeat interval")
+    retain_versions: int = _f(16, "retain-versions", _F, kind=int, lo=1, hi=_MAX_INT,
+                              metavar="N", help="Versions kept per fragment by GC")
+    gc_grace_s: float = _f(300.0, "gc-grace", _F, kind=float, lo=0.0, lo_open=True,
+                           metavar="SECONDS", help="Age before GC may delete an orphan (> 0)")
+    run_id: str = ""
+    created_s: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for f in hyperparameters():
+            object.__setattr__(self, f.name, _checked(f, getattr(self, f.name)))
+        # defaults that depend on other fields, filled in once so every reader sees the same value
+        if self.publish_codec is None:
+            object.__setattr__(self, "publish_codec", self.codec)
+        if self.codec_block is None:
+            object.__setattr__(self, "codec_block", codec.DEFAULT_BLOCK_SIZE.get(self.codec, 64))
+        if self.codec_qmax is None:
+            object.__setattr__(self, "codec_qmax", codec.DEFAULT_QMAX.get(self.codec))
+        sparse_run = "sparse" in (self.codec, self.publish_codec)
+        if self.codec_density is None and sparse_run:
+            object.__setattr__(self, "codec_density", codec.SPARSE_DEFAULT_DENSITY)
+        if self.publish_density is None:  # published deltas: the uploads' density unless given
+            object.__setattr__(self, "publish_density", self.codec_density)
+        if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
+            object.__setattr__(self, "error_feedback_decay", 0.95 if self.codec == "sparse" else 1.0)
+        if self.codec_density is not None and codec.topk(self.codec_density, self.codec_block) < 1:
+            raise _bad("codec-density", "too small for the block size")
+        try:
+            codec.check_qmax(self.codec, self.codec_qmax)
+        except UsageError as exc:
+            raise _bad("codec-qmax", str(exc).removeprefix("--codec-qmax ")) from None
+        if self.mode == "lockstep":  # Streaming DiLoCo: every learner in every merge (the syncer waits for all
+            # live ones), a plain mean, overwrite on receive, no lr scaling, exact published values
+            for name, value in (("merge", "mean"), ("keep_overlap_progress", False), ("outer_lr_scaling", "none"),
+                                ("publish_codec", "none")):
+                object.__setattr__(self, name, value)
+        if self.num_fragments > self.sync_every:
+            raise _bad("fragments", f"P={self.num_fragments} > H={self.sync_every}: each fragment needs its own "
+                                    "step offset; use --fragments <= --sync-every")
+        if self.overlap_steps >= self.sync_every:
+            raise _bad("overlap-steps", f"tau must be in [0, H) = [0, {self.sync_every})")
+        if self.lease_s <= self.heartbeat_s:
+            raise _bad("lease", f"the lease ({self.lease_s:g} s) must be longer than the heartbeat interval "
+                                f"({self.heartbeat_s:g} s)")
+
+    @property
+    def publish_qmax(self) -> int | None:
+        """The bound on the codes of published deltas: ``codec_qmax`` when they use the run's
+        codec, else that codec's full range (None)."""
+        return self.codec_qmax if self.publish_codec == self.codec else None
+
+    @property
+    def codec_topk(self) -> int | None:
+        """Values per chunk of the sparse codec's uploads (None for the other codecs)."""
+        return codec.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
+
+    # ----------------------------------------------------------- run.json
+    def to_record(self, *, run_id: str, created_s: float | None = None) -> dict[str, Any]:
+        """The run.json record of this config for run ``run_id``."""
+        body: dict[str, Any] = {}
+        for f in hyperparameters():
+            value = getattr(self, f.name)
+            path = _json_key(f).split(".")
+            target = body
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = list(value) if isinstance(value, tuple) else value
+        return records.make("run", protocol_minor=records.PROTOCOL_MINOR, features=list(records.FEATURES),
+                            run_id=run_id, created_s=time.time() if created_s is None else created_s,
+                            nonce=records.new_nonce(), **body, **self.extra)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], *, where: str = layout.RUN_CONFIG) -> RunConfig:
+        """The config of a schema-valid run.json record; ProtocolError naming ``where``
+        if a value is out of range."""
+        _refuse_retired(record, where=where)
+        rest = {k: v for k, v in record.items() if k not in RETIRED_KEYS}
+        values: dict[str, Any] = {}
+        for f in hyperparameters():
+            path = _json_key(f).split(".")
+            source: Any = rest
+            for part in path[:-1]:
+                source = source.get(part, {}) if isinstance(source, Mapping) else {}
+            if isinstance(source, Mapping) and path[-1] in source:
+                values[f.name] = source[path[-1]]
+        if "codec_qmax" not in values:  # a run.json from before the setting: the codec's whole range (PROTOCOL)
+            values["codec_qmax"] = codec.QMAX.get(values.get("codec", cls.codec))
+        for f in hyperparameters():
+            rest.pop(_json_key(f).split(".")[0], None)
+        for meta in ("format", "protocol_version", "protocol_minor", "features", "nonce"):
+            rest.pop(meta, None)
+        try:
+            return cls(**values, run_id=str(rest.pop("run_id", "")), created_s=float(rest.pop("created_s", 0.0)),
+                       extra=rest)
+        except UsageError as exc:
+            raise ProtocolError(f"{where}: invalid run config: {exc}") from None
+
+    def differences(self, other: RunConfig) -> list[str]:
+        """Flags whose values differ between two configs ([] when they are the same run)."""
+        return [f"--{flag(f)}: {getattr(other, f.name)!r} there, {getattr(self, f.name)!r} here"
+                for f in hyperparameters() if getattr(self, f.name) != getattr(other, f.name)]
+
+    # ----------------------------------------------------------- flags and files
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any]) -> RunConfig:
+        """A config from {flag: value} (flag names without ``--``, ``-`` or ``_``);
+        missing flags keep their defaults. Unknown flags are a UsageError."""
+        by_key = {setting_key(f): f for f in hyperparameters()}
+        kwargs = {}
+        for key, value in values.items():
+            f = by_key.get(key.replace("-", "_"))
+            if f is None:
+                raise UsageError(f"unknown setting {key!r}; `ddiloco init --print-config` lists them")
+            kwargs[f.name] = value
+        return cls(**kwargs)
+
+
+def _refuse_retired(record: Mapping[str, Any], *, where: str) -> None:
+    """ProtocolError when ``record`` (a run.json) names a retired setting's value."""
+    for key, retired in RETIRED_VALUES.items():
+        value = record.get(key)
+        if key in record and any(value == r and type(value) is type(r) for r in retired):
+            raise ProtocolError(
+                f"{where}: {key} = {json.dumps(value)} was retired in ddiloco 0.2.0 (PROTOCOL.md \"Retired "
+                f"settings\"); ddiloco {LAST_VERSION_WITH_RETIRED} still runs it: "
+                f"pip install 'ddiloco=={LAST_VERSION_WITH_RETIRED}'")
+
+
+def hyperparameters() -> list[dataclasses.Field]:
+    """The fields that are flags of `ddiloco init` (all but run_id, created_s and extra)."""
+    return [f for f in dataclasses.fields(RunConfig) if "flag" in f.metadata]
+
+
+def flag(f: dataclasses.Field) -> str:
+    """The field's flag of `ddiloco init`, without ``--``."""
+    return f.metadata["flag"]
+
+
+def setting_key(f: dataclasses.Field) -> str:
+    """The field's key in ``from_flags`` and config files: its flag with ``_`` for ``-``
+    (also the name of init's parameter)."""
+    return flag(f).replace("-", "_")
+
+
+def _json_key(f: dataclasses.Field) -> str:
+    return f.metadata["json_key"] or f.name
+
+
+def _bad(flag_name: str, why: str) -> UsageError:
+    return UsageError(f"--{flag_name}: {why}")
+
+
+def _checked(f: dataclasses.Field, value: Any) -> Any:
+    """``value`` converted to the field's kind, or UsageError saying what is allowed."""
+    m = f.metadata
+    name, kind = m["flag"], m["kind"]
+    if value is None and m["optional"]:
+        return None
+    if isinstance(value, Enum):
+        value = value.value
+    if kind is tuple:
+        if isinstance(value, str):
+            value = value.split(",")
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise _bad(name, "give two comma-separated numbers, e.g. 0.9,0.95")
+        return tuple(_number(name, x, m) for x in value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise _bad(name, f"must be true or false, got {value!r}")
+        return value
+    if kind is str:
+        if not isinstance(value, str) or not value:
+            raise _bad(name, f"must be a non-empty string, got {value!r}")
+        choices = m["choices"]
+        if choices is not None and value not in {c.value for c in choices}:
+            raise _bad(name, f"use one of {', '.join(c.value for c in choices)}; got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(name, f"must be an integer, got {value!r}")
+        _in_range(name, value, m)
+        return value
+    return _number(name, value, m)
+
+
+def _number(name: str, value: Any, m: Mapping[str, Any]) -> float:
+    if isinstance(value, bool):
+        raise _bad(name, f"must be a number, got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise _bad(name, f"must be a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise _bad(name, f"must be a finite number, got {value!r}")
+    _in_range(name, x, m)
+    return x
+
+
+def _in_range(name: str, x: float, m: Mapping[str, Any]) -> None:
+    lo, hi = m["lo"], m["hi"]
+    low_ok = lo is None or (x > lo if m["lo_open"] else x >= lo)
+    high_ok = hi is None or (x < hi if m["hi_open"] else x <= hi)
+    if not (low_ok and high_ok):
+        if hi is None:
+            want = f"> {lo:g}" if m["lo_open"] else f">= {lo:g}"
+        else:
+            want = f"in {'(' if m['lo_open'] else '['}{lo:g}, {hi:g}{')' if m['hi_open'] else ']'}"
+        raise _bad(name, f"must be {want}, got {x:g}")
+
+
+# ----------------------------------------------------------------- reading
+def read_run_config(store: Store) -> RunConfig:
+    """The validated config of the run at ``store`` (RunNotFoundError, ProtocolError)."""
+    return RunConfig.from_record(ledger.read_run(store), where=f"{store.url}/{layout.RUN_CONFIG}")
+
+
+def wait_for_run_config(store: Store, *, timeout_s: float, on_wait: Callable[[float], None] = lambda _: None,
+                        sleep: Callable[[float], None] = time.sleep, first_delay_s: float = 0.5,
+                        max_delay_s: float = 10.0) -> RunConfig:
+    """``read_run_config``, waiting up to ``timeout_s`` (may be inf) for run.json to
+    appear: polls with exponential backoff from ``first_delay_s`` to ``max_delay_s``,
+    calling ``on_wait(waited_s)`` before each sleep. A present but invalid run.json
+    is an error at once; after the timeout, RunNotFoundError."""
+    start = time.monotonic()
+    delay = first_delay_s
+    while True:
+        try:
+            return read_run_config(store)
+        except ledger.RunNotFoundError:
+            waited = time.monotonic() - start
+            if waited + delay > timeout_s:
+                raise
+        on_wait(waited)
+        sleep(delay)
+        delay = min(max_delay_s, delay * 2)
+
+
+# ----------------------------------------------------------------- config files
+def load_config_file(path: str) -> dict[str, Any]:
+    """{flag: value} from a TOML (``.toml``) or YAML (``.yaml``/``.yml``, needs PyYAML)
+    file whose keys are init's flag names (``sync-every`` or ``sync_every``).
+    UsageError on a missing file, a parse error or an unknown key."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
+    try:
+        if path.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError:
+                raise UsageError(f"--config {path}: YAML needs PyYAML (pip install 'ddiloco[yaml]'); "
+                                 "or use a .toml file") from None
+            parsed = yaml.safe_load(data.decode("utf-8")) or {}
+        else:
+            parsed = _tomllib().loads(data.decode("utf-8"))
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every parser error is the user's file
+        raise UsageError(f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'TOML'}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if not isinstance(parsed, dict):
+        raise UsageError(f"--config {path}: expected a table of settings, e.g. sync-every = 24")
+    known = {setting_key(f) for f in hyperparameters()}
+    for key in parsed:
+        if not isinstance(key, str) or key.replace("-", "_") not in known:
+            raise UsageError(f"--config {path}: unknown setting {key!r}; `ddiloco init --print-config` lists them")
+    return {k.replace("-", "_"): v for k, v in parsed.items()}
+
+
+def _tomllib() -> Any:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
+
+
+def default_config_toml() -> str:
+    """The defaults as a TOML config file for ``init --config``, grouped by panel."""
+    lines = ["# ddiloco init --config FILE: every key is a flag of `ddiloco init`; flags given on",
+             "# the command line override the file."]
+    defaults = RunConfig.__dataclass_fields__
+    for panel in PANELS:
+        lines += ["", f"# -- {panel} --"]
+        for f in hyperparameters():
+            if f.metadata["panel"] != panel:
+                continue
+            value = defaults[f.name].default
+            if value is None:
+                note = {"publish_codec": "the run's codec", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
+                        "codec_density": "0.02 for sparse", "publish_density": "--codec-density",
+                        "error_feedback_decay": "0.95 for sparse, 1 otherwise",
+                        }.get(f.name, "64 for int4, 256 for int8, 4096 for sparse")
+                lines.append(f"# {flag(f)} =   (default: {note})")
+            else:
+                lines.append(f"{flag(f)} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    return repr(value)
+
+
+__all__ = ["RunConfig", "Codec", "Merge", "OuterLrScaling", "Mode", "LrSchedule", "PANELS", "hyperparameters",
+           "flag", "setting_key", "read_run_config", "wait_for_run_config", "load_config_file", "default_config_toml"]
