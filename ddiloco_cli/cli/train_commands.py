@@ -92,7 +92,7 @@ def learn(
     _setup_logging(verbose)
     _use_wandb_project(wandb_project)
     from ddiloco_cli.cli.live import learner_view
-    from ddiloco_cli.learner import Learner, LearnerOptions
+    from ddiloco_cli.learner import Learner, LearnerOptions, SyncOptions
     from ddiloco_cli.learner.progress import summary
     from ddiloco_cli.protocol.runconfig import wait_for_run_config
 
@@ -101,8 +101,8 @@ def learn(
     if shard is not None and not 0 <= shard < num_shards:
         raise UsageError(f"--shard must be in [0, {num_shards})")
     opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards,
-                          poll_s=poll, task=task, precision=precision, grad_accum=grad_accum, compile=compile_model,
-                          parallel=parallel, key_path=key)
+                          task=task, precision=precision, grad_accum=grad_accum, compile=compile_model,
+                          parallel=parallel, sync=SyncOptions(min_poll_s=poll, key_path=key))
     opts.check()
     log = logging.getLogger("ddiloco")
     store = _store(url, storage_option)

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,16 +42,13 @@ class LearnerOptions:
     steps: int | None = None  # inner steps in this session (None: until the run's total_steps)
     shard: int | None = None
     num_shards: int | None = None
-    upload_queue: int = 4
-    upload_workers: int = 2
-    poll_s: float = 0.2  # the shortest gap between polls for a wanted fragment
     log_every: int = 10
     task: str | None = None  # this machine's task (module:object or a local file); default: run.json's module
     precision: str = "fp32"  # bf16: forward and loss under bf16 autocast (weights and optimizer stay fp32)
     grad_accum: int = 1  # micro-batches per inner step
     compile: bool = False  # torch.compile the model's forward
     parallel: str = "ddp"  # inside a torchrun island: ddp or fsdp (FSDP2 fully_shard)
-    key_path: str | None = None  # signing key admitted for this learner id (runs that require signatures)
+    sync: SyncOptions = field(default_factory=SyncOptions)  # the DiLoCoSync options (uploads, polls, key)
 
     def check(self) -> None:
         if self.precision not in PRECISIONS:
@@ -193,8 +190,7 @@ class Learner:
         seed = config.seed if opts.shard is not None else zlib.crc32(opts.learner_id.encode())
         sync = DiLoCoSync(self.store, net, learner_id=opts.learner_id, config=config,
                           heartbeat_fields={"shard": shard, "num_shards": num_shards},
-                          options=SyncOptions(upload_queue=opts.upload_queue, upload_workers=opts.upload_workers,
-                                              min_poll_s=opts.poll_s, key_path=opts.key_path))
+                          options=opts.sync)
         self.stats, self.model = sync.stats, model
         optimizer = torch.optim.AdamW([t for t in model.parameters() if t.requires_grad], lr=config.inner_lr,
                                       betas=config.adam_betas, weight_decay=config.weight_decay)

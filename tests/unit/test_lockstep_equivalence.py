@@ -10,7 +10,7 @@ import uuid
 
 import torch
 
-from ddiloco_cli.learner import Learner, LearnerOptions, lr_at
+from ddiloco_cli.learner import Learner, LearnerOptions, SyncOptions, lr_at
 from ddiloco_cli.learner.schedule import fragments_due
 from ddiloco_cli.ops.runinit import RunSpec, init_run
 from ddiloco_cli.protocol import ledger
@@ -68,7 +68,8 @@ def test_lockstep_m1_reproduces_classic_diloco_bit_for_bit():
     thread = threading.Thread(target=syncer.serve, kwargs={"stop": stop.is_set}, daemon=True)
     thread.start()
     try:
-        learner = Learner(store, options=LearnerOptions(learner_id="solo", shard=0, num_shards=1, poll_s=0.005))
+        learner = Learner(store, options=LearnerOptions(learner_id="solo", shard=0, num_shards=1,
+                                                        sync=SyncOptions(min_poll_s=0.005)))
         assert learner.train() == "finished"
     finally:
         stop.set()
@@ -127,7 +128,8 @@ def test_lockstep_m2_p2_is_streaming_diloco_bit_for_bit():
     syncer = Syncer(store, options=SyncerOptions(poll_s=0.005, gc=False))
     thread = threading.Thread(target=syncer.serve, kwargs={"stop": stop.is_set}, daemon=True)
     thread.start()
-    learners = [Learner(store, options=LearnerOptions(learner_id=f"l{m}", shard=m, num_shards=2, poll_s=0.005))
+    learners = [Learner(store, options=LearnerOptions(learner_id=f"l{m}", shard=m, num_shards=2,
+                                                      sync=SyncOptions(min_poll_s=0.005)))
                 for m in range(2)]
     results: dict[int, str] = {}
     threads = [threading.Thread(target=lambda m=m: results.__setitem__(m, learners[m].train()), daemon=True)
