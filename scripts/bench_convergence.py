@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
+from ddiloco_cli.protocol.runconfig import MODE_DEFAULTS  # noqa: E402
 from ddiloco_cli.tasks import load_task  # noqa: E402
 
 ARMS = ("dp", "diloco", "lockstep", "decoupled", "mean", "chaos", "mixed", "m8")
@@ -118,7 +119,10 @@ def init_flags(args, *, arm: str) -> dict:
                  grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
                  max_staleness=16, quorum=1, mode="decoupled", merge="rda")
     flags.update(outer_lr_scaling=args.outer_lr_scaling, error_feedback=args.error_feedback)
-    if arm == "lockstep":  # Streaming DiLoCo (init fixes the merge, receive, lr scaling and publish codec)
+    if arm in ("lockstep", "diloco"):  # a lockstep run has one merge, receive, lr scaling and publish codec
+        for name, _, _ in MODE_DEFAULTS:
+            flags.pop(name, None)
+    if arm == "lockstep":  # Streaming DiLoCo
         flags.update(mode="lockstep", quorum=M)
     elif arm == "diloco":  # classic DiLoCo: the whole model every H steps, waited for, sent exactly
         flags.update(mode="lockstep", quorum=M, fragments=1, overlap_steps=0, codec="none")

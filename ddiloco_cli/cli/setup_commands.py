@@ -48,7 +48,7 @@ def init(
     --force-clean).
     """
     from ddiloco_cli.ops.runinit import init_or_join
-    from ddiloco_cli.protocol.runconfig import default_config_toml, load_config_file
+    from ddiloco_cli.cli.configfile import default_config_toml, load_config_file
     from ddiloco_cli.protocol.signing import default_require_signatures, load_admin_key
 
     if print_config:

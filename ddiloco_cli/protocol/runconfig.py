@@ -68,6 +68,14 @@ RETIRED_VALUES: dict[str, tuple[Any, ...]] = {
 }
 RETIRED_KEYS = ("outer_gradient", "await_own_merge")  # no longer settings at all
 LAST_VERSION_WITH_RETIRED = "0.1.0"  # the last ddiloco that runs the retired values
+# Settings whose default depends on the mode: (field, decoupled default (None: the run's codec),
+# the one value of a lockstep run). init writes the value in run.json, so readers see it whole.
+MODE_DEFAULTS: tuple[tuple[str, Any, Any], ...] = (
+    ("merge", "rda", "mean"),
+    ("keep_overlap_progress", True, False),
+    ("outer_lr_scaling", "participation", "none"),
+    ("publish_codec", None, "none"),
+)
 
 
 def _spec(flag: str, panel: str, *, kind: type | str, lo: float | None = None, hi: float | None = None,
@@ -117,19 +125,21 @@ class RunConfig:
                      short="-K", metavar="K", help="Minimum distinct learners per merge (K)")
     alpha: float = _f(0.0, "alpha", _M, kind=float, lo=0.0, hi=1.0,
                       metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*global")
-    keep_overlap_progress: bool = _f(True, "keep-overlap-progress", _M, kind=bool,
-                                     off="discard-overlap-progress",
-                                     help="On receive, keep the steps trained since the send (theta <- Theta_new + "
-                                          "progress) or overwrite them")
-    merge: str = _f("rda", "merge", _M, kind=str, choices=Merge,
-                    help="Radial-Directional Averaging or a token-weighted mean")
+    keep_overlap_progress: bool | None = _f(None, "keep-overlap-progress", _M, kind=bool, optional=True,
+                                            off="discard-overlap-progress",
+                                            help="On receive, keep the steps trained since the send (theta <- "
+                                                 "Theta_new + progress) or overwrite them (default: keep; lockstep: "
+                                                 "overwrite)")
+    merge: str | None = _f(None, "merge", _M, kind=str, choices=Merge, optional=True,
+                           help="Radial-Directional Averaging or a token-weighted mean (default: rda; lockstep: mean)")
     outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True,
                          metavar="LR", help="Outer Nesterov learning rate")
     # 0: plain averaged descent, no outer momentum (sparse runs: the learners' error-feedback accumulators are the momentum)
     outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True,
                                metavar="X", help="Outer Nesterov momentum (0: plain averaged descent)")
-    outer_lr_scaling: str = _f("participation", "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling,
-                               help="participation: a merge of m of M live learners uses lr*m/M")
+    outer_lr_scaling: str | None = _f(None, "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling, optional=True,
+                                      help="participation: a merge of m of M live learners uses lr*m/M (default: "
+                                           "participation; lockstep: none)")
     inner_lr: float = _f(1e-3, "inner-lr", _I, kind=float, lo=0.0, lo_open=True, json_key="inner.lr",
                          metavar="LR", help="Inner AdamW peak learning rate")
     adam_betas: tuple[float, float] = _f((0.9, 0.95), "adam-betas", _I, kind=tuple, lo=0.0, hi=1.0, hi_open=True,
@@ -161,7 +171,7 @@ class RunConfig:
                                        help="Sparse published deltas: fraction of each chunk's values sent "
                                             "(default: --codec-density)")
     publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True,
-                                   help="Codec of published fragment deltas (default: --codec)")
+                                   help="Codec of published fragment deltas (default: --codec; lockstep: none)")
     keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT,
                              metavar="N", help="Full (exact) payload every N versions")
     error_feedback: bool = _f(True, "error-feedback", _C, kind=bool,
@@ -198,8 +208,7 @@ class RunConfig:
         for f in hyperparameters():
             object.__setattr__(self, f.name, _checked(f, getattr(self, f.name)))
         # defaults that depend on other fields, filled in once so every reader sees the same value
-        if self.publish_codec is None:
-            object.__setattr__(self, "publish_codec", self.codec)
+        self._mode_defaults()
         if self.codec_block is None:
             object.__setattr__(self, "codec_block", codec.DEFAULT_BLOCK_SIZE.get(self.codec, 64))
         if self.codec_qmax is None:
@@ -217,11 +226,6 @@ class RunConfig:
             codec.check_qmax(self.codec, self.codec_qmax)
         except UsageError as exc:
             raise _bad("codec-qmax", str(exc).removeprefix("--codec-qmax ")) from None
-        if self.mode == "lockstep":  # Streaming DiLoCo: every learner in every merge (the syncer waits for all
-            # live ones), a plain mean, overwrite on receive, no lr scaling, exact published values
-            for name, value in (("merge", "mean"), ("keep_overlap_progress", False), ("outer_lr_scaling", "none"),
-                                ("publish_codec", "none")):
-                object.__setattr__(self, name, value)
         if self.num_fragments > self.sync_every:
             raise _bad("fragments", f"P={self.num_fragments} > H={self.sync_every}: each fragment needs its own "
                                     "step offset; use --fragments <= --sync-every")
@@ -230,6 +234,25 @@ class RunConfig:
         if self.lease_s <= self.heartbeat_s:
             raise _bad("lease", f"the lease ({self.lease_s:g} s) must be longer than the heartbeat interval "
                                 f"({self.heartbeat_s:g} s)")
+
+    def with_mode(self, mode: str) -> "RunConfig":
+        """This config in another mode, the mode-dependent settings back to that mode's defaults."""
+        return dataclasses.replace(self, mode=mode, **{name: None for name, _, _ in MODE_DEFAULTS})
+
+    def _mode_defaults(self) -> None:
+        """Fill in the settings whose default depends on the mode. A lockstep run (Streaming
+        DiLoCo: every live learner in every merge) has one value for each: a plain mean,
+        overwrite on receive, no lr scaling, exact published values; another value given
+        for one of them is refused, not silently replaced."""
+        lockstep = self.mode == "lockstep"
+        for name, decoupled, locked in MODE_DEFAULTS:
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, locked if lockstep else (self.codec if decoupled is None else decoupled))
+            elif lockstep and value != locked:
+                f = self.__dataclass_fields__[name]
+                raise _bad(f.metadata["flag"], f"{json.dumps(value)}: a lockstep run always uses "
+                                               f"{json.dumps(locked)} (leave it unset, or use --mode decoupled)")
 
     @property
     def publish_qmax(self) -> int | None:
@@ -423,79 +446,5 @@ def wait_for_run_config(store: Store, *, timeout_s: float, on_wait: Callable[[fl
         delay = min(max_delay_s, delay * 2)
 
 
-# ----------------------------------------------------------------- config files
-def load_config_file(path: str) -> dict[str, Any]:
-    """{flag: value} from a TOML (``.toml``) or YAML (``.yaml``/``.yml``, needs PyYAML)
-    file whose keys are init's flag names (``sync-every`` or ``sync_every``).
-    UsageError on a missing file, a parse error or an unknown key."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
-    try:
-        if path.endswith((".yaml", ".yml")):
-            try:
-                import yaml
-            except ImportError:
-                raise UsageError(f"--config {path}: YAML needs PyYAML (pip install 'ddiloco[yaml]'); "
-                                 "or use a .toml file") from None
-            parsed = yaml.safe_load(data.decode("utf-8")) or {}
-        else:
-            parsed = _tomllib().loads(data.decode("utf-8"))
-    except UsageError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every parser error is the user's file
-        raise UsageError(f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'TOML'}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    if not isinstance(parsed, dict):
-        raise UsageError(f"--config {path}: expected a table of settings, e.g. sync-every = 24")
-    known = {setting_key(f) for f in hyperparameters()}
-    for key in parsed:
-        if not isinstance(key, str) or key.replace("-", "_") not in known:
-            raise UsageError(f"--config {path}: unknown setting {key!r}; `ddiloco init --print-config` lists them")
-    return {k.replace("-", "_"): v for k, v in parsed.items()}
-
-
-def _tomllib() -> Any:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    return tomllib
-
-
-def default_config_toml() -> str:
-    """The defaults as a TOML config file for ``init --config``, grouped by panel."""
-    lines = ["# ddiloco init --config FILE: every key is a flag of `ddiloco init`; flags given on",
-             "# the command line override the file."]
-    defaults = RunConfig.__dataclass_fields__
-    for panel in PANELS:
-        lines += ["", f"# -- {panel} --"]
-        for f in hyperparameters():
-            if f.metadata["panel"] != panel:
-                continue
-            value = defaults[f.name].default
-            if value is None:
-                note = {"publish_codec": "the run's codec", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
-                        "codec_density": "0.02 for sparse", "publish_density": "--codec-density",
-                        "error_feedback_decay": "0.95 for sparse, 1 otherwise",
-                        }.get(f.name, "64 for int4, 256 for int8, 4096 for sparse")
-                lines.append(f"# {flag(f)} =   (default: {note})")
-            else:
-                lines.append(f"{flag(f)} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (tuple, list)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    return repr(value)
-
-
 __all__ = ["RunConfig", "Codec", "Merge", "OuterLrScaling", "Mode", "LrSchedule", "PANELS", "hyperparameters",
-           "flag", "setting_key", "read_run_config", "wait_for_run_config", "load_config_file", "default_config_toml"]
+           "flag", "setting_key", "read_run_config", "wait_for_run_config", "MODE_DEFAULTS"]

@@ -26,7 +26,6 @@ run.json as written (decoupled: RDA, none of lock-step's overrides).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -96,7 +95,7 @@ def _train(store, m: int, *, syncer_done: threading.Event, alpha: float) -> dict
     task = GoldenTask()
     model = task.build_model()  # its values are replaced by version 0 on entry
     opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-    config = dataclasses.replace(read_run_config(store), mode="lockstep")  # wait for each merge (docstring)
+    config = read_run_config(store).with_mode("lockstep")  # wait for each merge (docstring)
     options = SyncOptions(min_poll_s=0.005, stall_alert=False)
     with DiLoCoSync(store, model, learner_id=f"l{m}", config=config, options=options) as sync:
         batches = task.batches(shard=m, num_shards=M, seed=0, batch_size=1)

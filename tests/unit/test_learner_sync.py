@@ -24,6 +24,7 @@ from ddiloco_cli.numerics import codec
 from ddiloco_cli.ops.runinit import RunSpec, init_run
 from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.protocol.published import FragmentReader
+from ddiloco_cli.protocol.runconfig import read_run_config
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import StoreWrapper
 from ddiloco_cli.tasks import load_run_task, load_task
@@ -90,7 +91,10 @@ def test_bf16_model_sends_fp32_delta_against_the_fp32_base():
 
 
 def test_lockstep_never_keeps_overlap_progress():
-    store = _run(mode="lockstep", keep_overlap_progress=True, overlap_steps=2)
+    with pytest.raises(UsageError, match="keep-overlap-progress: true: a lockstep run always uses false"):
+        _run(mode="lockstep", keep_overlap_progress=True, overlap_steps=2)
+    store = _run(mode="lockstep", overlap_steps=2)
+    assert read_run_config(store).keep_overlap_progress is False
     model = load_task(TINY).build_model()
     with DiLoCoSync(store, model, learner_id="c") as sync:
         assert not sync.keep_progress
