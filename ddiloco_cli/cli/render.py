@@ -203,32 +203,36 @@ def watch_status(console: Console, fetch: Callable[[], dict[str, Any]], *, inter
 
 
 # ----------------------------------------------------------------------- inspect
-def render_inspect(report: dict[str, Any]) -> RenderableType:
-    """Sections: run config, fragments, epochs, syncer and learner heartbeats, quarantine,
-    objects by category, orphans, errors."""
-    parts: list[RenderableType] = [Text.assemble(("bucket ", "bold"), report["url"])]
-    run = report["run"]
+def _inspect_run_view(run: dict[str, Any] | None) -> RenderableType:
     if run is None:
-        parts.append(Text("run config: unreadable (see errors)", style="red"))
-    else:
-        table = _table("run", "field", "value")
-        for k, v in run.items():
-            if k == "created_s" and v is not None:
-                v = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(v))
-            table.add_row(k, f"{v:,}" if k == "num_params" and v is not None else str(v))
-        parts.append(table)
+        return Text("run config: unreadable (see errors)", style="red")
+    table = _table("run", "field", "value")
+    for k, v in run.items():
+        if k == "created_s" and v is not None:
+            v = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(v))
+        table.add_row(k, f"{v:,}" if k == "num_params" and v is not None else str(v))
+    return table
 
+
+def _inspect_fragments_view(fragments: list[dict[str, Any]]) -> RenderableType:
     table = _table("fragments", "fragment", "params", "versions", "count", "latest epoch", "quorum", "age",
                    "payloads", "pending", "merged, not collected")
     rows = []
-    for f in report["fragments"]:
+    for f in fragments:
         latest = f["latest"] or {}
         span = "-" if f["oldest_version"] is None else f"{f['oldest_version']}..{f['newest_version']}"
         rows.append((str(f["fragment"]), fmt_num(f["num_params"]), span, str(f["num_versions"]),
                      fmt_num(latest.get("epoch")), fmt_num(latest.get("quorum_size")), fmt_age(latest.get("age_s")),
                      f"{f['num_payloads']} / {fmt_bytes(f['payload_bytes'])}", str(f["num_pending"]),
                      str(f["num_merged_uncollected"])))
-    parts.append(_cut(table, rows, 10))
+    return _cut(table, rows, 10)
+
+
+def render_inspect(report: dict[str, Any]) -> RenderableType:
+    """Sections: run config, fragments, epochs, syncer and learner heartbeats, quarantine,
+    objects by category, orphans, errors."""
+    parts: list[RenderableType] = [Text.assemble(("bucket ", "bold"), report["url"]),
+                                   _inspect_run_view(report["run"]), _inspect_fragments_view(report["fragments"])]
 
     table = _table("epochs", "epoch", "syncer", "fragments", "age")
     rows = [(str(e["epoch"]), e["syncer_id"], fmt_fragments(e["fragments"]), fmt_age(e["age_s"]))

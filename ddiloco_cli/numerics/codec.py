@@ -273,7 +273,45 @@ def _checked_frames(
 
     data = bytes(data) if not isinstance(data, bytes) else data
     header, data_start = _parse_safetensors(data, where)
-    view = memoryview(data)
+    codec, block, topk, tinfo, caller_meta = _checked_description(header, bad, where)
+
+    # -- validate every declared size before touching the frames
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    if set(entries) != set(tinfo):
+        raise bad("safetensors tensors and ddiloco metadata list different keys")
+    if expected is not None and set(tinfo) != set(expected):
+        missing = sorted(set(expected) - set(tinfo))
+        extra = sorted(set(tinfo) - set(expected))
+        raise bad(f"tensor keys differ from the expected ones (missing {missing}, extra {extra})")
+    plan = []
+    total_numel = 0
+    numel_limit = _MAX_NUMEL if max_numel is None else min(max_numel, _MAX_NUMEL)
+    frames = _Frames(memoryview(data), data_start, len(data) - data_start, bad)
+    for key, ti in tinfo.items():
+        shape = ti.get("shape") if isinstance(ti, dict) else None
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_NDIM
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
+        ):
+            raise bad(f"tensor {key!r}: bad shape {shape!r}")
+        if expected is not None and tuple(shape) != tuple(expected[key]):
+            raise bad(f"tensor {key!r}: shape {shape} but expected {list(expected[key])}")
+        n = math.prod(shape)
+        total_numel += n
+        if total_numel > numel_limit:
+            raise bad(f"declares more than the allowed {numel_limit} elements")
+        raw_n = _raw_nbytes(codec, n, block, topk)
+        if ti.get("raw_nbytes") != raw_n:
+            raise bad(f"tensor {key!r}: raw_nbytes {ti.get('raw_nbytes')!r} != {raw_n} for shape {shape}")
+        plan.append((key, shape, n, raw_n, frames.frame(key, entries[key], raw_n)))
+    return codec, block, topk, plan, caller_meta
+
+
+def _checked_description(header: Mapping[str, Any], bad: Callable[[str], InvalidPayloadError],
+                         where: str) -> tuple[str, int, int, dict, dict]:
+    """(codec, block size, sparse topk, tensors, caller metadata) of a payload's ddiloco
+    description, each checked."""
     meta = header.get("__metadata__")
     if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
         raise bad(f"missing {METADATA_KEY!r} metadata: not a ddiloco payload")
@@ -300,37 +338,16 @@ def _checked_frames(
     caller_meta = desc.get("metadata", {})
     if not isinstance(tinfo, dict) or not isinstance(caller_meta, dict):
         raise bad("'tensors' and 'metadata' must be JSON objects")
+    return codec, block, topk, tinfo, caller_meta
 
-    # -- validate every declared size before touching the frames
-    entries = {k: v for k, v in header.items() if k != "__metadata__"}
-    if set(entries) != set(tinfo):
-        raise bad("safetensors tensors and ddiloco metadata list different keys")
-    if expected is not None and set(tinfo) != set(expected):
-        missing = sorted(set(expected) - set(tinfo))
-        extra = sorted(set(tinfo) - set(expected))
-        raise bad(f"tensor keys differ from the expected ones (missing {missing}, extra {extra})")
-    plan = []
-    total_numel = 0
-    numel_limit = _MAX_NUMEL if max_numel is None else min(max_numel, _MAX_NUMEL)
-    data_len = len(data) - data_start
-    for key, ti in tinfo.items():
-        shape = ti.get("shape") if isinstance(ti, dict) else None
-        if (
-            not isinstance(shape, list)
-            or len(shape) > _MAX_NDIM
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
-        ):
-            raise bad(f"tensor {key!r}: bad shape {shape!r}")
-        if expected is not None and tuple(shape) != tuple(expected[key]):
-            raise bad(f"tensor {key!r}: shape {shape} but expected {list(expected[key])}")
-        n = math.prod(shape)
-        total_numel += n
-        if total_numel > numel_limit:
-            raise bad(f"declares more than the allowed {numel_limit} elements")
-        raw_n = _raw_nbytes(codec, n, block, topk)
-        if ti.get("raw_nbytes") != raw_n:
-            raise bad(f"tensor {key!r}: raw_nbytes {ti.get('raw_nbytes')!r} != {raw_n} for shape {shape}")
-        e = entries[key]
+
+class _Frames:
+    """The compressed frames of a payload's data section, each checked against its entry."""
+
+    def __init__(self, view: memoryview, start: int, length: int, bad: Callable[[str], InvalidPayloadError]):
+        self.view, self.start, self.length, self.bad = view, start, length, bad
+
+    def frame(self, key: str, e: Any, raw_n: int) -> memoryview:
         offs = e.get("data_offsets") if isinstance(e, dict) else None
         if (
             not isinstance(e, dict)
@@ -338,19 +355,18 @@ def _checked_frames(
             or not isinstance(offs, list)
             or len(offs) != 2
             or not all(isinstance(x, int) for x in offs)
-            or not 0 <= offs[0] <= offs[1] <= data_len
+            or not 0 <= offs[0] <= offs[1] <= self.length
             or e.get("shape") != [offs[1] - offs[0]]
         ):
-            raise bad(f"tensor {key!r}: bad safetensors entry {e!r:.200}")
-        comp = view[data_start + offs[0] : data_start + offs[1]]
+            raise self.bad(f"tensor {key!r}: bad safetensors entry {e!r:.200}")
+        comp = self.view[self.start + offs[0]: self.start + offs[1]]
         try:
             declared = zstandard.frame_content_size(comp)
         except zstandard.ZstdError as err:
-            raise bad(f"tensor {key!r}: not a zstd frame ({err})") from None
+            raise self.bad(f"tensor {key!r}: not a zstd frame ({err})") from None
         if declared not in (-1, raw_n):
-            raise bad(f"tensor {key!r}: zstd frame declares {declared} bytes, expected {raw_n}")
-        plan.append((key, shape, n, raw_n, comp))
-    return codec, block, topk, plan, caller_meta
+            raise self.bad(f"tensor {key!r}: zstd frame declares {declared} bytes, expected {raw_n}")
+        return comp
 
 
 def _decoded(raw: bytes, codec: str, shape: tuple[int, ...], block: int, *, keep_codes: bool, where: str,

@@ -44,50 +44,80 @@ def _learner_beats(store) -> dict[str, dict[str, Any]]:
     return {b.record["learner_id"]: {**b.record, "age_s": b.age_s} for b in beats}
 
 
+DEMO_INIT = ["--task", DEMO_TASK, "-P", "4", "-H", "16", "--overlap-steps", "6", "-K", "1", "--codec", "int4",
+             "--inner-lr", "2e-3", "--warmup-steps", "20", "--lr-schedule", "constant", "--total-steps", "0",
+             "--batch-size", "16", "--lease", "6", "--heartbeat", "1"]
+
+
 def run_demo(*, workdir: str, num_learners: int = 3, duration_s: float = 150.0, kill: bool = True,
              console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
-    bucket = os.path.join(workdir, "bucket")
-    logs = os.path.join(workdir, "logs")
-    if os.path.exists(bucket):
-        shutil.rmtree(bucket)
-    os.makedirs(logs, exist_ok=True)
-    torch.set_num_threads(1)
-    init_args = ["init", bucket, "--task", DEMO_TASK, "-P", "4", "-H", "16", "--overlap-steps", "6", "-K", "1",
-                 "--codec", "int4", "--inner-lr", "2e-3", "--warmup-steps", "20", "--lr-schedule", "constant",
-                 "--total-steps", "0", "--batch-size", "16", "--lease", "6", "--heartbeat", "1"]
-    subprocess.run([sys.executable, "-m", "ddiloco_cli", *init_args], check=True, capture_output=True)
-    store = open_store(bucket)
-    run = ledger.read_run(store)
-    plan = ledger.read_plan(store, run_id=run["run_id"])
-    task = load_task(run["task"])
-    model = task.build_model()
-    num_params = sum(p.numel() for p in model.parameters())
-    trace = DemoTrace()
+    demo = _Demo(workdir, num_learners=num_learners, duration_s=duration_s, kill=kill)
+    demo.start()
+    try:
+        with Live(demo.table(), console=console, refresh_per_second=2, transient=False) as live:
+            while demo.trace.now() < duration_s:
+                time.sleep(1.0)
+                demo.tick()
+                live.update(demo.table())
+    finally:
+        demo.stop()
+    summary = demo.finish()
+    _print_summary(console, summary)
+    return summary
 
-    def eval_global() -> float:
-        published.load_global_model(store, run_id=run["run_id"], plan=plan, model=model)
-        loss = evaluate(task, model, batch_size=32, max_batches=8)
-        trace.global_loss.append((trace.now(), loss))
+
+class _Demo:
+    """One demo run: its bucket, processes, trace and the victim's kill and restart."""
+
+    def __init__(self, workdir: str, *, num_learners: int, duration_s: float, kill: bool):
+        self.workdir, self.num_learners, self.duration_s = workdir, num_learners, duration_s
+        self.bucket, self.logs = os.path.join(workdir, "bucket"), os.path.join(workdir, "logs")
+        if os.path.exists(self.bucket):
+            shutil.rmtree(self.bucket)
+        os.makedirs(self.logs, exist_ok=True)
+        torch.set_num_threads(1)
+        subprocess.run([sys.executable, "-m", "ddiloco_cli", "init", self.bucket, *DEMO_INIT], check=True,
+                       capture_output=True)
+        self.store = open_store(self.bucket)
+        self.run = ledger.read_run(self.store)
+        self.plan = ledger.read_plan(self.store, run_id=self.run["run_id"])
+        self.task = load_task(self.run["task"])
+        self.model = self.task.build_model()
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.trace = DemoTrace()
+        self.initial_loss = self.eval_global()
+        self.names = [f"learner-{i}" for i in range(num_learners)]
+        self.victim = self.names[-1] if kill and num_learners > 1 else None
+        self.killed_at: float | None = None
+        self.restarted_at: float | None = None
+        self.last_eval = time.monotonic()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.beats: dict[str, dict[str, Any]] = {}
+
+    def eval_global(self) -> float:
+        published.load_global_model(self.store, run_id=self.run["run_id"], plan=self.plan, model=self.model)
+        loss = evaluate(self.task, self.model, batch_size=32, max_batches=8)
+        self.trace.global_loss.append((self.trace.now(), loss))
         return loss
 
-    initial_loss = eval_global()
-    procs: dict[str, subprocess.Popen] = {
-        "syncer": _spawn(["sync", bucket, "--poll", "0.1", "--eval-every", "10"], os.path.join(logs, "syncer.log"))}
-    names = [f"learner-{i}" for i in range(num_learners)]
-    for name in names:
-        procs[name] = _spawn(["learn", bucket, "--learner-id", name, "--threads", "1"], os.path.join(logs, f"{name}.log"))
-    victim = names[-1] if kill and num_learners > 1 else None
-    killed_at = restarted_at = None
-    last_eval = time.monotonic()
+    def _learn(self, name: str) -> subprocess.Popen:
+        return _spawn(["learn", self.bucket, "--learner-id", name, "--threads", "1"],
+                      os.path.join(self.logs, f"{name}.log"))
 
-    def table() -> Table:
-        t = Table(title=f"ddiloco demo: {trace.now():5.0f}s / {duration_s:.0f}s   global val loss "
-                        f"{trace.global_loss[-1][1]:.3f} (start {initial_loss:.3f})")
+    def start(self) -> None:
+        self.procs["syncer"] = _spawn(["sync", self.bucket, "--poll", "0.1", "--eval-every", "10"],
+                                      os.path.join(self.logs, "syncer.log"))
+        for name in self.names:
+            self.procs[name] = self._learn(name)
+
+    def table(self) -> Table:
+        t = Table(title=f"ddiloco demo: {self.trace.now():5.0f}s / {self.duration_s:.0f}s   global val loss "
+                        f"{self.trace.global_loss[-1][1]:.3f} (start {self.initial_loss:.3f})")
         for col in ("learner", "state", "step", "loss", "up MB", "down MB", "fragment versions"):
             t.add_column(col)
-        for lid, b in sorted(beats.items()):
-            alive = procs[lid].poll() is None
+        for lid, b in sorted(self.beats.items()):
+            alive = self.procs[lid].poll() is None
             vs = sorted((b.get("versions") or {}).values())
             t.add_row(lid, "alive" if alive else "[red]killed[/]", str(b["step"]),
                       f"{b['loss']:.3f}" if b.get("loss") is not None else "-",
@@ -95,53 +125,54 @@ def run_demo(*, workdir: str, num_learners: int = 3, duration_s: float = 150.0, 
                       f"{vs[0]}..{vs[-1]}" if vs else "-")
         return t
 
-    beats: dict[str, dict[str, Any]] = {}
-    try:
-        with Live(table(), console=console, refresh_per_second=2, transient=False) as live:
-            while trace.now() < duration_s:
-                time.sleep(1.0)
-                beats = _learner_beats(store)
-                for lid, b in beats.items():
-                    fresh = b["age_s"] < 3 * float(run["heartbeat_s"]) and b["state"] == "running"
-                    if b.get("loss") is not None and fresh and procs[lid].poll() is None:
-                        trace.learner_loss.setdefault(lid, []).append((trace.now(), float(b["loss"])))
-                    elif lid in trace.learner_loss:  # a gap in the plot while it is gone
-                        trace.learner_loss[lid].append((trace.now(), float("nan")))
-                if victim and killed_at is None and trace.now() > duration_s / 2:
-                    procs[victim].send_signal(signal.SIGKILL)
-                    procs[victim].wait()
-                    killed_at = trace.now()
-                    trace.events.append((killed_at, f"kill -9 {victim}"))
-                if victim and killed_at is not None and restarted_at is None and trace.now() > killed_at + 10:
-                    procs[victim] = _spawn(["learn", bucket, "--learner-id", victim, "--threads", "1"],
-                                           os.path.join(logs, f"{victim}.log"))
-                    restarted_at = trace.now()
-                    trace.events.append((restarted_at, f"restart {victim}"))
-                if time.monotonic() - last_eval > 15:
-                    eval_global()
-                    last_eval = time.monotonic()
-                live.update(table())
-    finally:
-        for name, proc in procs.items():
-            if proc.poll() is None and name != "syncer":
+    def tick(self) -> None:
+        """One look at the bucket: the learners' losses, the victim's kill and restart, an eval."""
+        trace = self.trace
+        self.beats = _learner_beats(self.store)
+        for lid, b in self.beats.items():
+            fresh = b["age_s"] < 3 * float(self.run["heartbeat_s"]) and b["state"] == "running"
+            if b.get("loss") is not None and fresh and self.procs[lid].poll() is None:
+                trace.learner_loss.setdefault(lid, []).append((trace.now(), float(b["loss"])))
+            elif lid in trace.learner_loss:  # a gap in the plot while it is gone
+                trace.learner_loss[lid].append((trace.now(), float("nan")))
+        if self.victim and self.killed_at is None and trace.now() > self.duration_s / 2:
+            self.procs[self.victim].send_signal(signal.SIGKILL)
+            self.procs[self.victim].wait()
+            self.killed_at = trace.now()
+            trace.events.append((self.killed_at, f"kill -9 {self.victim}"))
+        if self.victim and self.killed_at is not None and self.restarted_at is None and trace.now() > self.killed_at + 10:
+            self.procs[self.victim] = self._learn(self.victim)
+            self.restarted_at = trace.now()
+            trace.events.append((self.restarted_at, f"restart {self.victim}"))
+        if time.monotonic() - self.last_eval > 15:
+            self.eval_global()
+            self.last_eval = time.monotonic()
+
+    def stop(self) -> None:
+        """The learners stopped (SIGTERM), then the syncer once it merged their last contributions."""
+        learners = {name: proc for name, proc in self.procs.items() if name != "syncer"}
+        for proc in learners.values():
+            if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for name, proc in procs.items():
-            if name != "syncer":
-                _wait(proc)
+        for proc in learners.values():
+            _wait(proc)
         time.sleep(2.0)  # let the syncer merge the last contributions
-        procs["syncer"].send_signal(signal.SIGTERM)
-        _wait(procs["syncer"])
-    final_loss = eval_global()
-    beats = _learner_beats(store)
-    summary = _summary(run, beats, num_params=num_params, initial_loss=initial_loss, final_loss=final_loss,
-                       wall_s=trace.now(), num_learners=num_learners, victims={victim} if killed_at else set())
-    plot_path = os.path.join(workdir, "loss.png")
-    plot_trace(trace, plot_path, title="ddiloco demo: Decoupled DiLoCo on Shakespeare")
-    summary["plot"] = plot_path
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    _print_summary(console, summary)
-    return summary
+        self.procs["syncer"].send_signal(signal.SIGTERM)
+        _wait(self.procs["syncer"])
+
+    def finish(self) -> dict[str, Any]:
+        """The final eval, the summary (also in summary.json) and the plot."""
+        final_loss = self.eval_global()
+        beats = _learner_beats(self.store)
+        summary = _summary(self.run, beats, num_params=self.num_params, initial_loss=self.initial_loss,
+                           final_loss=final_loss, wall_s=self.trace.now(), num_learners=self.num_learners,
+                           victims={self.victim} if self.killed_at else set())
+        plot_path = os.path.join(self.workdir, "loss.png")
+        plot_trace(self.trace, plot_path, title="ddiloco demo: Decoupled DiLoCo on Shakespeare")
+        summary["plot"] = plot_path
+        with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -201,30 +201,7 @@ def inspect_run(store: Store) -> dict[str, Any]:
     quarantined = _quarantined(scan)
     qkeys = {q["key"] for q in quarantined}
     referenced: set[str] = set()
-    fragments = []
-    for p in scan.fragment_ids():
-        versions, manifests = _manifests(scan, p)
-        for m in manifests.values():
-            referenced.update(e["key"] for e in m["payloads"])
-        latest = manifests.get(versions[-1]) if versions else None
-        payloads = scan.under(layout.payload_prefix(p))
-        entry: dict[str, Any] = {
-            "fragment": p,
-            "num_params": scan.plan.fragment_numel(p) if scan.plan and p < scan.plan.num_fragments else None,
-            "oldest_version": versions[0] if versions else None,
-            "newest_version": versions[-1] if versions else None,
-            "num_versions": len(versions),
-            "payload_bytes": sum(i.size for i in payloads),
-            "num_payloads": len(payloads),
-            "latest": None,
-        }
-        if latest is not None:
-            mtime = next(i.mtime_s for i in scan.infos if i.key == layout.manifest_key(p, latest["version"]))
-            entry["latest"] = {"version": latest["version"], "epoch": latest["epoch"], "syncer_id": latest["syncer_id"],
-                               "quorum_size": latest.get("quorum_size", len(latest["contributions"])),
-                               "created_s": latest.get("created_s"), "age_s": scan.now_s - mtime}
-        entry.update(_contributions(scan, p, latest["high_water"] if latest else {}, qkeys))
-        fragments.append(entry)
+    fragments = [_inspect_fragment(scan, p, qkeys=qkeys, referenced=referenced) for p in scan.fragment_ids()]
 
     syncers = [{"epoch": r["epoch"], "syncer_id": r["syncer_id"], "state": r["state"], "fragments": r["fragments"],
                 "age_s": age, "versions": r.get("versions", {})}
@@ -232,6 +209,51 @@ def inspect_run(store: Store) -> dict[str, Any]:
     learners = [{"learner_id": r["learner_id"], "state": r["state"], "step": r["step"], "tokens": r["tokens"],
                  "age_s": age} for r, age in _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")]
 
+    objects, orphans = _objects_and_orphans(scan, referenced)
+    run_summary, signatures = None, None
+    if scan.run is not None:
+        signatures = {"required": signing.requires_signatures(scan.run), "admissions": _admissions(scan)}
+        keys = ("run_id", "task", "mode", "num_fragments", "sync_every", "overlap_steps", "quorum", "alpha", "merge",
+                "outer_lr", "outer_momentum", "codec", "codec_block", "codec_qmax", "publish_codec", "keyframe_every",
+                "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
+        run_summary: dict[str, Any] = {k: getattr(scan.run, k) for k in keys}
+        run_summary["num_params"] = scan.plan.total_numel() if scan.plan else None
+    return {
+        "url": store.url, "now_s": scan.now_s, "run": run_summary, "fragments": fragments, "epochs": _epochs(scan),
+        "syncers": syncers, "learners": learners, "quarantined": quarantined, "objects": objects,
+        "orphans": orphans, "signatures": signatures, "errors": scan.errors,
+    }
+
+
+def _inspect_fragment(scan: "_Scan", p: int, *, qkeys: set[str], referenced: set[str]) -> dict[str, Any]:
+    """One fragment of ``inspect_run``; adds the payload keys its manifests name to ``referenced``."""
+    versions, manifests = _manifests(scan, p)
+    for m in manifests.values():
+        referenced.update(e["key"] for e in m["payloads"])
+    latest = manifests.get(versions[-1]) if versions else None
+    payloads = scan.under(layout.payload_prefix(p))
+    entry: dict[str, Any] = {
+        "fragment": p,
+        "num_params": scan.plan.fragment_numel(p) if scan.plan and p < scan.plan.num_fragments else None,
+        "oldest_version": versions[0] if versions else None,
+        "newest_version": versions[-1] if versions else None,
+        "num_versions": len(versions),
+        "payload_bytes": sum(i.size for i in payloads),
+        "num_payloads": len(payloads),
+        "latest": None,
+    }
+    if latest is not None:
+        mtime = next(i.mtime_s for i in scan.infos if i.key == layout.manifest_key(p, latest["version"]))
+        entry["latest"] = {"version": latest["version"], "epoch": latest["epoch"], "syncer_id": latest["syncer_id"],
+                           "quorum_size": latest.get("quorum_size", len(latest["contributions"])),
+                           "created_s": latest.get("created_s"), "age_s": scan.now_s - mtime}
+    entry.update(_contributions(scan, p, latest["high_water"] if latest else {}, qkeys))
+    return entry
+
+
+def _objects_and_orphans(scan: "_Scan", referenced: set[str]) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]]]:
+    """Objects by category ({count, bytes}, and the total), and the orphans: foreign keys and
+    payloads no valid manifest names."""
     num_frags = scan.run.num_fragments if scan.run else None
     objects = {c: {"count": 0, "bytes": 0} for c in CATEGORIES}
     orphans = []
@@ -249,20 +271,7 @@ def inspect_run(store: Store) -> dict[str, Any]:
         objects[category]["count"] += 1
         objects[category]["bytes"] += info.size
     objects["total"] = {"count": len(scan.infos), "bytes": sum(i.size for i in scan.infos)}
-
-    run_summary, signatures = None, None
-    if scan.run is not None:
-        signatures = {"required": signing.requires_signatures(scan.run), "admissions": _admissions(scan)}
-        keys = ("run_id", "task", "mode", "num_fragments", "sync_every", "overlap_steps", "quorum", "alpha", "merge",
-                "outer_lr", "outer_momentum", "codec", "codec_block", "codec_qmax", "publish_codec", "keyframe_every",
-                "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
-        run_summary: dict[str, Any] = {k: getattr(scan.run, k) for k in keys}
-        run_summary["num_params"] = scan.plan.total_numel() if scan.plan else None
-    return {
-        "url": store.url, "now_s": scan.now_s, "run": run_summary, "fragments": fragments, "epochs": _epochs(scan),
-        "syncers": syncers, "learners": learners, "quarantined": quarantined, "objects": objects,
-        "orphans": orphans, "signatures": signatures, "errors": scan.errors,
-    }
+    return objects, orphans
 
 
 def _admissions(scan: _Scan) -> list[dict[str, Any]]:
@@ -312,57 +321,9 @@ def run_status(store: Store) -> dict[str, Any]:
     qkeys = {layout.parse_quarantine_key(i.key) for i in scan.under(layout.QUARANTINE_PREFIX)}
     mtime = {i.key: i.mtime_s for i in infos}
 
-    fragments = []
-    for p in range(plan.num_fragments):
-        versions = [v for i in scan.under(layout.manifest_prefix(p))
-                    if (v := layout.parse_num(i.key)) is not None and i.key == layout.manifest_key(p, v)]
-        entry: dict[str, Any] = {"fragment": p, "version": None, "quorum_size": None, "epoch": None,
-                                 "syncer_id": None, "age_s": None, "pending": 0, "max_pending_per_learner": 0}
-        if versions:
-            v = max(versions)
-            m = scan.record(layout.manifest_key(p, v), "manifest")
-            entry.update(version=v, age_s=now_s - mtime[layout.manifest_key(p, v)])
-            if m is not None:
-                entry.update(quorum_size=m.get("quorum_size", len(m["contributions"])), epoch=m["epoch"],
-                             syncer_id=m["syncer_id"])
-                pending = _contributions(scan, p, m["high_water"], qkeys)
-                entry.update(pending=pending["num_pending"],
-                             max_pending_per_learner=max(pending["pending"].values(), default=0))
-        fragments.append(entry)
+    fragments = [_fragment_status(scan, p, now_s=now_s, mtime=mtime, qkeys=qkeys) for p in range(plan.num_fragments)]
     newest = {f["fragment"]: f["version"] for f in fragments if f["version"] is not None}
-
-    last_contribution: dict[str, float] = {}
-    for info in scan.under(layout.CONTRIBUTION_ROOT):
-        parsed = layout.parse_contribution_key(info.key)
-        if parsed is not None:
-            last_contribution[parsed[1]] = max(last_contribution.get(parsed[1], 0.0), info.mtime_s)
-    learners, starts = [], []
-    trust = signing.Trust(store, run=run)
-    for rec, age in _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
-        lid, step, tokens = rec["learner_id"], int(rec["step"]), int(rec["tokens"])
-        if not trust.admits(rec, key=layout.learner_heartbeat_key(lid), role="learner", member_id=lid):
-            scan.errors.append(f"learner {lid}: heartbeat not signed by its admitted key; the syncer ignores it")
-            continue
-        step_time_s = float(rec.get("step_time_s") or 0.0)
-        alive = rec["state"] == "running" and age <= lease_s
-        held = {int(p): int(v) for p, v in (rec.get("versions") or {}).items() if str(p).isdigit()}
-        behind = [newest[p] - v for p, v in held.items() if p in newest]
-        remaining = max(0, run.total_steps - step) if run.total_steps else None
-        learners.append({
-            "learner_id": lid, "alive": alive, "state": rec["state"],
-            "step": step, "tokens": tokens,
-            "tokens_per_s": tokens / step / step_time_s if step and step_time_s > 0 else None,
-            "step_time_s": step_time_s or None, "loss": rec.get("loss"),
-            "last_contribution_age_s": now_s - last_contribution[lid] if lid in last_contribution else None,
-            "versions_behind": max(0, max(behind)) if behind else None,
-            "eta_s": remaining * step_time_s if alive and remaining is not None and step_time_s > 0 else None,
-            "bytes_up": int(rec.get("bytes_up", 0)), "bytes_down": int(rec.get("bytes_down", 0)),
-            "blocked_s": float(rec.get("blocked_s", 0.0)), "heartbeat_age_s": age,
-        })
-        start = _session_start_store_clock(rec, now_s=now_s, age_s=age)
-        if start is not None:
-            starts.append(start)
-    learners.sort(key=lambda r: r["learner_id"])
+    learners, starts = _learners_status(store, scan, run, newest=newest, now_s=now_s)
     live = [r for r in learners if r["alive"]]
     etas = [r["eta_s"] for r in live if r["eta_s"] is not None]
     throughput = {"tokens_per_s": sum(r["tokens_per_s"] or 0.0 for r in live) if live else None,
@@ -382,6 +343,71 @@ def run_status(store: Store) -> dict[str, Any]:
         "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
         "global_eval": latest_global_eval(store, infos=infos),  # from `sync --eval-every`
         "errors": scan.errors,
+    }
+
+
+def _fragment_status(scan: "_Scan", p: int, *, now_s: float, mtime: dict[str, float],
+                     qkeys: set[Any]) -> dict[str, Any]:
+    """One row of ``run_status``'s fragments (see there)."""
+    versions = [v for i in scan.under(layout.manifest_prefix(p))
+                if (v := layout.parse_num(i.key)) is not None and i.key == layout.manifest_key(p, v)]
+    entry: dict[str, Any] = {"fragment": p, "version": None, "quorum_size": None, "epoch": None,
+                             "syncer_id": None, "age_s": None, "pending": 0, "max_pending_per_learner": 0}
+    if versions:
+        v = max(versions)
+        m = scan.record(layout.manifest_key(p, v), "manifest")
+        entry.update(version=v, age_s=now_s - mtime[layout.manifest_key(p, v)])
+        if m is not None:
+            entry.update(quorum_size=m.get("quorum_size", len(m["contributions"])), epoch=m["epoch"],
+                         syncer_id=m["syncer_id"])
+            pending = _contributions(scan, p, m["high_water"], qkeys)
+            entry.update(pending=pending["num_pending"],
+                         max_pending_per_learner=max(pending["pending"].values(), default=0))
+    return entry
+
+
+def _learners_status(store: Store, scan: "_Scan", run: RunConfig, *, newest: dict[int, int],
+                     now_s: float) -> tuple[list[dict[str, Any]], list[float]]:
+    """``run_status``'s learner rows (see there), sorted by id, and their sessions' first starts."""
+    last_contribution: dict[str, float] = {}
+    for info in scan.under(layout.CONTRIBUTION_ROOT):
+        parsed = layout.parse_contribution_key(info.key)
+        if parsed is not None:
+            last_contribution[parsed[1]] = max(last_contribution.get(parsed[1], 0.0), info.mtime_s)
+    learners, starts = [], []
+    trust = signing.Trust(store, run=run)
+    for rec, age in _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat"):
+        lid = rec["learner_id"]
+        if not trust.admits(rec, key=layout.learner_heartbeat_key(lid), role="learner", member_id=lid):
+            scan.errors.append(f"learner {lid}: heartbeat not signed by its admitted key; the syncer ignores it")
+            continue
+        learners.append(_learner_row(rec, age, run, newest=newest, now_s=now_s,
+                                     last_contribution_s=last_contribution.get(lid)))
+        start = _session_start_store_clock(rec, now_s=now_s, age_s=age)
+        if start is not None:
+            starts.append(start)
+    learners.sort(key=lambda r: r["learner_id"])
+    return learners, starts
+
+
+def _learner_row(rec: dict[str, Any], age: float, run: RunConfig, *, newest: dict[int, int], now_s: float,
+                 last_contribution_s: float | None) -> dict[str, Any]:
+    step, tokens = int(rec["step"]), int(rec["tokens"])
+    step_time_s = float(rec.get("step_time_s") or 0.0)
+    alive = rec["state"] == "running" and age <= run.lease_s
+    held = {int(p): int(v) for p, v in (rec.get("versions") or {}).items() if str(p).isdigit()}
+    behind = [newest[p] - v for p, v in held.items() if p in newest]
+    remaining = max(0, run.total_steps - step) if run.total_steps else None
+    return {
+        "learner_id": rec["learner_id"], "alive": alive, "state": rec["state"],
+        "step": step, "tokens": tokens,
+        "tokens_per_s": tokens / step / step_time_s if step and step_time_s > 0 else None,
+        "step_time_s": step_time_s or None, "loss": rec.get("loss"),
+        "last_contribution_age_s": now_s - last_contribution_s if last_contribution_s is not None else None,
+        "versions_behind": max(0, max(behind)) if behind else None,
+        "eta_s": remaining * step_time_s if alive and remaining is not None and step_time_s > 0 else None,
+        "bytes_up": int(rec.get("bytes_up", 0)), "bytes_down": int(rec.get("bytes_down", 0)),
+        "blocked_s": float(rec.get("blocked_s", 0.0)), "heartbeat_age_s": age,
     }
 
 

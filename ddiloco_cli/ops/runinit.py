@@ -25,7 +25,7 @@ import torch
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.protocol import layout, ledger, records
-from ddiloco_cli.protocol.fragments import gather_fragment, named_shapes_of, plan_fragments
+from ddiloco_cli.protocol.fragments import FragmentPlan, gather_fragment, named_shapes_of, plan_fragments
 from ddiloco_cli.protocol.published import encode_version, upload_payloads
 from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.protocol.signing import Signer, sign_record
@@ -108,54 +108,65 @@ def _create(store: Store, spec: RunConfig, *, force_clean: bool, note: Callable[
     plan = plan_fragments(named_shapes_of(model), spec.num_fragments)
     params = {k: v.detach() for k, v in model.named_parameters()}
 
-    run_id, config = uuid.uuid4().hex, None
+    config = _run_record(store, spec, plan, force_clean=force_clean, note=note, admin=admin, clock=clock)
+    run_id = config["run_id"]
+    plan_record = {**ledger.plan_record(plan, run_id=run_id), PENDING_RUN: config}
+    # the exact bytes of both records, checked before the first write
+    for record, kind in ((config, "run"), (plan_record, "plan")):
+        records.validate(record, kind, where=f"{kind} record")
+        records.dumps(record)
+    ledger.create_run(store, config=config, plan=plan_record, before_commit=lambda: _write_version_zero(
+        store, plan, params, config=config, admin=admin, clock=clock))
+    return config
+
+
+def _run_record(store: Store, spec: RunConfig, plan: FragmentPlan, *, force_clean: bool,
+                note: Callable[[str], None], admin: Signer | None, clock: Clock) -> dict[str, Any]:
+    """The run.json record to write: a new one, or the one of the interrupted init this one resumes."""
     half_made = _interrupted_plan(store)
     if half_made is not None and force_clean:
         removed = remove_interrupted_init(store)
         note(f"removed an interrupted init at {store.url} ({removed} objects)")
     elif half_made is not None:
         config = _resumable(store, half_made, spec, ledger.plan_record(plan, run_id=half_made["run_id"]))
-        run_id = config["run_id"]
-        note(f"resuming the init of run {run_id} at {store.url} (same config; interrupted, or running elsewhere "
-             "now: both finish the same run)")
-    if config is None:
-        config = spec.to_record(run_id=run_id, created_s=clock.time())
-        config["task_sha256"] = task_source_sha256(spec.task)  # learners check their own copy of the task against it
-        if admin is not None:
-            config = {**config, "require_signatures": True, "admin_key": admin.public_key,
-                      "features": [*config["features"], records.SIGNATURES]}
-    elif config.get("admin_key") != (admin.public_key if admin else None):
-        raise UsageError(f"the interrupted init at {store.url} was started with another admin key or signature "
-                         "setting: run it again with the same --admin-key and --require-signatures, or add --force-clean")
-    plan_record = {**ledger.plan_record(plan, run_id=run_id), PENDING_RUN: config}
-    # the exact bytes of both records, checked before the first write
-    for record, kind in ((config, "run"), (plan_record, "plan")):
-        records.validate(record, kind, where=f"{kind} record")
-        records.dumps(record)
-
-    def write_version_zero() -> None:
-        for p in range(plan.num_fragments):
-            if _has_version_zero(store, p, run_id=run_id):
-                continue  # written by the init this one resumes
-            value = gather_fragment(plan, p, params)
-            encoded = encode_version(fragment=p, version=0, new_value=value, prev_published=None,
-                                     publish_codec=config["publish_codec"], block_size=config["codec_block"],
-                                     keyframe_every=config["keyframe_every"])
-            upload_payloads(store, encoded)
-            manifest = records.make(
-                "manifest", run_id=run_id, fragment=p, version=0, epoch=0, syncer_id="init",
-                nonce=records.new_nonce(), created_s=clock.time(), numel=plan.fragment_numel(p),
-                payloads=[e for _, _, e in encoded.payloads], contributions=[], quorum_size=0, grace_s=0.0,
-                outer_steps=0, high_water={},
-            )
-            if admin is not None:
-                manifest = sign_record(manifest, run_id=run_id, key=layout.manifest_key(p, 0), signer=admin)
-            if not ledger.commit_manifest(store, manifest) and not _has_version_zero(store, p, run_id=run_id):
-                raise UsageError(f"fragment {p} version 0 already exists at {store.url}: another init raced; "
-                                 "nothing more was written")
-
-    ledger.create_run(store, config=config, plan=plan_record, before_commit=write_version_zero)
+        note(f"resuming the init of run {config['run_id']} at {store.url} (same config; interrupted, or running "
+             "elsewhere now: both finish the same run)")
+        if config.get("admin_key") != (admin.public_key if admin else None):
+            raise UsageError(f"the interrupted init at {store.url} was started with another admin key or signature "
+                             "setting: run it again with the same --admin-key and --require-signatures, or add "
+                             "--force-clean")
+        return config
+    config = spec.to_record(run_id=uuid.uuid4().hex, created_s=clock.time())
+    config["task_sha256"] = task_source_sha256(spec.task)  # learners check their own copy of the task against it
+    if admin is not None:
+        config = {**config, "require_signatures": True, "admin_key": admin.public_key,
+                  "features": [*config["features"], records.SIGNATURES]}
     return config
+
+
+def _write_version_zero(store: Store, plan: FragmentPlan, params: dict[str, Any], *, config: dict[str, Any],
+                        admin: Signer | None, clock: Clock) -> None:
+    """Version 0 of every fragment (payloads, then its manifest), skipping those already there."""
+    run_id = config["run_id"]
+    for p in range(plan.num_fragments):
+        if _has_version_zero(store, p, run_id=run_id):
+            continue  # written by the init this one resumes
+        value = gather_fragment(plan, p, params)
+        encoded = encode_version(fragment=p, version=0, new_value=value, prev_published=None,
+                                 publish_codec=config["publish_codec"], block_size=config["codec_block"],
+                                 keyframe_every=config["keyframe_every"])
+        upload_payloads(store, encoded)
+        manifest = records.make(
+            "manifest", run_id=run_id, fragment=p, version=0, epoch=0, syncer_id="init",
+            nonce=records.new_nonce(), created_s=clock.time(), numel=plan.fragment_numel(p),
+            payloads=[e for _, _, e in encoded.payloads], contributions=[], quorum_size=0, grace_s=0.0,
+            outer_steps=0, high_water={},
+        )
+        if admin is not None:
+            manifest = sign_record(manifest, run_id=run_id, key=layout.manifest_key(p, 0), signer=admin)
+        if not ledger.commit_manifest(store, manifest) and not _has_version_zero(store, p, run_id=run_id):
+            raise UsageError(f"fragment {p} version 0 already exists at {store.url}: another init raced; "
+                             "nothing more was written")
 
 
 def _interrupted_plan(store: Store) -> dict[str, Any] | None:

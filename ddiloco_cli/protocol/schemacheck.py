@@ -100,112 +100,130 @@ def compile_schema(schema: Mapping[str, Any], *, formats: Mapping[str, Check]) -
     """A function record -> bool equivalent to validating against ``schema`` (draft 2020-12,
     the keyword subset above; ``formats`` maps a format name to its check). Raises
     Unsupported for anything else."""
-    defs = schema.get("$defs", {})
-    compiled_defs: dict[str, Check] = {}
+    return _Compiler(schema, formats).compile(schema)
 
-    def ref(target: str) -> Check:
+
+def _value_keyword(key: str, value: Any) -> Check | None:
+    """The check of a keyword that looks at the instance alone (no subschema), or None."""
+    if key == "required":
+        names = frozenset(value)
+        return lambda x: not isinstance(x, dict) or x.keys() >= names
+    if key == "minItems":
+        return lambda x: not isinstance(x, list) or len(x) >= value
+    if key == "maxItems":
+        return lambda x: not isinstance(x, list) or len(x) <= value
+    if key == "minimum":
+        return lambda x: not _is_number(x) or x >= value
+    if key == "maximum":
+        return lambda x: not _is_number(x) or x <= value
+    if key == "exclusiveMinimum":
+        return lambda x: not _is_number(x) or x > value
+    if key == "exclusiveMaximum":
+        return lambda x: not _is_number(x) or x < value
+    if key == "maxLength":
+        return lambda x: not isinstance(x, str) or len(x) <= value
+    if key == "pattern":
+        regex = re.compile(value)
+        return lambda x: not isinstance(x, str) or regex.search(x) is not None
+    if key == "const":
+        return _equal_to_one_of([value])
+    if key == "enum":
+        return _equal_to_one_of(list(value))
+    return None
+
+
+def _each_value(check: Callable[[str, Any], bool]) -> Check:
+    """A check that every (key, value) of a dict instance passes (anything else passes)."""
+    def check_dict(x: Any) -> bool:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if not check(k, v):
+                    return False
+        return True
+    return check_dict
+
+
+def _each_item(item: Check) -> Check:
+    def check_items(x: Any) -> bool:
+        if isinstance(x, list):
+            for v in x:
+                if not item(v):
+                    return False
+        return True
+    return check_items
+
+
+class _Compiler:
+    """One schema's compilation: its ``$defs`` compiled once, referred to late-bound (a
+    definition may refer to itself)."""
+
+    def __init__(self, schema: Mapping[str, Any], formats: Mapping[str, Check]):
+        self.defs: Mapping[str, Any] = schema.get("$defs", {})
+        self.formats = formats
+        self.compiled_defs: dict[str, Check] = {}
+
+    def compile(self, schema: Mapping[str, Any]) -> Check:
+        for name, sub in self.defs.items():
+            self.compiled_defs[name] = self.node(sub)
+        return self.node(schema)
+
+    def ref(self, target: str) -> Check:
         prefix = "#/$defs/"
-        if not target.startswith(prefix) or target[len(prefix):] not in defs:
+        if not target.startswith(prefix) or target[len(prefix):] not in self.defs:
             raise Unsupported(f"$ref {target!r}")
-        name = target[len(prefix):]
+        name, compiled = target[len(prefix):], self.compiled_defs
 
         def check(x: Any) -> bool:  # late-bound: a definition may refer to itself
-            return compiled_defs[name](x)
+            return compiled[name](x)
         return check
 
-    def node(s: Any) -> Check:
+    def node(self, s: Any) -> Check:
         if s is True:
             return lambda x: True
         if s is False:
             return lambda x: False
         if not isinstance(s, dict):
             raise Unsupported(f"schema {s!r}")
-        return _all_of([keyword(key, value, s) for key, value in s.items() if key not in _ANNOTATIONS])
+        return _all_of([self.keyword(key, value, s) for key, value in s.items() if key not in _ANNOTATIONS])
 
-    def keyword(key: str, value: Any, s: Mapping[str, Any]) -> Check:
+    def keyword(self, key: str, value: Any, s: Mapping[str, Any]) -> Check:
+        simple = _value_keyword(key, value)
+        if simple is not None:
+            return simple
         if key == "type":
             names = [value] if isinstance(value, str) else list(value)
             if not names or any(n not in _TYPES for n in names):
                 raise Unsupported(f"type {value!r}")
             return _any_of([_TYPES[n] for n in names])
         if key == "properties":
-            props = {name: node(sub) for name, sub in value.items()}
-
-            def check_properties(x: Any) -> bool:
-                if isinstance(x, dict):
-                    for k, v in x.items():
-                        p = props.get(k)
-                        if p is not None and not p(v):
-                            return False
-                return True
-            return check_properties
-        if key == "required":
-            names = frozenset(value)
-            return lambda x: not isinstance(x, dict) or x.keys() >= names
+            props = {name: self.node(sub) for name, sub in value.items()}
+            return _each_value(lambda k, v: (p := props.get(k)) is None or p(v))
         if key == "additionalProperties":
             if "patternProperties" in s:
                 raise Unsupported("additionalProperties with patternProperties")
-            known = frozenset(s.get("properties", {}))
-            extra = node(value)
-
-            def check_additional(x: Any) -> bool:
-                if isinstance(x, dict):
-                    for k, v in x.items():
-                        if k not in known and not extra(v):
-                            return False
-                return True
-            return check_additional
+            known, extra = frozenset(s.get("properties", {})), self.node(value)
+            return _each_value(lambda k, v: k in known or extra(v))
         if key == "items":
             if "prefixItems" in s:
                 raise Unsupported("prefixItems")
-            item = node(value)
-
-            def check_items(x: Any) -> bool:
-                if isinstance(x, list):
-                    for v in x:
-                        if not item(v):
-                            return False
-                return True
-            return check_items
-        if key == "minItems":
-            return lambda x: not isinstance(x, list) or len(x) >= value
-        if key == "maxItems":
-            return lambda x: not isinstance(x, list) or len(x) <= value
-        if key == "minimum":
-            return lambda x: not _is_number(x) or x >= value
-        if key == "maximum":
-            return lambda x: not _is_number(x) or x <= value
-        if key == "exclusiveMinimum":
-            return lambda x: not _is_number(x) or x > value
-        if key == "exclusiveMaximum":
-            return lambda x: not _is_number(x) or x < value
-        if key == "maxLength":
-            return lambda x: not isinstance(x, str) or len(x) <= value
-        if key == "pattern":
-            regex = re.compile(value)
-            return lambda x: not isinstance(x, str) or regex.search(x) is not None
-        if key == "const":
-            return _equal_to_one_of([value])
-        if key == "enum":
-            return _equal_to_one_of(list(value))
+            return _each_item(self.node(value))
         if key == "format":
-            if value not in formats:
+            if value not in self.formats:
                 raise Unsupported(f"format {value!r}")
-            fmt = formats[value]
+            fmt = self.formats[value]
             return lambda x: not isinstance(x, str) or fmt(x)
+        return self.conditional(key, value, s)
+
+    def conditional(self, key: str, value: Any, s: Mapping[str, Any]) -> Check:
         if key == "if":
             if "else" in s:
                 raise Unsupported("else")
-            cond, then = node(value), node(s.get("then", True))
+            cond, then = self.node(value), self.node(s.get("then", True))
             return lambda x: not cond(x) or then(x)
         if key == "then":
             if "if" not in s:
                 raise Unsupported("then without if")
             return lambda x: True  # applied by "if"
         if key == "$ref":
-            return ref(value)
+            return self.ref(value)
         raise Unsupported(f"keyword {key!r}")
-
-    for name, sub in defs.items():
-        compiled_defs[name] = node(sub)
-    return node(schema)
