@@ -11,11 +11,11 @@ import torch
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.numerics import codec
 from ddiloco_cli.ops.observe import _epochs, _heartbeats, _manifests, _quarantined, _Scan, _scan
-from ddiloco_cli.protocol import layout, records
-from ddiloco_cli.protocol.published import expected_shapes
+from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol.published import FragmentReader, expected_shapes
 from ddiloco_cli.store.base import NotFound, Store
 from ddiloco_cli.syncer.audit import audit_ledger
-from ddiloco_cli.syncer.replay import checkpoint_shapes
+from ddiloco_cli.syncer.replay import checkpoint_shapes, replay_check
 
 
 def verify_run(store: Store) -> list[str]:
@@ -26,7 +26,9 @@ def verify_run(store: Store) -> list[str]:
     newest; every payload a manifest names exists with the recorded size and sha256
     and decodes to the plan's shapes; every retained version is readable (a keyframe
     at or below it plus the deltas after it) and a delta that sits beside a keyframe
-    reproduces it bit for bit; epochs, heartbeats, quarantine records and checkpoint
+    reproduces it bit for bit; the versions after the newest checkpoint are what
+    ``apply_decision`` of their manifests' decisions re-encodes (the replay a restarting
+    syncer runs); epochs, heartbeats, quarantine records and checkpoint
     headers are valid. Quarantined contributions and orphans are not problems.
     """
     scan = _scan(store)
@@ -34,7 +36,10 @@ def verify_run(store: Store) -> list[str]:
     if scan.run is None:
         return problems
     for p in scan.fragment_ids():
+        before = len(problems)
         _verify_fragment(scan, p, problems)
+        if len(problems) == before:  # readable: the ledger must reproduce it too
+            _verify_replay(scan, p, problems)
     _epochs(scan)
     beats = _heartbeats(scan, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")
     _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
@@ -114,6 +119,23 @@ def _verify_fragment(scan: _Scan, p: int, problems: list[str]) -> None:
                    else "it has no keyframe and no delta from the previous version")
             problems.append(f"{mkey}: version {v} of fragment {p} is not readable: {why}")
         value, prev_v = new, v
+
+
+def _verify_replay(scan: _Scan, p: int, problems: list[str]) -> None:
+    """Replay fragment ``p`` from its newest checkpoint to its newest version, as a
+    restarting syncer would (``replay.replay_check``: the same ``apply_decision``)."""
+    if scan.plan is None or scan.run is None:
+        return
+    latest = ledger.latest_version(scan.store, p)
+    if latest is None:
+        return
+    reader = FragmentReader(scan.store, run_id=scan.run.run_id, plan=scan.plan, fragment=p,
+                            trust=signing.Trust(scan.store, run=scan.run))
+    try:
+        replay_check(scan.store, config=scan.run, plan=scan.plan, fragment=p, reader=reader, latest=latest)
+    except (NotFound, InvalidPayloadError, ProtocolError) as exc:
+        problems.append(f"fragment {p}: the ledger does not replay to version {latest} (what a restarting syncer "
+                        f"does): {exc}")
 
 
 def _check_payloads(scan: _Scan, p: int, m: dict[str, Any], problems: list[str]) -> dict[str, tuple[str, bytes]]:

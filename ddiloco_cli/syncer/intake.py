@@ -40,6 +40,7 @@ from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.protocol.typed_records import REFUSED, SUPERSEDED, USED, LedgerEntry
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store, UnreadableObjectError
 from ddiloco_cli.syncer.judge import Judge, Verdict
+from ddiloco_cli.syncer.replay import fetch_contribution
 
 __all__ = ["REFUSED", "SUPERSEDED", "USED", "Contribution", "Intake", "add_pending"]
 
@@ -291,9 +292,4 @@ class Intake:
 
     def fetch_used(self, p: int, key: str, sha256: str) -> Tensors:
         """The tensors of the contribution a used ledger entry names, checked against its sha256."""
-        data = self.store.get(key)
-        if records.sha256_hex(data) != sha256:
-            raise InvalidPayloadError(f"{self.store.url}/{key}: sha256 differs from the ledger")
-        tensors, _ = codec.decode_tensors(data, expected=expected_shapes(self.plan, p),
-                                          max_numel=self.plan.fragment_numel(p), where=key, keep_codes=True)
-        return tensors
+        return fetch_contribution(self.store, self.plan, p, key, sha256)

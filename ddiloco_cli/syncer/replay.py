@@ -125,6 +125,17 @@ def load_checkpoint(store: Store, *, config: RunConfig, plan: FragmentPlan, frag
     return None
 
 
+def _start_value(config: RunConfig, reader: FragmentReader,
+                 loaded: tuple[int, OuterOptimizer, Tensors] | None) -> FragmentValue:
+    """Where a replay starts: a loaded checkpoint with its version's published value, or
+    version 0 (no momentum; its raw value is the published one)."""
+    if loaded is None:
+        start = reader.read(0)
+        return FragmentValue(0, start, start, new_outer(config), manifest_cycle(reader.manifest(0)))
+    v, outer, raw = loaded
+    return FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(reader.manifest(v)))
+
+
 def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragment: int, reader: FragmentReader,
                   fetch: Fetch, latest: int,
                   republish: Callable[[int, list[tuple[str, bytes]]], None] | None = None) -> FragmentValue:
@@ -140,12 +151,7 @@ def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragme
     while True:
         loaded = load_checkpoint(store, config=config, plan=plan, fragment=fragment, latest=limit)
         try:
-            if loaded is None:  # version 0 has no momentum, and its raw value is the published one
-                start = reader.read(0)
-                value = FragmentValue(0, start, start, new_outer(config), manifest_cycle(reader.manifest(0)))
-            else:
-                v, outer, raw = loaded
-                value = FragmentValue(v, reader.read(v), raw, outer, manifest_cycle(reader.manifest(v)))
+            value = _start_value(config, reader, loaded)
             break
         except (NotFound, InvalidPayloadError) as exc:
             if loaded is None:
@@ -164,6 +170,33 @@ def restore_value(store: Store, *, config: RunConfig, plan: FragmentPlan, fragme
                   fragment, value.version, exc)
         pub = reader.read(latest)
         return FragmentValue(latest, pub, pub, value.outer, manifest_cycle(reader.manifest(latest)))
+
+
+def fetch_contribution(store: Store, plan: FragmentPlan, p: int, key: str, sha256: str) -> Tensors:
+    """The tensors of the contribution a used ledger entry names, checked against its sha256
+    (the ``Fetch`` of a replay)."""
+    data = store.get(key)
+    if records.sha256_hex(data) != sha256:
+        raise InvalidPayloadError(f"{store.url}/{key}: sha256 differs from the ledger")
+    tensors, _ = codec.decode_tensors(data, expected=expected_shapes(plan, p), max_numel=plan.fragment_numel(p),
+                                      where=key, keep_codes=True)
+    return tensors
+
+
+def replay_check(store: Store, *, config: RunConfig, plan: FragmentPlan, fragment: int, reader: FragmentReader,
+                 latest: int) -> int:
+    """Replay the ledger of ``fragment`` from its newest checkpoint at or below ``latest``
+    (version 0 when there is none) up to ``latest``: ``apply_decision`` of each manifest's
+    decision must re-encode the payloads the manifest recorded (``inspect --verify``).
+    Returns the version it started from; raises ProtocolError when a version is not
+    reproduced, NotFound / InvalidPayloadError when an object it needs is gone or bad."""
+    value = _start_value(config, reader, load_checkpoint(store, config=config, plan=plan, fragment=fragment,
+                                                         latest=latest))
+    if value.version < latest:
+        replay(config=config, fragment=fragment, reader=reader,
+               fetch=lambda p, key, sha256: fetch_contribution(store, plan, p, key, sha256),
+               start=value, latest=latest)
+    return value.version
 
 
 class _LedgerInputs:

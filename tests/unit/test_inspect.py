@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 import pytest
 import torch
@@ -13,10 +14,13 @@ from ddiloco_cli.numerics import codec
 from ddiloco_cli.ops.observe import inspect_run, verify_run
 from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.protocol.published import FragmentReader
+from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import Store
+from ddiloco_cli.syncer.replay import replay_check
 
 from support.built_run import LEARNER, BuiltRun, build_run, copy_run, invoke, latest_values, write_contribution
+from support.runs import beat, drive, live_syncer, make_run
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +190,28 @@ def test_syncer_republishes_a_deleted_payload_from_the_ledger_M4(tmp_path):
     after = latest_values(built)
     assert all(torch.equal(before[p][k], after[p][k]) for p in before for k in before[p])
     assert verify_run(built.store) == []
+
+
+# ------------------------------------------------------------------ --verify replays the ledger
+def test_verify_replays_the_ledger_through_apply_decision_and_names_a_decision_that_does_not_reproduce():
+    """`inspect --verify` replays each fragment from its newest checkpoint with the function a
+    commit ran (apply_decision): a clean run verifies; a manifest whose recorded decision was
+    edited (its outer lr) while its payloads stayed intact decodes fine, but the replay names it."""
+    store = open_store(f"memory://verify-replay-{uuid.uuid4().hex}")
+    make_run(store, publish_codec="int4", checkpoint_every=100, retain_versions=100)  # replays from version 0
+    beat(store, "a")
+    beat(store, "b")
+    drive(store, live_syncer(store), rounds=3)
+    assert verify_run(store) == []
+    run = ledger.read_run(store)
+    config = RunConfig.from_record(run)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    reader = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=0)
+    assert replay_check(store, config=config, plan=plan, fragment=0, reader=reader, latest=3) == 0
+
+    key = layout.manifest_key(0, 2)
+    m = records.loads(store.get(key), "manifest", where=key)
+    store.put(key, records.dumps({**m, "outer_lr": m["outer_lr"] * 0.5}))
+    problems = verify_run(store)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("fragment 0: the ledger does not replay to version 3") and "version 2" in problems[0]
