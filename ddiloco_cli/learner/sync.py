@@ -38,13 +38,14 @@ import torch
 import torch.nn as nn
 
 from ddiloco_cli.clock import WALL, Clock
-from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.errors import UsageError
 from ddiloco_cli.learner import progress
 from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner.receivepath import ReceivePath
 from ddiloco_cli.learner.receiver import InFlight, Receiver
-from ddiloco_cli.learner.schedule import FragmentCounters, aligned_offset, fragments_due
-from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state, running_phases
+from ddiloco_cli.learner.schedule import FragmentCounters, fragments_due
+from ddiloco_cli.learner.sendpath import SendPath
+from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
 from ddiloco_cli.protocol import layout, ledger, records, signing
@@ -78,7 +79,7 @@ def check_learner_id(learner_id: str) -> None:
         raise UsageError(f"--learner-id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
 
 
-class DiLoCoSync(ReceivePath):
+class DiLoCoSync(SendPath, ReceivePath):
     """Attach a model to a Decoupled DiLoCo run. See the module docstring.
 
     ``num_tokens`` given to ``step`` is what this process trained in that step;
@@ -286,24 +287,6 @@ class DiLoCoSync(ReceivePath):
                 self._writer.save_state(self._data_state)
             self._writer.close(final_beat=True)
 
-    def flush(self) -> list[int]:
-        """Send every fragment's progress not sent yet (the steps since its last send): a
-        learner that finishes, reaches --steps or leaves on SIGTERM loses no trained step.
-        ``close`` calls it (not in lock-step mode, where a partial contribution would be a
-        merge of its own). Returns the fragments sent."""
-        sent = []
-        for p in range(self.plan.num_fragments):
-            steps, _ = self.counters.snapshot(p)
-            flight = self.in_flight.get(p)
-            if steps - (flight.counters[0] if flight is not None else 0) <= 0:
-                continue
-            self.seq += 1
-            self._send(p, self.seq, self.stats.step)  # on the same base as the one in flight: supersedes it
-            sent.append(p)
-        if sent:
-            log.info("sent the unsent progress of fragments %s before leaving (step %d)", sent, self.stats.step)
-        return sent
-
     # -------------------------------------------------------------- internals
     def _check_model(self) -> None:
         """The model must have the run's tensors and shapes; any float dtype trains
@@ -336,65 +319,3 @@ class DiLoCoSync(ReceivePath):
             first_started_s=self.first_started_s,
             time_s=self.clock.time(), schedule_offset=self.schedule_offset, **self.heartbeat_fields,
         )
-
-    def _aligned_offset(self, trust: signing.Trust) -> int:
-        """The schedule offset that puts this learner's sends in phase with the live learners'
-        (``session.running_phases``), so that learners of one speed send each fragment together
-        and are merged at once; 0 when the heartbeats cannot be read."""
-        phases = running_phases(self.store, learner_id=self.learner_id, config=self.config, trust=trust)
-        if phases is None:
-            return 0
-        offset = aligned_offset(self.stats.step, phases, sync_every=self.H)
-        if phases:
-            log.info("schedule offset %d: in phase with %d running learner(s)", offset, len(phases))
-        return offset
-
-    def _bootstrap(self) -> None:
-        """Load the latest committed version of every fragment into the model."""
-        for p in range(self.plan.num_fragments):
-            v, value = -1, {}
-            if self.island.io:
-                v = ledger.latest_version(self.store, p)
-                if v is None:
-                    raise DdilocoError(f"fragment {p} has no committed version at {self.store.url}")
-                reader = self.readers[p]
-                before = reader.bytes_down
-                value = reader.read(v)
-                self.stats.bytes_down += reader.bytes_down - before
-            v, value = self.island.broadcast(self.plan, p, v, value)
-            self.island.scatter(self.plan, p, self.params, value)
-            self.base[p] = (v, value)
-            self.stats.versions[p] = v
-
-    def _send(self, p: int, seq: int, step: int) -> Tensors:
-        """Queue the outer gradient delta = Theta_base - theta of fragment p; returns
-        theta. Both are fp32: for a bf16 model the base is the fp32 published value the
-        learner received, not its bf16 rounding."""
-        theta = self.island.gather(self.plan, p, self.params)
-        if not self.island.io:
-            return theta
-        base_version, base_value = self.base[p]
-        delta = dict(zip(theta, torch._foreach_sub([base_value[k] for k in theta], list(theta.values()))))
-        with self._residual_lock:
-            residual = self._residual.get(p)
-        if residual is not None:  # the part of the last contribution the codec did not carry [L6]
-            decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
-            if decay == 1.0:
-                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
-            else:
-                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
-        c_steps, c_tokens = self.counters.snapshot(p)
-        header = records.make(
-            "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
-            base_version=base_version, c_tokens=c_tokens, c_steps=max(1, c_steps), step=step,
-            nonce=records.new_nonce(), created_s=self.clock.time(),
-        )
-        self.stats.blocked_s += self._uploader.submit(layout.contribution_key(p, self.learner_id, seq), delta, header)
-        return theta
-
-    def _keep_residual(self, fragment: int, residual: Tensors) -> None:
-        """Upload thread: the residual of fragment's newest uploaded contribution replaces the last
-        one (that contribution carried the last one in its delta)."""
-        with self._residual_lock:
-            self._residual[fragment] = residual
-

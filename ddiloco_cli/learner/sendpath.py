@@ -1,0 +1,103 @@
+"""The learner's send path ([L5], [L6]): the base every contribution is measured against
+(loaded at start), a fragment's outer gradient ``Theta_base - theta`` with the codec's
+residual of the last one added (error feedback), the send schedule's phase, and the flush
+of unsent progress before leaving. ``DiLoCoSync`` is built on it; the state it reads (the
+uploader, the island, the plan, the counters, the readers) is DiLoCoSync's."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.learner.schedule import aligned_offset
+from ddiloco_cli.learner.session import running_phases
+from ddiloco_cli.protocol import layout, ledger, records, signing
+
+log = logging.getLogger("ddiloco_cli.learner.sync")  # the learner's lines keep their logger name
+
+Tensors = dict[str, torch.Tensor]
+
+
+class SendPath:
+    """The send half of ``DiLoCoSync`` (a base class: the methods use its attributes)."""
+
+    def flush(self) -> list[int]:
+        """Send every fragment's progress not sent yet (the steps since its last send): a
+        learner that finishes, reaches --steps or leaves on SIGTERM loses no trained step.
+        ``close`` calls it (not in lock-step mode, where a partial contribution would be a
+        merge of its own). Returns the fragments sent."""
+        sent = []
+        for p in range(self.plan.num_fragments):
+            steps, _ = self.counters.snapshot(p)
+            flight = self.in_flight.get(p)
+            if steps - (flight.counters[0] if flight is not None else 0) <= 0:
+                continue
+            self.seq += 1
+            self._send(p, self.seq, self.stats.step)  # on the same base as the one in flight: supersedes it
+            sent.append(p)
+        if sent:
+            log.info("sent the unsent progress of fragments %s before leaving (step %d)", sent, self.stats.step)
+        return sent
+
+    def _aligned_offset(self, trust: signing.Trust) -> int:
+        """The schedule offset that puts this learner's sends in phase with the live learners'
+        (``session.running_phases``), so that learners of one speed send each fragment together
+        and are merged at once; 0 when the heartbeats cannot be read."""
+        phases = running_phases(self.store, learner_id=self.learner_id, config=self.config, trust=trust)
+        if phases is None:
+            return 0
+        offset = aligned_offset(self.stats.step, phases, sync_every=self.H)
+        if phases:
+            log.info("schedule offset %d: in phase with %d running learner(s)", offset, len(phases))
+        return offset
+
+    def _bootstrap(self) -> None:
+        """Load the latest committed version of every fragment into the model."""
+        for p in range(self.plan.num_fragments):
+            v, value = -1, {}
+            if self.island.io:
+                v = ledger.latest_version(self.store, p)
+                if v is None:
+                    raise DdilocoError(f"fragment {p} has no committed version at {self.store.url}")
+                reader = self.readers[p]
+                before = reader.bytes_down
+                value = reader.read(v)
+                self.stats.bytes_down += reader.bytes_down - before
+            v, value = self.island.broadcast(self.plan, p, v, value)
+            self.island.scatter(self.plan, p, self.params, value)
+            self.base[p] = (v, value)
+            self.stats.versions[p] = v
+
+    def _send(self, p: int, seq: int, step: int) -> Tensors:
+        """Queue the outer gradient delta = Theta_base - theta of fragment p; returns
+        theta. Both are fp32: for a bf16 model the base is the fp32 published value the
+        learner received, not its bf16 rounding."""
+        theta = self.island.gather(self.plan, p, self.params)
+        if not self.island.io:
+            return theta
+        base_version, base_value = self.base[p]
+        delta = dict(zip(theta, torch._foreach_sub([base_value[k] for k in theta], list(theta.values()))))
+        with self._residual_lock:
+            residual = self._residual.get(p)
+        if residual is not None:  # the part of the last contribution the codec did not carry [L6]
+            decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
+            if decay == 1.0:
+                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+            else:
+                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
+        c_steps, c_tokens = self.counters.snapshot(p)
+        header = records.make(
+            "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
+            base_version=base_version, c_tokens=c_tokens, c_steps=max(1, c_steps), step=step,
+            nonce=records.new_nonce(), created_s=self.clock.time(),
+        )
+        self.stats.blocked_s += self._uploader.submit(layout.contribution_key(p, self.learner_id, seq), delta, header)
+        return theta
+
+    def _keep_residual(self, fragment: int, residual: Tensors) -> None:
+        """Upload thread: the residual of fragment's newest uploaded contribution replaces the last
+        one (that contribution carried the last one in its delta)."""
+        with self._residual_lock:
+            self._residual[fragment] = residual
