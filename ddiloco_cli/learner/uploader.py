@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ddiloco_cli import codec, signing
-from ddiloco_cli.learner.stats import LearnerStats
+from ddiloco_cli.learner.stats import LearnerStats, background_thread
 from ddiloco_cli.store.base import Store
 from ddiloco_cli.store.retry import OUTAGE_POLICY, retrying
 
@@ -102,6 +102,7 @@ class Uploader:
         return self.clock() - t0
 
     def _run(self) -> None:
+        background_thread()
         while True:
             item = self.queue.get()
             try:
