@@ -90,7 +90,8 @@ def _marks(marks: dict, stamps: list, *, skip: int, steps: int) -> None:
     """At the first steady-state step and at the last one: every thread's CPU and context
     switches (the steady state's figures are their differences)."""
     if len(stamps) in (skip + 1, steps + 1) and 0 < skip < steps:
-        marks["skip" if len(stamps) == skip + 1 else "last"] = {"cpu": thread_cpu_s(), "switches": thread_switches()}
+        marks["skip" if len(stamps) == skip + 1 else "last"] = {"cpu": thread_cpu_s(), "switches": thread_switches(),
+                                                                "vm_hwm_kb": vm_hwm_kb()}
 
 
 def plain_worker(steps: int, out: str, *, task: str = "mid", threads: int = 1, skip: int = 0) -> None:
@@ -290,6 +291,7 @@ def step_time_comparison(args, workdir: str) -> dict:
     dd = [r for r in records if r["arm"] == "ddiloco"]
     ratios = [d["median_ms"] / p["median_ms"] for p, d in zip(plain, dd)]  # same rep: adjacent in time
     cpu_ratios = [d["cpu_mean_ms"] / p["cpu_mean_ms"] for p, d in zip(plain, dd)]
+    mem_ratios = [d["vm_hwm_kb"] / p["vm_hwm_kb"] for p, d in zip(plain, dd)]
     return {
         "records": records, "syncer_vm_hwm_kb": syncer_hwm,
         "plain_median_ms": statistics.median(r["median_ms"] for r in plain),
@@ -303,6 +305,7 @@ def step_time_comparison(args, workdir: str) -> dict:
         "machinery_ms_per_step": _machinery(dd, steps=args.steps),
         "machinery_steady_ms_per_step": _machinery(dd, steps=args.steps, skip=args.skip),
         "plain_vm_hwm_kb": max(r["vm_hwm_kb"] for r in plain), "ddiloco_vm_hwm_kb": max(r["vm_hwm_kb"] for r in dd),
+        "memory_ratio_per_rep": mem_ratios, "memory_ratio_median": statistics.median(mem_ratios),
     }
 
 

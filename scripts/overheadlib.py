@@ -167,7 +167,11 @@ def headline(res: dict, args) -> dict:
             "wall_ratio_median": 1 + res["overhead_median"], "wall_ratio_per_round": [1 + x for x in res["overhead_per_rep"]],
             "cpu_ratio_median": 1 + res["cpu_overhead_median"],
             "cpu_ratio_per_round": [1 + x for x in res["cpu_overhead_per_rep"]],
-            "memory_ratio": res["ddiloco_vm_hwm_kb"] / res["plain_vm_hwm_kb"],
+            "memory_ratio_median": res["memory_ratio_median"], "memory_ratio_per_round": res["memory_ratio_per_rep"],
+            "memory_ratio_of_maxima": res["ddiloco_vm_hwm_kb"] / res["plain_vm_hwm_kb"],
+            # the ddiloco arm's peak up to its last step (before the flush of unsent progress on close)
+            "ddiloco_vm_hwm_at_last_step_mb": statistics.median(
+                (r.get("marks") or {}).get("last", {}).get("vm_hwm_kb", 0) / 1024 for r in dd),
             "wall_ms": {"plain": res["plain_median_ms"], "ddiloco": res["ddiloco_median_ms"]},
             "cpu_ms": {"plain": res["plain_cpu_ms"], "ddiloco": res["ddiloco_cpu_ms"]},
             "main_cpu_ms": {"plain": res["plain_main_cpu_ms"], "ddiloco": res["ddiloco_main_cpu_ms"]},
@@ -187,7 +191,9 @@ def print_headline(h: dict) -> None:
           f"{h['wall_ms']['plain']:.1f} ms")
     print(f"  all-thread CPU per step, ddiloco / plain: {h['cpu_ratio_median']:.3f} ({h['cpu_ratio_median'] - 1:+.1%}; "
           f"per round {rounds(h['cpu_ratio_per_round'])}); {h['cpu_ms']['ddiloco']:.1f} vs {h['cpu_ms']['plain']:.1f} ms")
-    print(f"  peak memory, ddiloco / plain: {h['memory_ratio']:.2f}x")
+    print(f"  peak memory, ddiloco / plain: {h['memory_ratio_median']:.3f}x (per round "
+          f"{', '.join(f'{x:.3f}' for x in h['memory_ratio_per_round'])}; largest over largest "
+          f"{h['memory_ratio_of_maxima']:.3f}x; ddiloco's peak up to its last step {h['ddiloco_vm_hwm_at_last_step_mb']:.0f} MB)")
     sw = h["main_voluntary_switches_per_step"], h["main_involuntary_switches_per_step"]
     print(f"  main thread's context switches per step (waits / preemptions): plain {sw[0]['plain']:.1f} / "
           f"{sw[1]['plain']:.1f}, ddiloco {sw[0]['ddiloco']:.1f} / {sw[1]['ddiloco']:.1f}")
