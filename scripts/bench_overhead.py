@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -121,6 +122,19 @@ def plain_worker(steps: int, out: str, *, task: str = "mid", threads: int = 1, s
     _write(out, arm="plain", stamps=stamps, numel=sum(p.numel() for p in params), marks=marks)
 
 
+def _timed(spent: dict, name: str, fn: Callable) -> Callable:
+    """fn, adding its wall and thread CPU seconds and its calls to spent[name + "_s" / "_cpu_s" / "_calls"]."""
+    def wrapped(*a, **k):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[name + "_s"] += time.perf_counter() - t0
+            spent[name + "_cpu_s"] += time.thread_time() - c0
+            spent[name + "_calls"] += 1
+    return wrapped
+
+
 def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None,
                    timers: bool = False, skip: int = 0, task: str = "mid", threads: int = 1) -> None:
     torch.set_num_threads(threads)
@@ -135,20 +149,8 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
     # timed call per step (a wrapper's clock reads cost microseconds; ``_receive``, called for every
     # fragment in flight at every step, would be timed mostly for its clocks)
     spent = {"step_s": 0.0, "send_s": 0.0, "step_cpu_s": 0.0, "send_cpu_s": 0.0, "step_calls": 0, "send_calls": 0}
-
-    def timed(name, fn):
-        def wrapped(*a, **k):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[name + "_s"] += time.perf_counter() - t0
-                spent[name + "_cpu_s"] += time.thread_time() - c0
-                spent[name + "_calls"] += 1
-        return wrapped
-
-    DiLoCoSync._send = timed("send", DiLoCoSync._send)
-    DiLoCoSync.step = timed("step", DiLoCoSync.step)
+    DiLoCoSync._send = _timed(spent, "send", DiLoCoSync._send)
+    DiLoCoSync.step = _timed(spent, "step", DiLoCoSync.step)
     from ddiloco_cli.learner.receiver import Receiver
 
     receivers: list = []
@@ -159,12 +161,11 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
         start_receiver(self)
 
     Receiver.start = start
-    stamps = [_stamp()]
+    stamps, marks = [_stamp()], {}
     threads: dict[str, float] = {}
     at_last_step: dict[str, float] = {}
     threads_at_skip: dict[str, float] = {}
     at_skip: dict[str, float] = {}
-    marks: dict = {}
 
     def on_progress(p: dict) -> None:
         stamps.append(_stamp())
@@ -184,10 +185,9 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
     learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9,
                                                               task=TASKS[task][0]),
                       on_progress=on_progress)
-    reason = learner.train()
+    reason, s = learner.train(), learner.stats
     if dump_profiles is not None:
         dump_profiles()
-    s = learner.stats
     _write(out, arm="ddiloco", stamps=stamps, reason=reason, blocked_s=s.blocked_s, bytes_up=s.bytes_up,
            bytes_down=s.bytes_down, num_contributions=s.num_contributions,
            num_flushed=spent["send_calls"] - at_last_step["send_calls"],
