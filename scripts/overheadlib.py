@@ -220,7 +220,8 @@ def print_breakdown(res: dict, args) -> None:
     for key, what in (("machinery_ms_per_step", f"all {args.steps} steps, start-up included"),
                       ("machinery_steady_ms_per_step", f"steady state: steps {args.skip + 1}-{args.steps}")):
         mach = res[key]
-        total = mach["main step CPU"] + sum(v for k, v in mach.items() if "thread" in k or "ddiloco-" in k)
+        # ddiloco's threads only: "other threads" are not ddiloco's (with 2 torch threads, the OpenMP worker)
+        total = mach["main step CPU"] + sum(v for k, v in mach.items() if k.startswith("ddiloco-"))
         print(f"ddiloco machinery per step, ms (load-independent), {what}: "
               + ", ".join(f"{k} {v:.2f}" for k, v in mach.items())
               + f"; CPU total {total:.2f} = {total / res['plain_cpu_ms']:.1%} of the plain step's CPU"
