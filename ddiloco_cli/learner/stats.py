@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-# "batch" (default): the learner's worker threads run as SCHED_BATCH (see background_thread);
-# "normal": as the training thread, SCHED_OTHER
+# "batch": the learner's worker threads run as SCHED_BATCH (see background_thread); "normal" (the
+# default): as the training thread. Opt-in until an A/B on a quiet machine shows it pays (docs/results.md)
 BACKGROUND_SCHED_ENV = "DDILOCO_BACKGROUND_SCHED"
 
 
@@ -30,15 +30,17 @@ class LearnerStats:
 
 
 def background_thread() -> str:
-    """Called first in each of the learner's worker threads (uploader, receiver, heartbeat): on
-    Linux it makes the calling thread SCHED_BATCH. Such a thread gets the same share of the CPU
-    as before (its nice value is kept), but its wake-ups (a queued contribution, a poll timer,
+    """Called first in each of the learner's worker threads (uploader, receiver, heartbeat): with
+    ``$DDILOCO_BACKGROUND_SCHED=batch``, on Linux, it makes the calling thread SCHED_BATCH. Such a
+    thread gets the same share of the CPU as before (its nice value is kept), but its wake-ups (a queued contribution, a poll timer,
     the GIL handed back) no longer preempt the training thread on a busy core: it runs when the
     scheduler's tick gives it its turn. On a learner with fewer cores than busy threads each of
     those preemptions cost the training step cache refills and a context switch (docs/results.md,
-    "Learner overhead"). Nothing the threads compute changes. Returns the policy now in force
-    ("batch" or "normal"); ``$DDILOCO_BACKGROUND_SCHED=normal`` leaves the thread as it is."""
-    if os.environ.get(BACKGROUND_SCHED_ENV, "batch") == "normal" or not hasattr(os, "SCHED_BATCH"):
+    "Learner overhead": it cut the training thread's preemptions, but no gain in CPU or wall
+    time per step could be shown on the shared development machine). Nothing the threads compute
+    changes. Returns the policy now in force ("batch" or "normal"); by default the thread is left
+    as it is."""
+    if os.environ.get(BACKGROUND_SCHED_ENV, "normal") != "batch" or not hasattr(os, "SCHED_BATCH"):
         return "normal"
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: the calling thread only

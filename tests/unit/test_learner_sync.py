@@ -603,11 +603,12 @@ def test_stall_alerts_come_every_2h_quiet_steps_at_most_every_min_interval(monke
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
-@pytest.mark.parametrize("setting", [None, "normal"])
+@pytest.mark.parametrize("setting", ["batch", None, "normal"])
 def test_the_worker_threads_run_as_sched_batch_and_the_training_thread_is_left_alone(monkeypatch, setting):
-    """Each worker thread's real work (an encode, a poll, a heartbeat tick) runs under
-    SCHED_BATCH, so its wake-ups do not preempt the training thread; $DDILOCO_BACKGROUND_SCHED
-    =normal leaves them as they were. The training thread's own policy never changes."""
+    """With $DDILOCO_BACKGROUND_SCHED=batch each worker thread's real work (an encode, a poll, a
+    heartbeat tick) runs under SCHED_BATCH, so its wake-ups do not preempt the training thread;
+    by default (or =normal) they are left as they were. The training thread's own policy never
+    changes."""
     if setting is None:
         monkeypatch.delenv(BACKGROUND_SCHED_ENV, raising=False)
     else:
@@ -633,6 +634,6 @@ def test_the_worker_threads_run_as_sched_batch_and_the_training_thread_is_left_a
         sync.step(num_tokens=1)  # fragment 0 is sent (the uploader encodes it) and wanted (the receiver polls)
         for kind, event in done.items():
             assert event.wait(timeout=60), f"the {kind} thread never ran"
-    expected = os.SCHED_BATCH if setting is None else main_policy
+    expected = os.SCHED_BATCH if setting == "batch" else main_policy
     assert seen == {"uploader": expected, "receiver": expected, "heartbeat": expected}
     assert os.sched_getscheduler(0) == main_policy
