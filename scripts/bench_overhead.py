@@ -1,29 +1,40 @@
 """Learner overhead and memory: ddiloco's learner loop vs the same plain AdamW loop,
 and syncer memory by the number of fragments it serves.
 
-1. Step time. Two arms, each a fresh process with 1 torch thread, interleaved
-   A/B/B/A/A/B/... for --reps rounds on the same task (``mid``, from benchlib: a
-   ~3.2M-parameter char-level GPT, block 64, batch 8), same seed, same data stream:
+HEADLINE: what a user measures. Per interleaved A/B round, the ddiloco arm's steady-state wall
+time per step over the plain arm's, and its all-thread CPU per step over the plain arm's; the
+median of each over the rounds (>= 5 for a figure to quote); peak memory likewise. The
+machinery accounting (the CPU that ddiloco's own functions spend, by thread) is the breakdown.
+
+1. Step time. Two arms, each a fresh process with --threads torch threads (1 or 2), interleaved
+   A/B/B/A/A/B/... for --reps rounds on the same task (--task ``mid``, from benchlib: a
+   ~3.2M-parameter char-level GPT, block 64, batch 8; or ``tiny``, the 0.2M one, batch 16,
+   steps of a few ms, where fixed costs weigh most), same seed:
    * plain:   nanoGPT-like loop (lr, forward, backward, clip, AdamW step, loss.item());
    * ddiloco: ``Learner.train`` on a local-directory run with P = H = 24, tau 2, K 1,
      int4, with a real ``ddiloco sync`` process serving it (so versions come back and
      the receive path runs).
    Steady-state median ms/step excludes the first --skip steps of each process.
-   Fairness on a 2-core machine: both learner arms are pinned to CPU 0 (--pin), so the
-   learner's own background threads (upload encode, receive decode, heartbeat) compete
-   with its compute thread, as on a one-core learner: the worst case. The syncer
-   stands for a remote machine: pinned to CPU 1 at nice +10 and kept running for
-   both arms, so it never takes the learners' core and the arms see the same
-   background. Load averages are recorded next to every figure.
-2. Peak memory (VmHWM) of each arm's process; target learner <= 1.5x plain.
+   Fairness on a 2-core machine: with 1 torch thread both learner arms are pinned to CPU 0
+   (--pin), so the learner's own background threads (upload encode, receive decode, heartbeat)
+   compete with its compute thread, as on a one-core learner: the worst case (with 2, to both
+   CPUs). The syncer stands for a remote machine: pinned to CPU 1 at nice +10 and kept running
+   for both arms. Load averages are recorded next to every figure: on a shared machine the wall
+   ratio moves with whatever else runs on CPU 0; the CPU ratio much less.
+   Each process also records its threads' context switches (voluntary: waits on the GIL, a
+   lock or I/O; involuntary: preemptions). --wrap runs each arm under a profiler.
+2. Peak memory (VmHWM) of each arm's process.
 3. Syncer memory: peak RSS (getrusage of a child) of ``ddiloco sync --fragments 0``
    vs all fragments, on a 24-fragment run of a 25M-parameter model (24 Linear
    1024x1024 layers) after one merge of every served fragment from two learners;
    the import-only baseline is subtracted.
 
-    .venv/bin/python scripts/bench_overhead.py                       # ~6 min on 2 cores
-    .venv/bin/python scripts/bench_overhead.py --json /tmp/overhead.json
+    .venv/bin/python scripts/bench_overhead.py --reps 5 --skip-syncer-memory --json /tmp/overhead.json
+    .venv/bin/python scripts/bench_overhead.py --reps 5 --skip-syncer-memory --threads 2
+    .venv/bin/python scripts/bench_overhead.py --reps 5 --skip-syncer-memory --task tiny --steps 600 --skip 100
     .venv/bin/python scripts/bench_overhead.py --steps 40 --skip 10 --reps 1 --syncer-width 128   # smoke
+    .venv/bin/python scripts/bench_overhead.py --reps 1 --skip-syncer-memory \
+        --wrap 'py-spy record --gil --native -r 250 -f raw -o /tmp/p/{arm}-{rep}.txt --'
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -47,11 +59,22 @@ THIS = os.path.abspath(__file__)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overheadlib import (  # noqa: E402
+    headline,
+    print_breakdown,
+    print_headline,
+    profile_threads,
+    thread_cpu_s,
+    thread_switches,
+    time_functions,
+)
+
 import benchlib  # noqa: E402
 from benchlib import mid  # noqa: E402
 
 MID_TASK = f"{benchlib.BENCHLIB_PATH}:mid"
-BATCH_SIZE = 8
+# --task NAME -> (the run's task spec, the task, batch size)
+TASKS = {"mid": (MID_TASK, mid, 8), "tiny": ("ddiloco_cli.tasks.gpt:tiny", benchlib._tiny, 16)}
 INNER_LR = 1e-3
 WARMUP = 20
 SEED = 0
@@ -60,35 +83,6 @@ SEED = 0
 def _stamp() -> tuple[float, float, float]:
     """(wall, CPU of the whole process, CPU of this thread), seconds."""
     return time.perf_counter(), time.process_time(), time.thread_time()
-
-
-def thread_cpu_s() -> dict[str, float]:
-    """CPU seconds (user + system) of every live thread of this process, by Python name.
-    Python threads are read from their own CPU clocks (exact); /proc's utime + stime, for
-    the others, are 10 ms scheduler ticks charged to whichever thread a tick finds running:
-    a thread that runs a millisecond now and then would be off by tens of percent."""
-    import threading
-
-    by_tid = {t.native_id: t for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        thread = by_tid.get(int(tid))
-        if thread is not None:
-            try:
-                cpu_s = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except (OSError, ValueError):  # the thread ended meanwhile
-                continue
-            name = thread.name
-        else:
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            cpu_s, name = (int(fields[11]) + int(fields[12])) / tick, f"native-{tid}"
-        out[name] = out.get(name, 0.0) + cpu_s
-    return out
 
 
 def vm_hwm_kb(pid: int | str = "self") -> int:
@@ -100,125 +94,57 @@ def vm_hwm_kb(pid: int | str = "self") -> int:
 
 
 # ------------------------------------------------------------------------- workers
-def plain_worker(steps: int, out: str) -> None:
+def _marks(marks: dict, stamps: list, *, skip: int, steps: int) -> None:
+    """At the first steady-state step and at the last one: every thread's CPU and context
+    switches (the steady state's figures are their differences)."""
+    if len(stamps) in (skip + 1, steps + 1) and 0 < skip < steps:
+        marks["skip" if len(stamps) == skip + 1 else "last"] = {"cpu": thread_cpu_s(), "switches": thread_switches(),
+                                                                "vm_hwm_kb": vm_hwm_kb()}
+
+
+def plain_worker(steps: int, out: str, *, task: str = "mid", threads: int = 1, skip: int = 0) -> None:
     """The plain loop: same task, model, optimizer, lr warmup, clip, batch and seed as
     the learner; no ddiloco import beyond the task."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     torch.manual_seed(SEED)
-    model = mid.build_model()
+    _, the_task, batch_size = TASKS[task]
+    model = the_task.build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=INNER_LR, betas=(0.9, 0.95), weight_decay=0.1)
-    batches = mid.batches(shard=0, num_shards=1, seed=12345, batch_size=BATCH_SIZE)
-    stamps = [_stamp()]
+    batches = the_task.batches(shard=0, num_shards=1, seed=12345, batch_size=batch_size)
+    stamps, marks = [_stamp()], {}
     for step in range(steps):
         lr = INNER_LR * (step + 1) / WARMUP if step < WARMUP else INNER_LR
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = next(batches)
-        loss = mid.loss(model, batch)
+        loss = the_task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         float(loss.detach())
         stamps.append(_stamp())
-    _write(out, arm="plain", stamps=stamps, numel=sum(p.numel() for p in params))
+        _marks(marks, stamps, skip=skip, steps=steps)
+    _write(out, arm="plain", stamps=stamps, numel=sum(p.numel() for p in params), marks=marks)
 
 
-def profile_threads(out_dir: str) -> Callable[[], None]:
-    """cProfile every thread started from now on, and the calling one, in thread CPU time
-    (``time.thread_time``: a thread waiting on a lock or on fsync costs nothing); the returned
-    function stops the caller's profile and writes one pstats file per thread name
-    (threads that are still running are written as they stand)."""
-    import cProfile
-    import threading
-
-    profiles: dict[str, cProfile.Profile] = {}
-    original_start = threading.Thread.start
-
-    def start(self) -> None:
-        run = self.run  # subclasses override run(): wrap this instance's
-
-        def profiled() -> None:
-            prof = profiles.setdefault(self.name, cProfile.Profile(time.thread_time))
-            prof.enable()
-            try:
-                run()
-            finally:
-                prof.disable()
-
-        self.run = profiled
-        original_start(self)
-
-    threading.Thread.start = start
-    main = profiles.setdefault("MainThread", cProfile.Profile(time.thread_time))
-    main.enable()
-
-    def dump() -> None:
-        main.disable()
-        os.makedirs(out_dir, exist_ok=True)
-        for name, prof in list(profiles.items()):
-            prof.dump_stats(os.path.join(out_dir, f"{name}.pstats"))
-
-    return dump
-
-
-# (module, attribute) of the functions ``--timers`` times: inclusive thread CPU per call, by thread
-TIMED = (
-    ("ddiloco_cli.learner.receiver", "Receiver._fetch"), ("ddiloco_cli.learner.receiver", "Receiver._newest"),
-    ("ddiloco_cli.protocol.ledger", "latest_version"), ("ddiloco_cli.protocol.ledger", "read_manifest"),
-    ("ddiloco_cli.protocol.published", "FragmentReader.read"), ("ddiloco_cli.protocol.published", "FragmentReader._payload"),
-    ("ddiloco_cli.numerics.codec", "decode_tensors"), ("ddiloco_cli.numerics.codec", "apply_published_delta"),
-    ("ddiloco_cli.numerics.codec", "encode_with_residual"), ("ddiloco_cli.store.retry", "RetryingStore.put_if_absent"),
-    ("ddiloco_cli.store.retry", "RetryingStore.get"), ("ddiloco_cli.learner.sync", "DiLoCoSync._send"),
-    ("ddiloco_cli.learner.session", "SessionWriter.beat"), ("ddiloco_cli.learner.receiver", "Receiver._manifests_since"),
-    ("ddiloco_cli.numerics.quantized", "Quantized.dense"), ("ddiloco_cli.numerics.codec", "_quantize"),
-    ("ddiloco_cli.numerics.codec", "_quantize_together"), ("ddiloco_cli.numerics.codec", "_quantize_flat"),
-    ("ddiloco_cli.protocol.records", "sha256_hex"),
-)
-
-
-def time_functions() -> dict[str, list[float]]:
-    """Wrap every TIMED function (inclusive thread CPU of each call, ~1 us a call on top);
-    returns {"thread-kind function": [calls, CPU s]}, filled as they run. Thread kinds:
-    main, uploader (all of them), receiver, heartbeat."""
-    import importlib
-    import inspect
-    import threading
-
-    spent: dict[str, list[float]] = {}
-
-    def kind() -> str:
-        name = threading.current_thread().name
-        return "main" if name == "MainThread" else name.removeprefix("ddiloco-").split("-")[0]
-
-    for module, attr in TIMED:
-        owner = importlib.import_module(module)
-        *path, leaf = attr.split(".")
-        for part in path:
-            owner = getattr(owner, part, None)
-        if owner is None or not hasattr(owner, leaf):
-            continue
-        fn = getattr(owner, leaf)
-
-        def wrapped(*a, _fn=fn, _name=attr, **k):
-            c0 = time.thread_time()
-            try:
-                return _fn(*a, **k)
-            finally:
-                acc = spent.setdefault(f"{kind()} {_name}", [0, 0.0])
-                acc[0] += 1
-                acc[1] += time.thread_time() - c0
-
-        if isinstance(inspect.getattr_static(owner, leaf), staticmethod):
-            wrapped = staticmethod(wrapped)
-        setattr(owner, leaf, wrapped)
-    return spent
+def _timed(spent: dict, name: str, fn: Callable) -> Callable:
+    """fn, adding its wall and thread CPU seconds and its calls to spent[name + "_s" / "_cpu_s" / "_calls"]."""
+    def wrapped(*a, **k):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[name + "_s"] += time.perf_counter() - t0
+            spent[name + "_cpu_s"] += time.thread_time() - c0
+            spent[name + "_calls"] += 1
+    return wrapped
 
 
 def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None,
-                   timers: bool = False, skip: int = 0) -> None:
-    torch.set_num_threads(1)
+                   timers: bool = False, skip: int = 0, task: str = "mid", threads: int = 1) -> None:
+    torch.set_num_threads(threads)
     dump_profiles = profile_threads(profile_dir) if profile_dir else None
     timed_calls = time_functions() if timers else None
     calls_at_last_step: dict[str, list[float]] = {}
@@ -230,20 +156,8 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
     # timed call per step (a wrapper's clock reads cost microseconds; ``_receive``, called for every
     # fragment in flight at every step, would be timed mostly for its clocks)
     spent = {"step_s": 0.0, "send_s": 0.0, "step_cpu_s": 0.0, "send_cpu_s": 0.0, "step_calls": 0, "send_calls": 0}
-
-    def timed(name, fn):
-        def wrapped(*a, **k):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[name + "_s"] += time.perf_counter() - t0
-                spent[name + "_cpu_s"] += time.thread_time() - c0
-                spent[name + "_calls"] += 1
-        return wrapped
-
-    DiLoCoSync._send = timed("send", DiLoCoSync._send)
-    DiLoCoSync.step = timed("step", DiLoCoSync.step)
+    DiLoCoSync._send = _timed(spent, "send", DiLoCoSync._send)
+    DiLoCoSync.step = _timed(spent, "step", DiLoCoSync.step)
     from ddiloco_cli.learner.receiver import Receiver
 
     receivers: list = []
@@ -254,7 +168,7 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
         start_receiver(self)
 
     Receiver.start = start
-    stamps = [_stamp()]
+    stamps, marks = [_stamp()], {}
     threads: dict[str, float] = {}
     at_last_step: dict[str, float] = {}
     threads_at_skip: dict[str, float] = {}
@@ -262,6 +176,7 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
 
     def on_progress(p: dict) -> None:
         stamps.append(_stamp())
+        _marks(marks, stamps, skip=skip, steps=steps)
         if len(stamps) == skip + 1 and 0 < skip < steps:  # the steady state starts: the start-up work is behind
             threads_at_skip.update(thread_cpu_s())
             at_skip.update(spent)
@@ -275,18 +190,17 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
                 calls_at_last_step.update({k: list(v) for k, v in timed_calls.items()})
 
     learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9,
-                                                              task=MID_TASK),
+                                                              task=TASKS[task][0]),
                       on_progress=on_progress)
-    reason = learner.train()
+    reason, s = learner.train(), learner.stats
     if dump_profiles is not None:
         dump_profiles()
-    s = learner.stats
     _write(out, arm="ddiloco", stamps=stamps, reason=reason, blocked_s=s.blocked_s, bytes_up=s.bytes_up,
            bytes_down=s.bytes_down, num_contributions=s.num_contributions,
            num_flushed=spent["send_calls"] - at_last_step["send_calls"],
            versions_received=sum(1 for v in s.versions.values() if v > 0),
            max_version=max(s.versions.values(), default=0), thread_cpu_s=threads, timers=calls_at_last_step,
-           thread_cpu_s_at_skip=threads_at_skip, at_skip=at_skip, **at_last_step)
+           thread_cpu_s_at_skip=threads_at_skip, at_skip=at_skip, marks=marks, **at_last_step)
 
 
 def _write(out: str, **rec) -> None:
@@ -296,11 +210,11 @@ def _write(out: str, **rec) -> None:
 
 
 # --------------------------------------------------------------------- orchestrator
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _env(threads: int = 1) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
 
 
-def _prefix(cpu: int | None, nice: int = 0) -> list[str]:
+def _prefix(cpu: int | str | None, nice: int = 0) -> list[str]:
     pre = []
     if nice:
         pre += ["nice", "-n", str(nice)]
@@ -309,18 +223,22 @@ def _prefix(cpu: int | None, nice: int = 0) -> list[str]:
     return pre
 
 
-def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | None,
-            profile_dir: str | None = None, timers: bool = False) -> dict:
+def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | str | None,
+            profile_dir: str | None = None, timers: bool = False, task: str = "mid", threads: int = 1,
+            wrap: str | None = None) -> dict:
     out = os.path.join(workdir, f"{arm}-{rep}.json")
-    cmd = [*_prefix(cpu), sys.executable, THIS, "--worker", arm, "--steps", str(steps), "--out", out]
+    # --wrap: a profiler's command line before the worker's (``{arm}``, ``{rep}``: this process's)
+    pre = shlex.split(wrap.format(arm=arm, rep=rep)) if wrap else []  # outside taskset: the profiler unpinned
+    cmd = [*pre, *_prefix(cpu), sys.executable, THIS, "--worker", arm, "--steps", str(steps), "--out", out,
+           "--skip", str(skip), "--task", task, "--threads", str(threads)]
     if arm == "ddiloco":
-        cmd += ["--url", url, "--learner-id", f"bench-{rep}", "--skip", str(skip)]
+        cmd += ["--url", url, "--learner-id", f"bench-{rep}"]
         if profile_dir:
             cmd += ["--profile", os.path.join(profile_dir, f"rep{rep}")]
         if timers:
             cmd += ["--timers"]
     load0 = os.getloadavg()[0]
-    subprocess.run(cmd, check=True, env=_env(), cwd=str(REPO))
+    subprocess.run(cmd, check=True, env=_env(threads), cwd=str(REPO))
     with open(out) as f:
         rec = json.load(f)
     stamps = rec.pop("stamps")
@@ -330,11 +248,24 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
     rec.update(rep=rep, median_ms=1e3 * statistics.median(dts), mean_ms=1e3 * statistics.fmean(dts),
                cpu_median_ms=1e3 * statistics.median(cpu), cpu_mean_ms=1e3 * statistics.fmean(cpu),
                main_cpu_median_ms=1e3 * statistics.median(main_cpu),
-               p90_ms=1e3 * sorted(dts)[int(0.9 * len(dts))], steps_measured=len(dts),
+               p90_ms=1e3 * sorted(dts)[int(0.9 * len(dts))], steps_measured=len(dts), **_steady_switches(rec, steps - skip),
                load_before=load0, load_after=os.getloadavg()[0])
     print(f"  rep {rep} {arm:8s} median {rec['median_ms']:7.1f} ms/step  p90 {rec['p90_ms']:7.1f}  "
           f"cpu {rec['cpu_mean_ms']:7.1f} (main {rec['main_cpu_median_ms']:6.1f})  VmHWM {rec['vm_hwm_kb'] / 1024:6.0f} MB  load {load0:.2f}->{rec['load_after']:.2f}", flush=True)
     return rec
+
+
+def _steady_switches(rec: dict, n: int) -> dict[str, float]:
+    """Per steady-state step: the main thread's voluntary (waits: the GIL, I/O) and involuntary
+    (preempted) context switches, and every thread's together."""
+    marks = rec.get("marks") or {}
+    if "skip" not in marks or "last" not in marks:
+        return {}
+    a, b = marks["skip"]["switches"], marks["last"]["switches"]
+    diff = {k: [b[k][i] - a.get(k, [0, 0])[i] for i in (0, 1)] for k in b}
+    main = diff.get("MainThread", [0, 0])
+    return {"main_voluntary_switches": main[0] / n, "main_involuntary_switches": main[1] / n,
+            "all_switches": sum(v[0] + v[1] for v in diff.values()) / n}
 
 
 def step_time_comparison(args, workdir: str) -> dict:
@@ -342,10 +273,12 @@ def step_time_comparison(args, workdir: str) -> dict:
     from ddiloco_cli.store import open_store
 
     url = os.path.join(workdir, "run")
-    init_run(open_store(url), RunSpec(task=MID_TASK, num_fragments=24, sync_every=24, overlap_steps=2, quorum=1,
+    spec, _, batch_size = TASKS[args.task]
+    init_run(open_store(url), RunSpec(task=spec, num_fragments=24, sync_every=24, overlap_steps=2, quorum=1,
                                       codec="int4", inner_lr=INNER_LR, warmup_steps=WARMUP, lr_schedule="constant",
-                                      total_steps=0, batch_size=BATCH_SIZE, seed=SEED))
-    cpu_l, cpu_s = (0, 1) if args.pin else (None, None)
+                                      total_steps=0, batch_size=batch_size, seed=SEED))
+    # the learners on CPU 0 (both CPUs with 2 torch threads), the syncer on CPU 1 at nice +10
+    cpu_l, cpu_s = (("0" if args.threads == 1 else "0,1"), 1) if args.pin else (None, None)
     launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
     syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(cpu_s, nice=10)))
     records = []
@@ -354,7 +287,8 @@ def step_time_comparison(args, workdir: str) -> dict:
             order = ("plain", "ddiloco") if rep % 2 == 0 else ("ddiloco", "plain")
             for arm in order:
                 records.append(run_arm(arm, url=url, rep=rep, steps=args.steps, skip=args.skip, workdir=workdir,
-                                       cpu=cpu_l, profile_dir=args.profile, timers=args.timers))
+                                       cpu=cpu_l, profile_dir=args.profile, timers=args.timers, task=args.task,
+                                       threads=args.threads, wrap=args.wrap))
         syncer_hwm = vm_hwm_kb(syncer.pid)
     finally:
         syncer.terminate()
@@ -364,6 +298,7 @@ def step_time_comparison(args, workdir: str) -> dict:
     dd = [r for r in records if r["arm"] == "ddiloco"]
     ratios = [d["median_ms"] / p["median_ms"] for p, d in zip(plain, dd)]  # same rep: adjacent in time
     cpu_ratios = [d["cpu_mean_ms"] / p["cpu_mean_ms"] for p, d in zip(plain, dd)]
+    mem_ratios = [d["vm_hwm_kb"] / p["vm_hwm_kb"] for p, d in zip(plain, dd)]
     return {
         "records": records, "syncer_vm_hwm_kb": syncer_hwm,
         "plain_median_ms": statistics.median(r["median_ms"] for r in plain),
@@ -377,6 +312,7 @@ def step_time_comparison(args, workdir: str) -> dict:
         "machinery_ms_per_step": _machinery(dd, steps=args.steps),
         "machinery_steady_ms_per_step": _machinery(dd, steps=args.steps, skip=args.skip),
         "plain_vm_hwm_kb": max(r["vm_hwm_kb"] for r in plain), "ddiloco_vm_hwm_kb": max(r["vm_hwm_kb"] for r in dd),
+        "memory_ratio_per_rep": mem_ratios, "memory_ratio_median": statistics.median(mem_ratios),
     }
 
 
@@ -472,11 +408,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=150, help="inner steps per process")
     ap.add_argument("--skip", type=int, default=30, help="start-up steps left out of each process's median")
-    ap.add_argument("--reps", type=int, default=4, help="A/B rounds (order alternates)")
+    ap.add_argument("--reps", type=int, default=5, help="A/B rounds (order alternates; >= 5 for a headline)")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin learners to CPU 0 / syncer to CPU 1")
     ap.add_argument("--syncer-width", type=int, default=1024, help="layer width of the syncer-memory model (24 layers)")
     ap.add_argument("--skip-syncer-memory", action="store_true")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the headline, the breakdown and every process's record here")
+    ap.add_argument("--task", choices=sorted(TASKS), default="mid", help="mid: the 3.2M-param GPT; tiny: the 0.2M one")
+    ap.add_argument("--threads", type=int, choices=(1, 2), default=1,
+                    help="torch threads of both arms (2: the learners on both CPUs)")
+    ap.add_argument("--wrap", default=None, metavar="CMD",
+                    help="a command line to run each arm's process under, e.g. 'py-spy record --gil --native -r 250 "
+                         "-f raw -o /tmp/p/{arm}-{rep}.txt --' ({arm}, {rep}: that process's)")
     ap.add_argument("--timers", action="store_true",
                     help="time the learner's main functions (thread CPU per call, inclusive; ~1 us a call more) and "
                          "print them per step and per call")
@@ -490,19 +432,20 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker == "plain":
-        return plain_worker(args.steps, args.out)
+        return plain_worker(args.steps, args.out, task=args.task, threads=args.threads, skip=args.skip)
     if args.worker == "ddiloco":
         return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile,
-                              timers=args.timers, skip=args.skip)
+                              timers=args.timers, skip=args.skip, task=args.task, threads=args.threads)
     if args.pin and (os.cpu_count() or 1) < 2:
         args.pin = False
 
     workdir = tempfile.mkdtemp(prefix="bench-overhead-")
     try:
-        n = sum(p.numel() for p in mid.build_model().parameters())
-        print(f"task mid: {n / 1e6:.2f}M params, batch {BATCH_SIZE} x {mid.config.block_size} tokens; "
-              f"P = H = 24, int4; {args.reps} A/B rounds x {args.steps} steps (first {args.skip} skipped); "
-              f"pinned: {args.pin}; load {os.getloadavg()[0]:.2f}", flush=True)
+        _, the_task, batch_size = TASKS[args.task]
+        n = sum(p.numel() for p in the_task.build_model().parameters())
+        print(f"task {args.task}: {n / 1e6:.2f}M params, batch {batch_size} x {the_task.config.block_size} tokens; "
+              f"{args.threads} torch thread(s); P = H = 24, int4; {args.reps} A/B rounds x {args.steps} steps "
+              f"(first {args.skip} skipped); pinned: {args.pin}; load {os.getloadavg()[0]:.2f}", flush=True)
         res = step_time_comparison(args, workdir)
         res["model_numel"] = n
         if not args.skip_syncer_memory:
@@ -510,58 +453,9 @@ def main() -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    oh, mem = res["overhead_median"], res["ddiloco_vm_hwm_kb"] / res["plain_vm_hwm_kb"]
-    print(f"\nLearner step time (median of per-process steady-state medians), 1 thread, load "
-          f"{min(r['load_before'] for r in res['records']):.2f}-{max(r['load_after'] for r in res['records']):.2f}")
-    print(f"{'arm':8s} {'wall ms/step':>12s} {'CPU ms/step':>12s} {'peak RSS MB':>12s}")
-    for arm in ("plain", "ddiloco"):
-        print(f"{arm:8s} {res[arm + '_median_ms']:12.1f} {res[arm + '_cpu_ms']:12.1f} {res[arm + '_vm_hwm_kb'] / 1024:12.0f}")
-    print(f"overhead per A/B round: {', '.join(f'{x:+.1%}' for x in res['overhead_per_rep'])}; "
-          f"median {oh:+.1%} (target <= +3%: {'MET' if oh <= 0.03 else 'NOT MET'})")
-    coh = res["cpu_overhead_median"]
-    print(f"CPU time (all threads of the process) per step, per round: "
-          f"{', '.join(f'{x:+.1%}' for x in res['cpu_overhead_per_rep'])}; median {coh:+.1%} "
-          f"(load-independent: includes the background upload/receive/heartbeat threads)")
-    print(f"learner peak memory {mem:.2f}x plain (target <= 1.5x: {'MET' if mem <= 1.5 else 'NOT MET'}); "
-          f"syncer peak {res['syncer_vm_hwm_kb'] / 1024:.0f} MB")
-    print(f"main-thread CPU per step (median): plain {res['plain_main_cpu_ms']:.1f} ms, ddiloco "
-          f"{res['ddiloco_main_cpu_ms']:.1f} ms")
-    for key, what in (("machinery_ms_per_step", f"all {args.steps} steps, start-up included"),
-                      ("machinery_steady_ms_per_step", f"steady state: steps {args.skip + 1}-{args.steps}")):
-        mach = res[key]
-        total = mach["main step CPU"] + sum(v for k, v in mach.items() if "thread" in k or "ddiloco-" in k)
-        print(f"ddiloco machinery per step, ms (load-independent), {what}: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in mach.items())
-              + f"; CPU total {total:.2f} = {total / res['plain_cpu_ms']:.1%} of the plain step's CPU"
-              + (" (target <= 3%: " + ("MET" if total / res["plain_cpu_ms"] <= 0.03 else "NOT MET") + ")"
-                 if key == "machinery_steady_ms_per_step" else ""))
-        res[key.replace("ms_per_step", "cpu_fraction")] = total / res["plain_cpu_ms"]
-    dd = [r for r in res["records"] if r["arm"] == "ddiloco"]
-    print("ddiloco arm: contributions sent " + ", ".join(str(r["num_contributions"]) for r in dd)
-          + "; fragments received (version > 0) " + ", ".join(f"{r['versions_received']}/24" for r in dd)
-          + "; blocked s " + ", ".join(f"{r['blocked_s']:.2f}" for r in dd)
-          + "; receiver polls per step " + ", ".join(f"{r.get('polls', 0) / args.steps:.2f}" for r in dd)
-          + ", downloads per step " + ", ".join(f"{(r.get('downloads') or 0) / args.steps:.2f}" for r in dd)
-          + ", sleeps per step " + ", ".join(f"{(r.get('waits') or 0) / args.steps:.2f}" for r in dd))
-    if args.timers:
-        print("timed functions, inclusive thread CPU (median over processes): ms per step, calls per step, ms per call")
-        for key in sorted({k for r in dd for k in r["timers"]}):
-            calls = statistics.median(r["timers"].get(key, [0, 0.0])[0] for r in dd) / args.steps
-            ms = 1e3 * statistics.median(r["timers"].get(key, [0, 0.0])[1] for r in dd) / args.steps
-            print(f"  {key:45s} {ms:6.3f} ms/step  {calls:5.2f} calls/step  {ms / calls if calls else 0:6.3f} ms/call")
-    sm = res.get("syncer_memory")
-    if sm:
-        base = sm["import_baseline"]
-        print(f"\nSyncer peak RSS, 24 fragments of a {sm['model_numel'] / 1e6:.1f}M-param model "
-              f"({sm['model_numel'] * 4 / 2**20:.0f} MB fp32), after one 2-learner merge of each served fragment:")
-        for name in ("fragment 0", "fragments 0-5", "all 24"):
-            print(f"  {name:10s} {sm[name] / 1024:7.0f} MB  ({(sm[name] - base) / 1024:6.0f} MB above the "
-                  f"{base / 1024:.0f} MB import baseline)")
-        print(f"  fragment 0 / all, above baseline: {sm['ratio_above_baseline']:.3f} (1/24 = {1 / 24:.3f})")
-        print(f"  linear fit: {sm['fixed_kb'] / 1024:.0f} MB fixed + {sm['per_fragment_kb'] / 1024:.1f} MB per served "
-              f"fragment ({sm['per_fragment_kb'] / sm['fragment_fp32_kb']:.1f}x its {sm['fragment_fp32_kb'] / 1024:.1f} MB "
-              f"of fp32 values); 0-5 predicted {(sm['fixed_kb'] + 6 * sm['per_fragment_kb']) / 1024:.0f} MB, "
-              f"measured {sm['fragments 0-5'] / 1024:.0f} MB")
+    res["headline"] = headline(res, args)
+    print_breakdown(res, args)
+    print_headline(res["headline"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

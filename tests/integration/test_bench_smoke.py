@@ -66,6 +66,11 @@ def test_bench_overhead_smoke(tmp_path):
                                                  "ddiloco-receiver CPU"}
     assert dd["polls"] >= 0 and dd["downloads"] >= 0
     assert "syncer_memory" not in rep
+    h = rep["headline"]  # the A/B a user measures: medians over the rounds of ddiloco / plain
+    assert h["rounds"] == 1 and h["task"] == "mid" and h["torch_threads"] == 1
+    assert h["wall_ratio_per_round"] == [pytest.approx(dd["median_ms"] / rep["records"][0]["median_ms"])]
+    assert h["cpu_ratio_median"] > 0 and h["memory_ratio_median"] > 0
+    assert dd["main_involuntary_switches"] >= 0 and dd["main_voluntary_switches"] >= 0
 
 
 def test_bench_store_smoke(tmp_path):
