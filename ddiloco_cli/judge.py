@@ -84,6 +84,16 @@ class Judge:
             return Verdict(QUARANTINE, "not a valid contribution name"), "", -1
         return ACCEPTED, parsed[1], parsed[2]
 
+    def admitted(self, learner_id: str, *, where: str) -> Verdict:
+        """[A2] before the bytes are even read: in a run that requires signatures, a learner id
+        with no admitted key cannot have signed anything (a flood under fake ids costs a LIST
+        entry and a report each, never a download)."""
+        try:
+            self.trust.check_member(learner_id, role="learner", where=where)
+        except ProtocolError as exc:
+            return Verdict(QUARANTINE, str(exc))
+        return ACCEPTED
+
     def signature(self, data: bytes, *, key: str, learner_id: str, where: str) -> Verdict:
         """[A2] on the raw bytes, before anything decodes them: signed by ``learner_id``'s
         admitted key (always accepted in a run that does not require signatures)."""

@@ -106,6 +106,51 @@ def test_a_forged_or_resized_quarantine_report_is_not_believed_A2(tmp_path, keys
     assert [c.key for cs in s.states[0].pending.values() for c in cs] == [good_key]
 
 
+def test_an_honest_merge_is_not_queued_behind_a_junk_flood_and_junk_is_judged_once_across_a_restart_A2(
+        tmp_path, keys, monkeypatch):
+    from ddiloco_cli.poll import UNKNOWN_PER_POLL
+
+    store, run = _signed_run(tmp_path, keys)
+    junk = set()
+    for i in range(3 * UNKNOWN_PER_POLL + 5):  # unsigned payloads under fake ids
+        key, data = fragment0_contribution(store, run, f"fake{i:03d}", 1, signer=None)
+        store.put_if_absent(key, data)
+        junk.add(key)
+    good_key, good = fragment0_contribution(store, run, "a", 1, signer=keys["a"])
+    store.put_if_absent(good_key, good)
+    reads, reports = [], []
+    get, put_if_absent = store.get, store.put_if_absent
+    monkeypatch.setattr(store, "get", lambda key, **kw: reads.append(key) or get(key, **kw))
+    monkeypatch.setattr(store, "put_if_absent", lambda key, data: reports.append(key) or put_if_absent(key, data))
+    calls = _counting(monkeypatch)
+
+    first = _syncer(store, keys, "first")
+    calls.update(decode=0, verify=0)
+    first.tick()  # one poll: a's contribution is merged now, the junk waits its turn
+    assert ledger.latest_version(store, 0) == 1
+    assert [e["key"] for e in ledger.read_manifest(store, 0, 1)["contributions"]] == [good_key]
+    assert 0 < first.intake.num_quarantined <= UNKNOWN_PER_POLL
+    for _ in range(100):  # a few polls more deal with the rest
+        if first.intake.num_quarantined == len(junk):
+            break
+        first.tick()
+    assert first.bad_keys == junk and first.intake.num_quarantined == len(junk)
+    assert calls == {"decode": 1, "verify": 1}  # a's contribution; no junk
+
+    second = _syncer(store, keys, "second")  # a restart: the reports are believed, each once
+    calls.update(decode=0, verify=0)  # restoring decodes the published versions
+    for _ in range(100):
+        if second.intake.reports_believed == len(junk):
+            break
+        second.tick()
+    assert second.intake.reports_believed == len(junk) and second.intake.num_quarantined == 0
+    assert second.bad_keys == junk
+    assert not junk & set(reads)  # never downloaded: a fake id has no admitted key to sign with
+    assert calls == {"decode": 0, "verify": 0}  # a's is merged already; no junk
+    written = [k for k in reports if k.startswith(layout.QUARANTINE_PREFIX)]
+    assert sorted(written) == sorted(layout.quarantine_key(k) for k in junk)  # one report each, across both
+
+
 # ------------------------------------------------------------ bounded influence
 def test_one_learners_share_of_a_merge_is_capped_and_replayed(tmp_path):
     from support.runs import beat, contribution, live_syncer, make_run, restored, step
