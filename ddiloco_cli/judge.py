@@ -52,14 +52,20 @@ class Verdict:
 ACCEPTED = Verdict(ACCEPT)
 
 
-def norm_clip(norm: float, norms: Collection[float]) -> float:
+def norm_clip(norm: float, norms: Collection[float], peers: Collection[float] = ()) -> float:
     """The factor that scales a delta of ``norm`` down to NORM_BOUND_FACTOR running medians of
-    the merged norms (``norms``, as merged: a clipped one at the bound); 1 within the bound or
-    before NORM_MIN_SAMPLES norms are known. Clipped, not refused: a learner whose data or
-    learning rate makes bigger steps still counts, as far as an honest one could move it."""
-    if len(norms) < NORM_MIN_SAMPLES or norm <= 0:
+    the merged norms (``norms``, as merged: a clipped one at the bound) and the other learners'
+    pending ones (``peers``); 1 within the bound or before NORM_MIN_SAMPLES norms are known.
+    The median is never below the peers' own: when every learner's norm grows at once (a
+    learning-rate warmup, a loss spike) the older window does not cut them all, while one
+    learner, never its own peer, still cannot raise its bound. Clipped, not refused: a learner
+    whose data or learning rate makes bigger steps still counts, as far as an honest one could
+    move it."""
+    sample = [*norms, *peers]
+    if len(sample) < NORM_MIN_SAMPLES or norm <= 0:
         return 1.0
-    bound = NORM_BOUND_FACTOR * statistics.median(norms)
+    median = max(statistics.median(sample), statistics.median(peers) if peers else 0.0)
+    bound = NORM_BOUND_FACTOR * median
     return 1.0 if bound <= 0 or norm <= bound else bound / norm
 
 
@@ -142,11 +148,13 @@ class Judge:
             raise InvalidPayloadError(f"{where}: sparse topk {tensors.topk}, but the run's is {self.config.codec_topk}")
 
     def admission(self, *, base_version: int, version: int, staleness: Callable[[], float],
-                  read_base: Callable[[], Any] | None, norm: float, norms: Collection[float]) -> Verdict:
+                  read_base: Callable[[], Any] | None, norm: float, norms: Collection[float],
+                  peers: Collection[float] = ()) -> Verdict:
         """Whether a valid contribution on ``base_version`` may be merged into the version after
         ``version``: its base no more than ``max_staleness`` cycles behind (``staleness()``)
         and still readable (``read_base()``, when the merge reads it), and its norm within
-        NORM_BOUND_FACTOR running medians of the accepted ones (``norms``) [V2]."""
+        NORM_BOUND_FACTOR running medians of the accepted ones (``norms``) and the other
+        learners' pending ones (``peers``, ``norm_clip``) [V2]."""
         max_stale = float(self.config.max_staleness)
         try:
             behind = staleness()
@@ -158,7 +166,7 @@ class Judge:
         except (NotFound, ProtocolError, InvalidPayloadError) as exc:
             return Verdict(REFUSE, f"base version {base_version} can no longer be read ({exc}); "
                                    "re-base on the latest version")
-        return Verdict(ACCEPT, staleness=behind, discount=staleness_discount(behind), clip=norm_clip(norm, norms))
+        return Verdict(ACCEPT, staleness=behind, discount=staleness_discount(behind), clip=norm_clip(norm, norms, peers))
 
     @staticmethod
     def non_finite(norms: Sequence[float], error: Exception) -> tuple[int, Verdict]:

@@ -37,6 +37,36 @@ def test_one_learners_share_of_a_merge_is_capped_and_replayed(tmp_path):
     assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in s.states[0].current.raw.items())
 
 
+def test_norms_that_grow_for_every_learner_at_once_are_not_clipped_but_one_outlier_still_is(tmp_path):
+    from support.runs import beat, contribution, delta_for, live_syncer, make_run, restored, step
+
+    from ddiloco_cli.judge import NORM_BOUND_FACTOR, norm_clip
+
+    assert norm_clip(10.0, [1.0] * 8, [9.0, 11.0]) == 1.0  # the peers' median (10) floors the window's (1)
+    assert norm_clip(1000.0, [1.0] * 8, [9.0, 11.0]) == pytest.approx(NORM_BOUND_FACTOR * 10.0 / 1000.0)
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, quorum=3)
+    for lid in "abc":
+        beat(store, lid)
+    s = live_syncer(store, fragments=[0])
+
+    def merge(v: int, scale: dict[str, float]) -> dict[str, dict]:
+        for i, lid in enumerate("abc"):
+            delta = {k: scale[lid] * t for k, t in delta_for(store, 0, 10 * v + i).items()}
+            contribution(store, 0, lid, v + 1, base_version=v, tensors=delta)
+        assert step(s, 0) and s.states[0].version == v + 1
+        return {e["learner_id"]: e for e in ledger.read_manifest(store, 0, v + 1)["contributions"]}
+
+    merge(0, dict(a=1.0, b=1.0, c=1.0))
+    merge(1, dict(a=1.0, b=1.0, c=1.0))
+    grown = merge(2, dict(a=8.0, b=8.0, c=8.0))  # a warmup: every norm 8x the window's at once
+    assert all("clip" not in e for e in grown.values())
+    outlier = merge(3, dict(a=8.0, b=8.0, c=800.0))
+    assert "clip" not in outlier["a"] and "clip" not in outlier["b"] and 0 < outlier["c"]["clip"] < 0.05
+    r = restored(store)  # the replay merges the same
+    assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in s.states[0].current.raw.items())
+
+
 def test_a_merge_of_weight_zero_takes_no_outer_step_momentum_included(tmp_path):
     from support.runs import beat, contribution, live_syncer, make_run, restored, step
 
