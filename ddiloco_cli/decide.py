@@ -104,7 +104,7 @@ class Decider:
                     base_version=c.base_version, version=state.version,
                     staleness=lambda c=c: self.staleness(state, c),
                     read_base=lambda c=c: self.base_value(state, c.base_version),
-                    norm=c.norm, norms=state.norms, peers=self.peer_norms(state, c))
+                    norm=c.norm, norms=self.norm_sample(state, c), peers=self.peer_norms(state, c))
                 if verdict.accepted:
                     c.staleness, c.discount, c.clip = verdict.staleness, verdict.discount, verdict.clip
                     self.bound_counters(state, c)
@@ -118,12 +118,24 @@ class Decider:
                 del state.pending[lid]
 
     @staticmethod
+    def norm_sample(state: FragmentState, c: Contribution) -> list[float]:
+        """The norms ``c``'s is bounded against: the fragment's running window (as merged) and
+        the other learners' pending ones, so a run's first merges (or a fragment with few
+        merges yet) are bounded as soon as three norms are known, and one learner cannot move
+        the median by itself."""
+        others = [o.norm for lid, cs in state.pending.items() if lid != c.learner_id for o in cs]
+        return [*state.norms, *others]
+
+    @staticmethod
     def peer_norms(state: FragmentState, c: Contribution) -> list[float]:
-        """The other learners' pending norms: with the fragment's running window (as merged)
-        they are what ``c``'s is bounded against (``judge.norm_clip``), so a run's first merges
-        (or a fragment with few merges yet) are bounded as soon as three norms are known, and
-        one learner cannot move the median by itself."""
-        return [o.norm for lid, cs in state.pending.items() if lid != c.learner_id for o in cs]
+        """Each other learner's newest norm: its pending ones, else its last merged one (as
+        merged). Their median floors the bound (``judge.norm_clip``): a trend every learner
+        follows (a warmup) is not cut by an older window, even for a learner that arrives
+        alone; ``c``'s learner is never its own peer."""
+        out = [o.norm for lid, cs in state.pending.items() if lid != c.learner_id for o in cs]
+        out += [float(e.norm) for lid, e in state.tips.items()
+                if lid != c.learner_id and lid not in state.pending and e.norm is not None]
+        return out
 
     def bound_counters(self, state: FragmentState, c: Contribution) -> None:
         """What ``c``'s weight may count ([V2], PROTOCOL "What an admitted learner can and cannot

@@ -53,15 +53,15 @@ ACCEPTED = Verdict(ACCEPT)
 
 
 def norm_clip(norm: float, norms: Collection[float], peers: Collection[float] = ()) -> float:
-    """The factor that scales a delta of ``norm`` down to NORM_BOUND_FACTOR running medians of
-    the merged norms (``norms``, as merged: a clipped one at the bound) and the other learners'
-    pending ones (``peers``); 1 within the bound or before NORM_MIN_SAMPLES norms are known.
-    The median is never below the peers' own: when every learner's norm grows at once (a
-    learning-rate warmup, a loss spike) the older window does not cut them all, while one
-    learner, never its own peer, still cannot raise its bound. Clipped, not refused: a learner
-    whose data or learning rate makes bigger steps still counts, as far as an honest one could
-    move it."""
-    sample = [*norms, *peers]
+    """The factor that scales a delta of ``norm`` down to NORM_BOUND_FACTOR medians of
+    ``norms`` (the merged ones, as merged: a clipped one at the bound, and the other learners'
+    pending ones); 1 within the bound or before NORM_MIN_SAMPLES norms are known. The median
+    is never below that of ``peers`` (each other learner's newest norm): when every learner's
+    norm grows at once (a learning-rate warmup, a loss spike) the older window does not cut
+    them all, while one learner, never its own peer, still cannot raise its bound. Clipped,
+    not refused: a learner whose data or learning rate makes bigger steps still counts, as far
+    as an honest one could move it."""
+    sample = list(norms)
     if len(sample) < NORM_MIN_SAMPLES or norm <= 0:
         return 1.0
     median = max(statistics.median(sample), statistics.median(peers) if peers else 0.0)
@@ -153,8 +153,7 @@ class Judge:
         """Whether a valid contribution on ``base_version`` may be merged into the version after
         ``version``: its base no more than ``max_staleness`` cycles behind (``staleness()``)
         and still readable (``read_base()``, when the merge reads it), and its norm within
-        NORM_BOUND_FACTOR running medians of the accepted ones (``norms``) and the other
-        learners' pending ones (``peers``, ``norm_clip``) [V2]."""
+        NORM_BOUND_FACTOR medians of ``norms``, floored by that of ``peers`` (``norm_clip``) [V2]."""
         max_stale = float(self.config.max_staleness)
         try:
             behind = staleness()
