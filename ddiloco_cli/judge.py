@@ -52,19 +52,19 @@ class Verdict:
 ACCEPTED = Verdict(ACCEPT)
 
 
-def norm_clip(norm: float, norms: Collection[float], peers: Collection[float] = ()) -> float:
+def norm_clip(norm: float, norms: Collection[float], floors: Sequence[Collection[float]] = ()) -> float:
     """The factor that scales a delta of ``norm`` down to NORM_BOUND_FACTOR medians of
     ``norms`` (the merged ones, as merged: a clipped one at the bound, and the other learners'
     pending ones); 1 within the bound or before NORM_MIN_SAMPLES norms are known. The median
-    is never below that of ``peers`` (each other learner's newest norm): when every learner's
-    norm grows at once (a learning-rate warmup, a loss spike) the older window does not cut
-    them all, while one learner, never its own peer, still cannot raise its bound. Clipped,
-    not refused: a learner whose data or learning rate makes bigger steps still counts, as far
-    as an honest one could move it."""
+    is never below that of any of ``floors`` (the other learners' pending norms; each other
+    learner's newest norm): when every learner's norm grows at once (a learning-rate warmup,
+    a loss spike) the older window does not cut them all, while one learner, never its own
+    peer, still cannot raise its bound. Clipped, not refused: a learner whose data or
+    learning rate makes bigger steps still counts, as far as an honest one could move it."""
     sample = list(norms)
     if len(sample) < NORM_MIN_SAMPLES or norm <= 0:
         return 1.0
-    median = max(statistics.median(sample), statistics.median(peers) if peers else 0.0)
+    median = max([statistics.median(sample), *(statistics.median(f) for f in floors if f)])
     bound = NORM_BOUND_FACTOR * median
     return 1.0 if bound <= 0 or norm <= bound else bound / norm
 
@@ -149,11 +149,11 @@ class Judge:
 
     def admission(self, *, base_version: int, version: int, staleness: Callable[[], float],
                   read_base: Callable[[], Any] | None, norm: float, norms: Collection[float],
-                  peers: Collection[float] = ()) -> Verdict:
+                  floors: Sequence[Collection[float]] = ()) -> Verdict:
         """Whether a valid contribution on ``base_version`` may be merged into the version after
         ``version``: its base no more than ``max_staleness`` cycles behind (``staleness()``)
         and still readable (``read_base()``, when the merge reads it), and its norm within
-        NORM_BOUND_FACTOR medians of ``norms``, floored by that of ``peers`` (``norm_clip``) [V2]."""
+        NORM_BOUND_FACTOR medians of ``norms``, floored by those of ``floors`` (``norm_clip``) [V2]."""
         max_stale = float(self.config.max_staleness)
         try:
             behind = staleness()
@@ -165,7 +165,7 @@ class Judge:
         except (NotFound, ProtocolError, InvalidPayloadError) as exc:
             return Verdict(REFUSE, f"base version {base_version} can no longer be read ({exc}); "
                                    "re-base on the latest version")
-        return Verdict(ACCEPT, staleness=behind, discount=staleness_discount(behind), clip=norm_clip(norm, norms, peers))
+        return Verdict(ACCEPT, staleness=behind, discount=staleness_discount(behind), clip=norm_clip(norm, norms, floors))
 
     @staticmethod
     def non_finite(norms: Sequence[float], error: Exception) -> tuple[int, Verdict]:

@@ -43,9 +43,10 @@ def test_norms_that_grow_for_every_learner_at_once_are_not_clipped_but_one_outli
     from ddiloco_cli.judge import NORM_BOUND_FACTOR, norm_clip
 
     window = [1.0] * 8 + [9.0, 11.0]  # the merged norms and the others' pending ones
-    assert norm_clip(10.0, window, [9.0, 11.0]) == 1.0  # the peers' median (10) floors the window's (1)
-    assert norm_clip(1000.0, window, [9.0, 11.0]) == pytest.approx(NORM_BOUND_FACTOR * 10.0 / 1000.0)
-    assert norm_clip(10.0, window, []) == pytest.approx(NORM_BOUND_FACTOR / 10.0)  # no peers: the window's
+    assert norm_clip(10.0, window, [[9.0, 11.0]]) == 1.0  # the peers' median (10) floors the window's (1)
+    assert norm_clip(10.0, window, [[], [1.0, 9.0, 11.0]]) == 1.0  # the highest floor counts
+    assert norm_clip(1000.0, window, [[9.0, 11.0]]) == pytest.approx(NORM_BOUND_FACTOR * 10.0 / 1000.0)
+    assert norm_clip(10.0, window) == pytest.approx(NORM_BOUND_FACTOR / 10.0)  # no peers: the window's
     store = open_store(str(tmp_path / "run"))
     make_run(store, quorum=3)
     for lid in "abc":
