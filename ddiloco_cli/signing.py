@@ -419,8 +419,8 @@ class Trust:
         nothing it writes can carry a valid signature, so its objects need not be read."""
         def check() -> None:
             if not self._allowed(member_id, role):
-                raise SignatureError(f"{where}: {member_id!r} is not admitted as a {role} of this run, "
-                                     "so nothing it writes can carry a valid signature")
+                raise SignatureError(f"{where}: {role} {member_id!r} is not admitted to this run (`ddiloco admit "
+                                     "URL ID PUBKEY`), so nothing it writes can carry a valid signature")
         if self.required:
             self._retry_fresh(check, member_id)
 
