@@ -121,7 +121,7 @@ class Decider:
     def norm_sample(state: FragmentState, c: Contribution) -> list[float]:
         """The norms ``c``'s is bounded against: the fragment's running window (as merged) and
         the other learners' pending ones, so a run's first merges (or a fragment with few
-        merges yet) are bounded as soon as three norms are known, and one learner cannot move
+        merges yet) are bounded as soon as two norms are known, and one learner cannot move
         the median by itself."""
         others = [o.norm for lid, cs in state.pending.items() if lid != c.learner_id for o in cs]
         return [*state.norms, *others]

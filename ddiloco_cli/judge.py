@@ -33,7 +33,9 @@ from ddiloco_cli.store.base import NotFound
 ACCEPT, REFUSE, QUARANTINE = "accept", "refuse", "quarantine"
 NORM_BOUND_FACTOR = 2.0  # a delta whose norm exceeds this many running medians is scaled down to it (clip)
 NORM_WINDOW = 64  # accepted norms in the running median
-NORM_MIN_SAMPLES = 3  # no bound before this many norms (merged, or other learners' pending) are known
+NORM_MIN_SAMPLES = 2  # no bound before this many norms (merged, or other learners' pending) are known: two
+# others bound the first merge of a learner that arrives with them (a sample of one would let one honest
+# learner's norm alone bound another's)
 
 
 @dataclass(frozen=True)
