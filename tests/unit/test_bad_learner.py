@@ -70,6 +70,23 @@ def test_norms_that_grow_for_every_learner_at_once_are_not_clipped_but_one_outli
     assert all(torch.equal(t, r.states[0].current.raw[k]) for k, t in s.states[0].current.raw.items())
 
 
+def test_a_huge_delta_in_a_fragments_first_merge_is_clipped_by_the_two_others_in_it(tmp_path):
+    from support.runs import beat, contribution, delta_for, live_syncer, make_run
+
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, quorum=3)
+    for lid in "abm":
+        beat(store, lid)
+    s = live_syncer(store, fragments=[0])
+    for i, lid in enumerate("abm"):  # no merged norm yet: a's and b's are all there is to go by
+        scale = 1000.0 if lid == "m" else 1.0
+        contribution(store, 0, lid, 1, tensors={k: scale * t for k, t in delta_for(store, 0, i).items()})
+    s.poll_contributions()
+    assert s.maybe_merge(s.states[0])
+    used = {e["learner_id"]: e for e in ledger.read_manifest(store, 0, 1)["contributions"]}
+    assert "clip" not in used["a"] and "clip" not in used["b"] and 0 < used["m"]["clip"] < 0.01
+
+
 def test_a_merge_of_weight_zero_takes_no_outer_step_momentum_included(tmp_path):
     from support.runs import beat, contribution, live_syncer, make_run, restored, step
 
