@@ -17,9 +17,12 @@ bounds are on. Variants:
 
 Per variant: the final global val loss and its ratio to the clean run (target <= 1.05),
 honest contributions refused (target 0), the bad learner's entries clipped / share-capped,
-and ``inspect --verify``'s problems. Prints one JSON object per line, then a summary.
+and ``inspect --verify``'s problems; and the honest contributions the norm bound clipped
+(``honest_clipped`` of ``honest_used``, the smallest factor): the bound's price, highest with
+mixed speeds (``--speeds two`` / ``lognormal``). Prints one JSON object per line, then a summary.
 
     python scripts/bench_adversary.py --steps 96 --seed 0
+    python scripts/bench_adversary.py --steps 96 --seed 0 --speeds two --variants ''  # clean only
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from ddiloco_cli.ops.verify import verify_run
 from ddiloco_cli.protocol import ledger
 from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.simtrain.world import World
-from ddiloco_cli.syncer.judge import NORM_BOUND_FACTOR
+from ddiloco_cli.syncer import judge
 from ddiloco_cli.tasks import load_task
 
 VARIANTS = ("huge", "flip10", "counters", "zeros", "random_bound", "replay")
@@ -62,7 +65,7 @@ def tamper(variant: str, seed: int):
             norm = torch.sqrt(sum((t.double() ** 2).sum() for t in delta.values()))
             rnd = {k: torch.randn(t.shape, generator=g) for k, t in delta.items()}
             rnorm = torch.sqrt(sum((t.double() ** 2).sum() for t in rnd.values()))
-            delta = {k: (t * float(NORM_BOUND_FACTOR * norm / rnorm)).to(torch.float32) for k, t in rnd.items()}
+            delta = {k: (t * float(judge.NORM_BOUND_FACTOR * norm / rnorm)).to(torch.float32) for k, t in rnd.items()}
         elif variant == "replay":
             delta = first.setdefault(p, {k: t.clone() for k, t in delta.items()})
         return delta, header
@@ -84,13 +87,17 @@ def _attach(world: World, variant: str, seed: int) -> str:
     return bad.learner_id
 
 
+SPEED = {"speeds": "constant"}  # --speeds (two: every other learner --slow-factor x slower; lognormal: --sigma)
+
+
 def _scenario(learners: int, steps: int, seed: int, tokens_per_step: int) -> Scenario:
     return Scenario(learners=learners, steps_per_learner=steps, seed=seed, arms=("decoupled",), eval_points=0,
-                    run={"max_tokens_per_step": tokens_per_step})
+                    run={"max_tokens_per_step": tokens_per_step}, **SPEED)
 
 
 def _ledger(world: World, bad_id: str | None) -> dict:
-    out = {"honest_refused": 0, "bad_used": 0, "bad_clipped": 0, "bad_capped": 0, "bad_refused": 0}
+    out = {"honest_refused": 0, "honest_used": 0, "honest_clipped": 0, "honest_clip_min": 1.0, "bad_used": 0,
+           "bad_clipped": 0, "bad_capped": 0, "bad_refused": 0}
     for p in range(world.plan.num_fragments):
         for v in range(1, (ledger.latest_version(world.admin, p) or 0) + 1):
             for e in ledger.read_manifest(world.admin, p, v, run_id=world.run_id)["contributions"]:
@@ -101,6 +108,10 @@ def _ledger(world: World, bad_id: str | None) -> dict:
                     out["bad_used"] += 1
                     out["bad_clipped"] += "clip" in e
                     out["bad_capped"] += "share_cap" in e
+                elif e.get("used"):  # an honest one cut by the norm bound: the price of the bound
+                    out["honest_used"] += 1
+                    out["honest_clipped"] += "clip" in e
+                    out["honest_clip_min"] = min(out["honest_clip_min"], e.get("clip", 1.0))
     return out
 
 
@@ -126,7 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="also write every result to PATH")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--speeds", default="constant", choices=("constant", "two", "lognormal"))
+    ap.add_argument("--slow-factor", type=float, default=1.5, help="--speeds two: the slow learners' factor")
+    ap.add_argument("--sigma", type=float, default=0.5, help="--speeds lognormal: the speed factors' sigma")
+    ap.add_argument("--norm-bound", type=float, default=None,
+                    help=f"the clip bound in running medians (default: the syncer's, {judge.NORM_BOUND_FACTOR})")
     args = ap.parse_args(argv)
+    SPEED.update(speeds=args.speeds, slow_factor=args.slow_factor, sigma=args.sigma)
+    if args.norm_bound is not None:
+        judge.NORM_BOUND_FACTOR = args.norm_bound
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -146,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"summary": "pass" if ok else "FAIL", "clean_val_loss": clean["val_loss"]}))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "seed": args.seed, "results": results, "pass": ok}, f, indent=1)
+            json.dump({"steps": args.steps, "seed": args.seed, **SPEED, "norm_bound": judge.NORM_BOUND_FACTOR,
+                   "results": results, "pass": ok}, f, indent=1)
     return 0 if ok else 1
 
 

@@ -414,6 +414,16 @@ class Trust:
                                                      allowed=self._allowed(member_id, "learner"), where=where),
                               member_id)
 
+    def check_member(self, member_id: str, *, role: str, where: str = "") -> None:
+        """Raise SignatureError unless ``member_id`` has a key admitted in ``role``: without one
+        nothing it writes can carry a valid signature, so its objects need not be read."""
+        def check() -> None:
+            if not self._allowed(member_id, role):
+                raise SignatureError(f"{where}: {role} {member_id!r} is not admitted to this run (`ddiloco admit "
+                                     "URL ID PUBKEY`), so nothing it writes can carry a valid signature")
+        if self.required:
+            self._retry_fresh(check, member_id)
+
     def check_record(self, record: dict[str, Any], *, key: str, role: str, member_id: str | None = None,
                      where: str = "") -> None:
         """Raise SignatureError unless ``record`` (at ``key``) is signed by ``member_id``'s key

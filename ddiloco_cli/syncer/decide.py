@@ -104,7 +104,7 @@ class Decider:
                     base_version=c.base_version, version=state.version,
                     staleness=lambda c=c: self.staleness(state, c),
                     read_base=lambda c=c: self.base_value(state, c.base_version),
-                    norm=c.norm, norms=self.norm_sample(state, c))
+                    norm=c.norm, norms=self.norm_sample(state, c), floors=self.peer_norms(state, c))
                 if verdict.accepted:
                     c.staleness, c.discount, c.clip = verdict.staleness, verdict.discount, verdict.clip
                     self.bound_counters(state, c)
@@ -121,10 +121,22 @@ class Decider:
     def norm_sample(state: FragmentState, c: Contribution) -> list[float]:
         """The norms ``c``'s is bounded against: the fragment's running window (as merged) and
         the other learners' pending ones, so a run's first merges (or a fragment with few
-        merges yet) are bounded as soon as three norms are known, and one learner cannot move
+        merges yet) are bounded as soon as two norms are known, and one learner cannot move
         the median by itself."""
         others = [o.norm for lid, cs in state.pending.items() if lid != c.learner_id for o in cs]
         return [*state.norms, *others]
+
+    @staticmethod
+    def peer_norms(state: FragmentState, c: Contribution) -> tuple[list[float], list[float]]:
+        """The other learners' pending norms, and each other learner's newest norm (pending,
+        else its last merged one, as merged): their medians floor the bound
+        (``judge.norm_clip``), so a trend every learner follows (a warmup) is not cut by an
+        older window, even for a learner that arrives with few others; ``c``'s learner is
+        never its own peer."""
+        pending = [o.norm for lid, cs in state.pending.items() if lid != c.learner_id for o in cs]
+        newest = pending + [float(e.norm) for lid, e in state.tips.items()
+                            if lid != c.learner_id and lid not in state.pending and e.norm is not None]
+        return pending, newest
 
     def bound_counters(self, state: FragmentState, c: Contribution) -> None:
         """What ``c``'s weight may count ([V2], PROTOCOL "What an admitted learner can and cannot

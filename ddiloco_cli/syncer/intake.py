@@ -185,7 +185,7 @@ class Intake:
         by_fragment: dict[int, list[ObjectInfo]] = {p: [] for p in fragments}
         for info in infos:
             p = layout.parse_fragment_dir(info.key)
-            if p in by_fragment and info.key not in self.bad_keys and not self._believe_report(info):
+            if p in by_fragment and info.key not in self.bad_keys:
                 by_fragment[p].append(info)
         return by_fragment
 
@@ -229,11 +229,19 @@ class Intake:
         return self._validate(p, info, learner_id, seq, self._fetch(p, info.key, learner_id))
 
     def load_all(self, p: int, items: list[tuple[ObjectInfo, str, int]]) -> Iterator[Contribution | None]:
-        """``load(p, info, learner_id, seq)`` of each item, yielded in the items' order. The
-        downloads and decodes (zstd and torch release the GIL) run ahead in a small thread
-        pool while the caller takes the earlier ones; everything that decides what happens
-        to a contribution (signature, header checks, quarantine) runs here, in order, so the
-        outcome is the same as loading them one by one."""
+        """``load(p, info, learner_id, seq)`` of each item, yielded in the items' order; None
+        at once for one a believed report quarantines (``_believe_report``: the reports are
+        read as their objects come up, so a restart's share of a junk flood is bounded per
+        poll like the flood). The downloads and decodes (zstd and torch release the GIL) run
+        ahead in a small thread pool while the caller takes the earlier ones; everything that
+        decides what happens to a contribution (signature, header checks, quarantine) runs
+        here, in order, so the outcome is the same as loading them one by one."""
+        believed = {info.key for info, _, _ in items if self._believe_report(info)}
+        loads = self._load_each(p, [item for item in items if item[0].key not in believed])
+        for info, _, _ in items:
+            yield None if info.key in believed else next(loads)
+
+    def _load_each(self, p: int, items: list[tuple[ObjectInfo, str, int]]) -> Iterator[Contribution | None]:
         if len(items) <= 1 or self.decode_threads <= 1:
             for info, learner_id, seq in items:
                 yield self.load(p, info, learner_id, seq)
@@ -252,6 +260,9 @@ class Intake:
         """Download one contribution, check its signature on the raw bytes [A2] and only then
         decode it; thread-safe (reads only). Errors are returned, not raised, for
         ``_validate`` to report in order."""
+        admitted = self.judge.admitted(learner_id, where=f"{self.store.url}/{key}")
+        if not admitted.accepted:  # not read at all: a fake id's junk costs its report only
+            return _Fetched(b"", signature=admitted)
         try:
             data = self.store.get(key)
         except NotFound:

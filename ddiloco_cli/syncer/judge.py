@@ -33,7 +33,9 @@ from ddiloco_cli.store.base import NotFound
 ACCEPT, REFUSE, QUARANTINE = "accept", "refuse", "quarantine"
 NORM_BOUND_FACTOR = 2.0  # a delta whose norm exceeds this many running medians is scaled down to it (clip)
 NORM_WINDOW = 64  # accepted norms in the running median
-NORM_MIN_SAMPLES = 3  # no bound before this many norms (merged, or other learners' pending) are known
+NORM_MIN_SAMPLES = 2  # no bound before this many norms (merged, or other learners' pending) are known: two
+# others bound the first merge of a learner that arrives with them (a sample of one would let one honest
+# learner's norm alone bound another's)
 
 
 @dataclass(frozen=True)
@@ -52,14 +54,20 @@ class Verdict:
 ACCEPTED = Verdict(ACCEPT)
 
 
-def norm_clip(norm: float, norms: Collection[float]) -> float:
-    """The factor that scales a delta of ``norm`` down to NORM_BOUND_FACTOR running medians of
-    the merged norms (``norms``, as merged: a clipped one at the bound); 1 within the bound or
-    before NORM_MIN_SAMPLES norms are known. Clipped, not refused: a learner whose data or
+def norm_clip(norm: float, norms: Collection[float], floors: Sequence[Collection[float]] = ()) -> float:
+    """The factor that scales a delta of ``norm`` down to NORM_BOUND_FACTOR medians of
+    ``norms`` (the merged ones, as merged: a clipped one at the bound, and the other learners'
+    pending ones); 1 within the bound or before NORM_MIN_SAMPLES norms are known. The median
+    is never below that of any of ``floors`` (the other learners' pending norms; each other
+    learner's newest norm): when every learner's norm grows at once (a learning-rate warmup,
+    a loss spike) the older window does not cut them all, while one learner, never its own
+    peer, still cannot raise its bound. Clipped, not refused: a learner whose data or
     learning rate makes bigger steps still counts, as far as an honest one could move it."""
-    if len(norms) < NORM_MIN_SAMPLES or norm <= 0:
+    sample = list(norms)
+    if len(sample) < NORM_MIN_SAMPLES or norm <= 0:
         return 1.0
-    bound = NORM_BOUND_FACTOR * statistics.median(norms)
+    median = max([statistics.median(sample), *(statistics.median(f) for f in floors if f)])
+    bound = NORM_BOUND_FACTOR * median
     return 1.0 if bound <= 0 or norm <= bound else bound / norm
 
 
@@ -83,6 +91,16 @@ class Judge:
         if parsed is None or parsed[0] != fragment or not layout.valid_learner_id(parsed[1]):
             return Verdict(QUARANTINE, "not a valid contribution name"), "", -1
         return ACCEPTED, parsed[1], parsed[2]
+
+    def admitted(self, learner_id: str, *, where: str) -> Verdict:
+        """[A2] before the bytes are even read: in a run that requires signatures, a learner id
+        with no admitted key cannot have signed anything (a flood under fake ids costs a LIST
+        entry and a report each, never a download)."""
+        try:
+            self.trust.check_member(learner_id, role="learner", where=where)
+        except ProtocolError as exc:
+            return Verdict(QUARANTINE, str(exc))
+        return ACCEPTED
 
     def signature(self, data: bytes, *, key: str, learner_id: str, where: str) -> Verdict:
         """[A2] on the raw bytes, before anything decodes them: signed by ``learner_id``'s
@@ -132,11 +150,12 @@ class Judge:
             raise InvalidPayloadError(f"{where}: sparse topk {tensors.topk}, but the run's is {self.config.codec_topk}")
 
     def admission(self, *, base_version: int, version: int, staleness: Callable[[], float],
-                  read_base: Callable[[], Any] | None, norm: float, norms: Collection[float]) -> Verdict:
+                  read_base: Callable[[], Any] | None, norm: float, norms: Collection[float],
+                  floors: Sequence[Collection[float]] = ()) -> Verdict:
         """Whether a valid contribution on ``base_version`` may be merged into the version after
         ``version``: its base no more than ``max_staleness`` cycles behind (``staleness()``)
         and still readable (``read_base()``, when the merge reads it), and its norm within
-        NORM_BOUND_FACTOR running medians of the accepted ones (``norms``) [V2]."""
+        NORM_BOUND_FACTOR medians of ``norms``, floored by those of ``floors`` (``norm_clip``) [V2]."""
         max_stale = float(self.config.max_staleness)
         try:
             behind = staleness()
@@ -148,7 +167,7 @@ class Judge:
         except (NotFound, ProtocolError, InvalidPayloadError) as exc:
             return Verdict(REFUSE, f"base version {base_version} can no longer be read ({exc}); "
                                    "re-base on the latest version")
-        return Verdict(ACCEPT, staleness=behind, discount=staleness_discount(behind), clip=norm_clip(norm, norms))
+        return Verdict(ACCEPT, staleness=behind, discount=staleness_discount(behind), clip=norm_clip(norm, norms, floors))
 
     @staticmethod
     def non_finite(norms: Sequence[float], error: Exception) -> tuple[int, Verdict]:

@@ -16,6 +16,10 @@ from ddiloco_cli.syncer.state import FragmentState, SyncContext
 log = logging.getLogger(__name__)
 
 IDLE_POLL_FRACTION = 0.25  # an idle syncer LISTs at least every this fraction of the learners' step time
+# Contributions of learner ids with no valid heartbeat loaded per poll (the rest wait for the next
+# polls): a flood of junk under fake ids costs each poll a bounded amount, and the known learners'
+# contributions, taken first, are merged in the same tick as they are seen.
+UNKNOWN_PER_POLL = 32
 
 
 class Poller:
@@ -47,20 +51,24 @@ class Poller:
 
     def take(self, state: FragmentState, infos: list[ObjectInfo]) -> None:
         """Load every new contribution above its learner's high-water mark, oldest first, into
-        the pending set."""
+        the pending set: the known learners' ones first, then at most UNKNOWN_PER_POLL of
+        other ids (``_order``); the rest stay unseen until the next poll."""
         ctx = self.ctx
         fresh = []
         for info in infos:
             if info.key in state.seen:
                 continue
-            state.seen.add(info.key)
             verdict, learner_id, seq = ctx.judge.name(info.key, state.fragment)
             if not verdict.accepted:
+                state.seen.add(info.key)
                 ctx.intake.quarantine(info.key, verdict.reason)
                 continue
             if seq > state.high_water.get(learner_id, -1):  # else already in the ledger
                 fresh.append((seq, learner_id, info))
-        items = [(info, learner_id, seq) for seq, learner_id, info in sorted(fresh, key=lambda f: f[0])]
+            else:
+                state.seen.add(info.key)
+        items = self._order(fresh)
+        state.seen.update(info.key for info, _, _ in items)
         loads = ctx.intake.load_all(state.fragment, items)  # later ones decode while we take these
         for info, learner_id, seq in items:
             if state.fragment in self.restorer.unavailable:
@@ -75,6 +83,19 @@ class Poller:
                 state.closed.extend(add_pending(state.pending.setdefault(learner_id, []), got))
                 if state.first_pending_t is None:
                     state.first_pending_t = ctx.clock.monotonic()
+
+    def _order(self, fresh: list[tuple[int, str, ObjectInfo]]) -> list[tuple[ObjectInfo, str, int]]:
+        """The (info, learner id, seq) to load this poll: the known learners' (a valid
+        heartbeat) first, then at most UNKNOWN_PER_POLL of the others, each learner's in seq
+        order (a deferred one always has a higher seq than its learner's loaded ones, so it
+        stays above the high-water mark)."""
+        learners = self.ctx.learners
+        if any(lid not in learners.known for _, lid, _ in fresh) and learners.refresh_due(min_s=1.0):
+            learners.refresh()  # a learner that has just started is known, not deferred
+        known = [(seq, lid, info) for seq, lid, info in fresh if lid in learners.known]
+        other = [(seq, lid, info) for seq, lid, info in fresh if lid not in learners.known]
+        chosen = sorted(known, key=lambda f: f[0]) + sorted(other, key=lambda f: (f[0], f[1]))[:UNKNOWN_PER_POLL]
+        return [(info, lid, seq) for seq, lid, info in chosen]
 
     def _future_base(self, state: FragmentState, c: Contribution) -> Contribution | LedgerEntry | None:
         """A base newer than our version means someone else committed: check the fence (a

@@ -101,8 +101,9 @@ class Learners:
         times = [hb.step_time_s for hb in live if hb.step_time_s]
         self.step_time_s = statistics.median(times) if times else None
 
-    def refresh_due(self) -> bool:
-        return self.clock.monotonic() - self.refreshed_t > self.config.heartbeat_s
+    def refresh_due(self, *, min_s: float | None = None) -> bool:
+        """Whether the last refresh is older than ``min_s`` (default: the heartbeat period)."""
+        return self.clock.monotonic() - self.refreshed_t > (self.config.heartbeat_s if min_s is None else min_s)
 
     def is_known(self, learner_id: str) -> bool:
         if learner_id not in self.known:

@@ -83,6 +83,21 @@ def test_bench_store_smoke(tmp_path):
         assert set(r["median_ms"]) == {"expect", "no-expect"} and all(v > 0 for v in r["median_ms"].values())
 
 
+def test_bench_junk_smoke(tmp_path):
+    out = tmp_path / "junk.json"
+    text = _run("bench_junk.py", "--junk", "40", "--junk-kb", "2", "--dir", str(tmp_path / "w"), "--json", str(out),
+                timeout_s=600)
+    assert "40 junk objects" in text
+    rep = json.loads(out.read_text())
+    phases = {r["phase"]: r for r in rep["phases"]}
+    assert list(phases) == ["flood", "cold", "restart"]
+    assert phases["flood"]["quarantined"] == phases["cold"]["quarantined"] == 40  # each judged, no report yet
+    assert phases["restart"]["reports_believed"] == 40 and phases["restart"]["quarantined"] == 0
+    for r in phases.values():  # only the honest contribution was downloaded and decoded
+        assert r["decoded"] == 1 and r["verified"] == 1 and r["merge_after_upload_s"] > 0
+        assert r["junk_bytes_read"] == 0
+
+
 @pytest.mark.slow  # init, a syncer and two learners: ~50 s on a loaded 2-core machine
 def test_bench_traffic_smoke(tmp_path):
     out = tmp_path / "traffic.json"

@@ -98,7 +98,7 @@ def test_signed_run_merges_admitted_and_quarantines_the_rest_A2_A3_A5(keys, tmp_
 
     reasons = {q["key"]: q["reason"] for q in inspect_run(store)["quarantined"]}
     assert "forged" in reasons[forged_key] and "forged" in reasons[replayed_key]
-    assert "unsigned" in reasons[unsigned_key]
+    assert "'c' is not admitted to this run" in reasons[unsigned_key]  # an unadmitted id's object: not even read
     assert "not admitted to this run" in reasons[stranger_key]
     assert "not the key admitted" in reasons[impostor_key]
     assert good_key not in reasons

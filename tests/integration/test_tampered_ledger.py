@@ -1,6 +1,6 @@
-"""A tampered ledger never halts anything (issue 25), on a local directory, in memory and on
-S3 (the moto server), with a real Syncer in-process: a manifest copied to the next version's key
-stops only its fragment, with an ALERT that ``status --check`` reports; a deleted newest manifest
+"""A tampered ledger never halts anything (issue 25), on a local directory, in memory, on S3
+(the moto server) and on GCS (fake-gcs-server), with a real Syncer in-process: a manifest copied
+to the next version's key stops only its fragment, with an ALERT that ``status --check`` reports; a deleted newest manifest
 is put back by the syncer that committed it; a reader meets a gap with one line, not a
 traceback; ``inspect --verify`` names each."""
 
@@ -11,7 +11,7 @@ import pytest
 from ddiloco_cli.protocol import layout, ledger, records
 from ddiloco_cli.store import open_store
 
-from support.runs import STORE_BACKENDS
+from support.runs import ALL_BACKENDS
 
 
 def _two_fragment_syncer(store, **run):
@@ -27,7 +27,7 @@ def _two_fragment_syncer(store, **run):
     return s, contribution, step
 
 
-@pytest.mark.parametrize("backend", STORE_BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_a_manifest_copied_to_the_next_version_halts_only_its_fragment(backend, store_url):
     from ddiloco_cli.ops.observe import verify_run
 
@@ -50,7 +50,7 @@ def test_a_manifest_copied_to_the_next_version_halts_only_its_fragment(backend, 
     assert any(layout.manifest_key(0, 4) in p for p in verify_run(store))
 
 
-@pytest.mark.parametrize("backend", STORE_BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_a_deleted_newest_manifest_is_put_back_and_learners_get_one_line(backend, store_url):
     from ddiloco_cli.errors import ProtocolError
     from ddiloco_cli.ops.observe import verify_run

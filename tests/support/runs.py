@@ -19,6 +19,7 @@ from ddiloco_cli.syncer.core import Syncer, SyncerOptions
 TASK = "support.runs:TinyTask"  # a module name: learners never import a file path from run.json [L1]
 LOCAL_BACKENDS = ["local", "memory"]
 STORE_BACKENDS = ["local", "memory", pytest.param("s3", marks=pytest.mark.s3)]
+ALL_BACKENDS = [*STORE_BACKENDS, pytest.param("gcs", marks=pytest.mark.gcs)]  # fake-gcs-server too
 
 
 # ----------------------------------------------------------------- the tiny task
@@ -185,3 +186,28 @@ def fragment0_contribution(store, run, learner_id: str, seq: int, *, signer: "si
     if signer is not None:
         data = signing.sign_payload(data, kind="contribution", run_id=run["run_id"], key=key, signer=signer)
     return key, data
+
+
+def signed_run(store, keys: dict[str, "signing.Signer"], *, task: str = "ddiloco_cli.tasks.gpt:tiny") -> dict[str, Any]:
+    """A run that requires signatures (admin key ``keys["admin"]``), learner ``a`` admitted
+    (``keys["a"]``) with a signed, live heartbeat, syncer ``s`` admitted (``keys["syncer"]``)."""
+    run = init_run(store, RunSpec(task=task, num_fragments=2, sync_every=4, codec="none", publish_codec="none",
+                                  lease_s=60.0, heartbeat_s=1.0, outer_lr=0.7), admin=keys["admin"])
+    signing.admit(store, run=run, member_id="a", public_key=keys["a"].public_key, role="learner", admin=keys["admin"])
+    signing.admit(store, run=run, member_id="s", public_key=keys["syncer"].public_key, role="syncer",
+                  admin=keys["admin"])
+    rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id="a", state="running", step=1, tokens=1,
+                       step_time_s=0.01)
+    hb = layout.learner_heartbeat_key("a")
+    store.put(hb, records.dumps(signing.sign_record(rec, run_id=run["run_id"], key=hb, signer=keys["a"])))
+    return run
+
+
+def signed_syncer(store, keys: dict[str, "signing.Signer"], name: str) -> Syncer:
+    """A syncer of a ``signed_run`` that has claimed its epoch and restored (one decode thread)."""
+    s = Syncer(store, options=SyncerOptions(syncer_id=name, poll_s=0.01, gc=False, decode_threads=1,
+                                            key_path=str(keys["syncer"].path)))
+    assert s.acquire()
+    s.check_fence()
+    s.restore()
+    return s

@@ -58,8 +58,8 @@ def test_pool_decode_takes_and_quarantines_exactly_as_one_by_one():
     assert serial.intake._pool is None and pooled.intake._pool is not None  # the pool did the decoding
     assert q4 == q1
     assert [key for key, _ in q1] == [layout.contribution_key(0, lid, seq) for lid, seq in
-                                      (("c", 1), ("d", 1), ("b", 2), ("c", 2))]  # in seq order, then as listed
-    assert "codec 'none'" in q1[0][1] and "unknown learner" in q1[1][1] and "another-run" in q1[3][1]
+                                      (("c", 1), ("b", 2), ("c", 2), ("d", 1))]  # known learners first, in seq order
+    assert "codec 'none'" in q1[0][1] and "unknown learner" in q1[3][1] and "another-run" in q1[2][1]
     assert closed4 == closed1 and closed1[0] == [("a", 1, "superseded"), ("a", 2, "superseded")]
     assert pending4.keys() == pending1.keys()
     for p in pending1:
