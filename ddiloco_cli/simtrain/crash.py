@@ -47,8 +47,9 @@ class Point:
 class CrashPlan:
     """Counts the writes (and sends) a point can land on; kills at ``point`` (None: count only)."""
 
-    def __init__(self, world: World, point: Point | None):
+    def __init__(self, world: World, point: Point | None, *, forker: Any = None):
         self.world, self.point = world, point
+        self.forker = forker  # a crashfork.Forker: fork a crashed copy of the run at every point
         self.counts = {"syncer": 0, "learner": 0, "queued": 0}
         self.fired = False
         self._current: dict[str, int] = {}
@@ -75,6 +76,8 @@ class CrashPlan:
             self._maybe_fire("learner", self.counts["queued"] - 1, "queued")
 
     def _maybe_fire(self, kind: str, index: int, phase: str) -> None:
+        if self.forker is not None and not self.fired and self.forker.split(Point(kind, index, phase)):
+            self.point = Point(kind, index, phase)  # the forked child: crash here
         p = self.point
         if self.fired or p is None or (p.target, p.index, p.phase) != (kind, index, phase):
             return
