@@ -201,8 +201,7 @@ def verify(world: World) -> list[str]:
     live = world.syncer.syncer
     if live is None:
         return problems + ["no live syncer at the end"]
-    bare = SimBucket()
-    bare.objects = {k: list(v) for k, v in world.bucket.objects.items() if not k.startswith(layout.CHECKPOINT_ROOT)}
+    bare = world.bucket.without(layout.CHECKPOINT_ROOT)
     for name, restored in (("checkpoints + ledger", _restored(world, copy.copy(world.bucket))),
                            ("ledger alone", _restored(world, bare))):
         for p, state in live.states.items():
