@@ -79,14 +79,18 @@ def describe(held: HeldBy) -> str:
             f"last heartbeat {held.age_s:.1f}s ago")
 
 
-def _crashed_here(rec: dict[str, Any]) -> bool:
+def _crashed_here(rec: dict[str, Any], me: tuple[str, int] | None = None) -> bool:
     """The session ran on this host and its process is gone (or is this very process,
-    as after a container restart): a crash, not a live twin."""
-    if rec.get("host") != socket.gethostname() or not isinstance(rec.get("pid"), int):
+    as after a container restart): a crash, not a live twin. ``me``: this process's
+    (host, pid) if not the real ones (the simulation's learners have a fixed one)."""
+    host, my_pid = me or (socket.gethostname(), os.getpid())
+    if rec.get("host") != host or not isinstance(rec.get("pid"), int):
         return False
     pid = rec["pid"]
-    if pid == os.getpid():
+    if pid == my_pid:
         return True
+    if me is not None:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -96,13 +100,13 @@ def _crashed_here(rec: dict[str, Any]) -> bool:
     return False
 
 
-def _live(held: HeldBy | None, lease_s: float) -> bool:
+def _live(held: HeldBy | None, lease_s: float, me: tuple[str, int] | None = None) -> bool:
     return (held is not None and held.record["state"] == "running" and held.age_s <= lease_s
-            and not _crashed_here(held.record))
+            and not _crashed_here(held.record, me))
 
 
 def check_id_free(store: Store, learner_id: str, *, lease_s: float,
-                  sleep: Callable[[float], None] = time.sleep) -> HeldBy | None:
+                  sleep: Callable[[float], None] = time.sleep, me: tuple[str, int] | None = None) -> HeldBy | None:
     """Raise UsageError when a live session holds ``learner_id``; else return the
     previous session's heartbeat (or None).
 
@@ -110,14 +114,14 @@ def check_id_free(store: Store, learner_id: str, *, lease_s: float,
     this host. A running heartbeat is watched for up to one lease first: a session
     that crashed on another machine stops beating, a live one beats again."""
     held = read_heartbeat(store, learner_id, lease_s=lease_s)
-    if not _live(held, lease_s):
+    if not _live(held, lease_s, me):
         return held
     wait_s = lease_s - held.age_s + LEASE_MARGIN_S
     log.info("learner id %r has a running heartbeat (%s); waiting %.1fs to see whether that session is alive",
              learner_id, describe(held), wait_s)
     sleep(wait_s)
     again = read_heartbeat(store, learner_id, lease_s=lease_s)
-    if not _live(again, lease_s):
+    if not _live(again, lease_s, me):
         return again
     raise UsageError(f"learner id {learner_id!r} is live: {describe(again)}. Stop that session, or pick "
                      f"another --learner-id")

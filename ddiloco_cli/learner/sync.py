@@ -72,6 +72,7 @@ class SyncOptions:
     key_path: str | None = None  # signing key admitted for this learner id (runs that require signatures)
     clock: Clock = WALL  # every time and wait of the learner's logic (a virtual clock in the simulation)
     threads: bool = True  # False: no worker threads; a driver runs the uploader, receiver and heartbeat steps
+    process: tuple[str, int] | None = None  # (host, pid) in the heartbeat; None: this machine and process
 
 
 def check_learner_id(learner_id: str) -> None:
@@ -172,7 +173,7 @@ class DiLoCoSync(SendPath, ReceivePath):
         self.session = int(self.store.now() * 1e6) if io else 0
         self.started_s = self.clock.time()
         held = check_id_free(self.store, self.learner_id, lease_s=self.config.lease_s,
-                             sleep=self.clock.sleep) if io else None
+                             sleep=self.clock.sleep, me=self.opts.process) if io else None
         self.first_started_s = progress.first_started(held, now_s=self.started_s)  # goodput spans restarts
         if held is not None:
             # carry step, tokens and byte counters over (a hint: keeps the LR schedule and totals continuous)
@@ -310,12 +311,13 @@ class DiLoCoSync(SendPath, ReceivePath):
 
     def _heartbeat_record(self) -> dict[str, Any]:
         s = self.stats
+        host, pid = self.opts.process or (socket.gethostname(), os.getpid())
         return records.make(
             "learner_heartbeat", run_id=self.run_id, learner_id=self.learner_id, state=s.state, step=s.step,
             tokens=s.tokens, step_time_s=s.step_time_s, loss=s.loss, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
             num_contributions=s.num_contributions, blocked_s=s.blocked_s,
             versions={str(p): v for p, v in s.versions.items()}, device=str(self.island.device),
-            session=self.session, host=socket.gethostname(), pid=os.getpid(), started_s=self.started_s,
+            session=self.session, host=host, pid=pid, started_s=self.started_s,
             first_started_s=self.first_started_s,
             time_s=self.clock.time(), schedule_offset=self.schedule_offset, **self.heartbeat_fields,
         )

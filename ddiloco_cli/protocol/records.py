@@ -225,7 +225,24 @@ def validate(record: Any, record_type: str, *, where: str) -> dict[str, Any]:
     return record
 
 
+# (record type, bytes) that validated: the same bytes validate the same way every time, and
+# manifests are read again and again (restores, replays, audits). Cleared whole when full.
+_VALIDATED: set[tuple[str, bytes]] = set()
+VALIDATED_MAX = 4096  # entries
+VALIDATED_MAX_BYTES = 1 << 16  # larger records are validated every time
+
+
 def loads(data: bytes, record_type: str, *, where: str) -> dict[str, Any]:
     """Parse (bounded: ``parse_json``) and validate a JSON record read from the bucket.
     Raises ProtocolError (NewerProtocolError for a newer protocol version)."""
-    return validate(parse_json(data, where=where), record_type, where=where)
+    record = parse_json(data, where=where)
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    key = (record_type, raw) if len(raw) <= VALIDATED_MAX_BYTES else None
+    if key is not None and key in _VALIDATED:
+        return record
+    validate(record, record_type, where=where)
+    if key is not None:
+        if len(_VALIDATED) >= VALIDATED_MAX:
+            _VALIDATED.clear()
+        _VALIDATED.add(key)
+    return record

@@ -16,6 +16,7 @@ its contribution GETs: each costs its latency / parallel plus its transfer.
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class SimBucket:
 
     def __init__(self) -> None:
         self.objects: dict[str, list[tuple[float, bytes]]] = {}
+        self._keys: list[str] = []  # the keys of ``objects``, sorted: a LIST is a range of it, not a scan
         self.num_requests = 0
         self.last_contribution_t = 0.0  # when the newest contribution became visible
         self.last_write_t = 0.0  # when the last write lands
@@ -69,10 +71,34 @@ class SimBucket:
         self.last_write_t = max(self.last_write_t, visible_at)
         if key.startswith(layout.CONTRIBUTION_ROOT):
             self.last_contribution_t = max(self.last_contribution_t, visible_at)
-        versions = self.objects.setdefault(key, [])
+        versions = self.objects.get(key)
+        if versions is None:
+            versions = self.objects[key] = []
+            bisect.insort(self._keys, key)
         versions.append((visible_at, data))
         versions.sort(key=lambda v: v[0])
         del versions[:-KEEP_VERSIONS]
+
+    def remove(self, key: str) -> None:
+        if self.objects.pop(key, None) is not None:
+            del self._keys[bisect.bisect_left(self._keys, key)]
+
+    def keys_with(self, prefix: str) -> list[str]:
+        """The keys that start with ``prefix``, sorted."""
+        keys = self._keys
+        start = end = bisect.bisect_left(keys, prefix)
+        while end < len(keys) and keys[end].startswith(prefix):
+            end += 1
+        return keys[start:end]
+
+    def without(self, prefix: str) -> "SimBucket":
+        """A copy of the objects whose keys do not start with ``prefix`` (nothing else carried over)."""
+        out = SimBucket()
+        for key in self._keys:
+            if not key.startswith(prefix):
+                out.objects[key] = list(self.objects[key])
+                out._keys.append(key)
+        return out
 
     def peek(self, key: str) -> bytes | None:
         """The newest content of ``key``, visible or not (the harness's own reads)."""
@@ -167,7 +193,7 @@ class SimStore:
             # the turn's start, not t: a write visible before t may still be made by an event after it
             self.contributions_listed_t = self.clock.loop.now
         out = []
-        for key in sorted(k for k in self.bucket.objects if k.startswith(prefix)):
+        for key in self.bucket.keys_with(prefix):
             found = self.bucket.visible(key, t)
             if found is not None:
                 out.append(ObjectInfo(key=key, size=len(found[1]), mtime_s=VIRTUAL_EPOCH_S + found[0]))
@@ -177,7 +203,7 @@ class SimStore:
     def delete(self, key: str) -> None:
         check_key(key)
         self._request()
-        self.bucket.objects.pop(key, None)
+        self.bucket.remove(key)
 
     def remove_stale_temp(self, *, older_than_s: float, dry_run: bool = False) -> list[ObjectInfo]:
         return []

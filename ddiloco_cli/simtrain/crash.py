@@ -47,8 +47,9 @@ class Point:
 class CrashPlan:
     """Counts the writes (and sends) a point can land on; kills at ``point`` (None: count only)."""
 
-    def __init__(self, world: World, point: Point | None):
+    def __init__(self, world: World, point: Point | None, *, forker: Any = None):
         self.world, self.point = world, point
+        self.forker = forker  # a crashfork.Forker: fork a crashed copy of the run at every point
         self.counts = {"syncer": 0, "learner": 0, "queued": 0}
         self.fired = False
         self._current: dict[str, int] = {}
@@ -75,6 +76,8 @@ class CrashPlan:
             self._maybe_fire("learner", self.counts["queued"] - 1, "queued")
 
     def _maybe_fire(self, kind: str, index: int, phase: str) -> None:
+        if self.forker is not None and not self.fired and self.forker.split(Point(kind, index, phase)):
+            self.point = Point(kind, index, phase)  # the forked child: crash here
         p = self.point
         if self.fired or p is None or (p.target, p.index, p.phase) != (kind, index, phase):
             return
@@ -93,11 +96,14 @@ class CrashPlan:
         w.loop.at(w.loop.now + w.scenario.downtime_s, w._start_learner, learner)
 
 
-def crash_scenario(seed: int, *, steps: int = 24) -> Scenario:
-    """A small, fast run: the micro GPT, M = 2, P = 2, H = 4, checkpoints every 2 versions."""
+NANO, MICRO = "ddiloco_cli.simtrain.crash:nano", "ddiloco_cli.simtrain.crash:micro"
+
+
+def crash_scenario(seed: int, *, steps: int = 24, task: str = NANO) -> Scenario:
+    """A small, fast run: the nano MLP (or ``task``), M = 2, P = 2, H = 4, checkpoints every 2 versions."""
     return Scenario(learners=2, steps_per_learner=steps, seed=seed, step_s=0.5, eval_points=0, eval_batches=1,
                     arms=("decoupled",), downtime_s=2.0, jitter_ms=5.0,
-                    run={"task": "ddiloco_cli.simtrain.crash:micro", "num_fragments": 2, "sync_every": 4,
+                    run={"task": task, "num_fragments": 2, "sync_every": 4,
                          "overlap_steps": 2, "checkpoint_every": 2, "batch_size": 4})
 
 
@@ -106,6 +112,46 @@ def micro():
     from ddiloco_cli.tasks.gpt import GPTConfig, GPTTask
 
     return GPTTask(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32), default_batch_size=4)
+
+
+class NanoTask:
+    """A two-layer MLP fitting a fixed random linear map: the cheapest model the crash
+    points can run (what they check does not depend on the model's size, and a step of
+    this one costs a tenth of the micro GPT's)."""
+
+    dim_in, hidden, dim_out = 8, 16, 4
+
+    def build_model(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(self.dim_in, self.hidden), torch.nn.Tanh(),
+                                   torch.nn.Linear(self.hidden, self.dim_out))
+
+    def _target(self) -> torch.Tensor:
+        return torch.randn(self.dim_in, self.dim_out, generator=torch.Generator().manual_seed(1))
+
+    def batches(self, *, shard: int, num_shards: int, seed: int, batch_size: int, start_step: int = 0):
+        g = torch.Generator().manual_seed(seed * 1009 + shard)
+        target = self._target()
+        for _ in range(start_step):
+            torch.randn(batch_size, self.dim_in, generator=g)
+        while True:
+            x = torch.randn(batch_size, self.dim_in, generator=g)
+            yield x, x @ target
+
+    def val_batches(self, *, batch_size: int):
+        x = torch.randn(64, self.dim_in, generator=torch.Generator().manual_seed(2))
+        yield x, x @ self._target()
+
+    def loss(self, model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    def num_tokens(self, batch: tuple) -> int:
+        return int(batch[0].shape[0])
+
+
+def nano() -> NanoTask:
+    return NanoTask()
 
 
 def run_point(scenario: Scenario, point: Point | None) -> tuple[World, CrashPlan]:
@@ -155,8 +201,7 @@ def verify(world: World) -> list[str]:
     live = world.syncer.syncer
     if live is None:
         return problems + ["no live syncer at the end"]
-    bare = SimBucket()
-    bare.objects = {k: list(v) for k, v in world.bucket.objects.items() if not k.startswith(layout.CHECKPOINT_ROOT)}
+    bare = world.bucket.without(layout.CHECKPOINT_ROOT)
     for name, restored in (("checkpoints + ledger", _restored(world, copy.copy(world.bucket))),
                            ("ledger alone", _restored(world, bare))):
         for p, state in live.states.items():

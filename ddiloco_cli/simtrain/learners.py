@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SIM_PROCESS = ("simulation", 1)  # the (host, pid) every simulated learner's heartbeat carries
+
 
 @dataclass
 class LearnerReport:
@@ -123,7 +125,10 @@ class SimLearner:
         self.clock.begin()
         torch.manual_seed(config.seed)
         self.model = w.task.build_model()
-        options = SyncOptions(clock=self.clock, threads=False, handle_sigterm=False, upload_queue=4, upload_workers=2)
+        # one fixed process identity: a restarted session sees its predecessor's heartbeat as this
+        # (simulated) process's, dead, whichever real process runs the simulation (a fork: crashfork.py)
+        options = SyncOptions(clock=self.clock, threads=False, handle_sigterm=False, upload_queue=4, upload_workers=2,
+                              process=SIM_PROCESS)
         sync = DiLoCoSync(self.store, self.model, learner_id=self.learner_id, config=config, options=options,
                           heartbeat_fields={"shard": 0, "num_shards": 1})
         sync.start()

@@ -116,3 +116,20 @@ def test_json_equality_is_jsonschemas():
 def test_an_unknown_keyword_refuses_to_compile(schema):
     with pytest.raises(schemacheck.Unsupported):
         schemacheck.compile_schema(schema, formats=records._FORMAT_CHECKS)
+
+
+def test_loads_validates_the_same_bytes_once_and_bad_bytes_every_time(monkeypatch):
+    calls = []
+    real = records.validate
+    monkeypatch.setattr(records, "validate", lambda rec, kind, *, where: calls.append(kind) or real(rec, kind, where=where))
+    monkeypatch.setattr(records, "_VALIDATED", set())
+    good = records.dumps(records.make("learner_state", run_id="r" * 32, learner_id="L0", session=1, data={}))
+    first = records.loads(good, "learner_state", where="a")
+    first["data"]["x"] = 1  # each call parses afresh: a caller's change does not leak into the next
+    second = records.loads(good, "learner_state", where="b")
+    assert calls == ["learner_state"] and second["data"] == {}
+    bad = good.replace(b'"session":1', b'"session":"one"')
+    for _ in range(2):
+        with pytest.raises(records.ProtocolError):
+            records.loads(bad, "learner_state", where="c")
+    assert calls == ["learner_state"] * 3

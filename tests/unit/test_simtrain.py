@@ -218,3 +218,32 @@ def test_sweep_table_goes_between_its_markers(tmp_path):
     sc = sweep_sim.scenario_for({"ratio": 5.0, "preempt": True}, learners=2, seed=0, steps=8)
     assert sc.step_s == pytest.approx(5 * sweep_sim.round_trip_s(sc))
     assert sc.downtime_s / (sc.downtime_s + sc.mtbf_s) == pytest.approx(0.1)
+
+
+def test_a_forked_crash_point_is_the_run_replayed_from_the_start_with_that_crash():
+    from ddiloco_cli.simtrain.crash import crash_scenario, run_point
+    from ddiloco_cli.simtrain.crashfork import run_digest, run_seed
+
+    scenario = crash_scenario(3, steps=8)
+    base, results, _ = run_seed(scenario, select=lambda p: p.index % 4 == 1, digest=True)
+    assert base == [] and {p.target for p, _ in results} == {"syncer", "learner"}
+    assert len({r["digest"] for _, r in results}) > 1  # the crashes change how the run ends
+    checked = [next((p, r) for p, r in results if p.target == t and p.phase == ph)
+               for t, ph in (("syncer", "before"), ("syncer", "after"), ("learner", "queued"), ("learner", "after"))]
+    for point, result in checked:
+        assert result["fired"] and result["problems"] == [], point
+        world, crashed = run_point(scenario, point)
+        assert crashed.fired and run_digest(world) == result["digest"], point
+
+
+def test_a_forked_point_reports_its_problems_and_a_dying_child_is_a_failure(monkeypatch):
+    from ddiloco_cli.simtrain import crashfork
+    from ddiloco_cli.simtrain.crash import crash_scenario
+
+    scenario = crash_scenario(4, steps=8)
+    monkeypatch.setattr(crashfork, "verify", lambda world: ["made up"] if world.loop.crashes else [])
+    _, results, _ = crashfork.run_seed(scenario, select=lambda p: p.index == 0, jobs=2)
+    assert results and all(r["problems"] == ["made up"] for _, r in results)
+    monkeypatch.setattr(crashfork, "verify", lambda world: crashfork.os._exit(3) if world.loop.crashes else [])
+    _, results, _ = crashfork.run_seed(scenario, select=lambda p: p.index == 0)
+    assert results and all("without a readable report" in r["problems"][0] for _, r in results)
