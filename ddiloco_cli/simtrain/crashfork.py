@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddiloco_cli import ledger
+from ddiloco_cli.protocol import ledger
 from ddiloco_cli.simtrain.crash import CrashPlan, Point, verify
 from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.simtrain.world import World
