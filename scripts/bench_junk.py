@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
+import benchlib
 from ddiloco_cli.numerics import codec
-from ddiloco_cli.ops.runinit import RunSpec, init_run
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.published import expected_shapes
 from ddiloco_cli.store import open_store
@@ -72,16 +72,7 @@ class _Counts:
 def _setup(root: Path):
     keys = {n: signing.new_key(root / f"{n}.pem") for n in ("admin", "a", "syncer")}
     store = open_store(str(root / "run"))
-    run = init_run(store, RunSpec(task=TASK, num_fragments=2, sync_every=4, codec="none", publish_codec="none",
-                                  lease_s=600.0, heartbeat_s=1.0, outer_lr=0.7), admin=keys["admin"])
-    signing.admit(store, run=run, member_id="a", public_key=keys["a"].public_key, role="learner", admin=keys["admin"])
-    signing.admit(store, run=run, member_id="s", public_key=keys["syncer"].public_key, role="syncer",
-                  admin=keys["admin"])
-    rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id="a", state="running", step=1, tokens=1,
-                       step_time_s=0.01)
-    hb = layout.learner_heartbeat_key("a")
-    store.put(hb, records.dumps(signing.sign_record(rec, run_id=run["run_id"], key=hb, signer=keys["a"])))
-    return store, run, keys
+    return store, benchlib.signed_run(store, keys, task=TASK, lease_s=600.0), keys
 
 
 def _payload(store, run, learner_id: str, seq: int, base: int, *, numel: int | None, signer) -> tuple[str, bytes]:

@@ -197,6 +197,25 @@ class Launcher:
                 p.wait()
 
 
+def signed_run(store: Any, keys: dict[str, Any], *, task: str, lease_s: float) -> dict[str, Any]:
+    """A run that requires signatures (admin key ``keys["admin"]``), learner ``a`` admitted
+    (``keys["a"]``) with a signed, live heartbeat, syncer ``s`` admitted (``keys["syncer"]``);
+    returns run.json's record (bench_junk.py and the tests' signed runs)."""
+    from ddiloco_cli.ops.runinit import RunSpec, init_run
+    from ddiloco_cli.protocol import records, signing
+
+    run = init_run(store, RunSpec(task=task, num_fragments=2, sync_every=4, codec="none", publish_codec="none",
+                                  lease_s=lease_s, heartbeat_s=1.0, outer_lr=0.7), admin=keys["admin"])
+    signing.admit(store, run=run, member_id="a", public_key=keys["a"].public_key, role="learner", admin=keys["admin"])
+    signing.admit(store, run=run, member_id="s", public_key=keys["syncer"].public_key, role="syncer",
+                  admin=keys["admin"])
+    rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id="a", state="running", step=1, tokens=1,
+                       step_time_s=0.01)
+    hb = layout.learner_heartbeat_key("a")
+    store.put(hb, records.dumps(signing.sign_record(rec, run_id=run["run_id"], key=hb, signer=keys["a"])))
+    return run
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

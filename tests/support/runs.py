@@ -5,6 +5,7 @@ contributions and heartbeats the way learners do, and step a real ``Syncer``
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -15,6 +16,12 @@ from ddiloco_cli.ops.runinit import RunSpec, init_run
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.published import expected_shapes
 from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+
+from support import REPO
+
+if str(REPO / "scripts") not in sys.path:
+    sys.path.insert(0, str(REPO / "scripts"))
+import benchlib  # noqa: E402
 
 TASK = "support.runs:TinyTask"  # a module name: learners never import a file path from run.json [L1]
 LOCAL_BACKENDS = ["local", "memory"]
@@ -191,16 +198,7 @@ def fragment0_contribution(store, run, learner_id: str, seq: int, *, signer: "si
 def signed_run(store, keys: dict[str, "signing.Signer"], *, task: str = "ddiloco_cli.tasks.gpt:tiny") -> dict[str, Any]:
     """A run that requires signatures (admin key ``keys["admin"]``), learner ``a`` admitted
     (``keys["a"]``) with a signed, live heartbeat, syncer ``s`` admitted (``keys["syncer"]``)."""
-    run = init_run(store, RunSpec(task=task, num_fragments=2, sync_every=4, codec="none", publish_codec="none",
-                                  lease_s=60.0, heartbeat_s=1.0, outer_lr=0.7), admin=keys["admin"])
-    signing.admit(store, run=run, member_id="a", public_key=keys["a"].public_key, role="learner", admin=keys["admin"])
-    signing.admit(store, run=run, member_id="s", public_key=keys["syncer"].public_key, role="syncer",
-                  admin=keys["admin"])
-    rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id="a", state="running", step=1, tokens=1,
-                       step_time_s=0.01)
-    hb = layout.learner_heartbeat_key("a")
-    store.put(hb, records.dumps(signing.sign_record(rec, run_id=run["run_id"], key=hb, signer=keys["a"])))
-    return run
+    return benchlib.signed_run(store, keys, task=task, lease_s=60.0)
 
 
 def signed_syncer(store, keys: dict[str, "signing.Signer"], name: str) -> Syncer:
