@@ -112,22 +112,23 @@ def render_status(status: dict[str, Any]) -> RenderableType:
     parts += [Text(f"ALERT: {alert}", style="bold red") for alert in status["alerts"]]
     parts.append(_fragments_view(status["fragments"]))
 
-    learners = _table("learners", "learner", "state", "step", "tokens", "tok/s", "loss", "behind",
+    learners = _table("learners", "learner", "state", "step", "tokens", "tok/s", "loss", "behind", "lag",
                       "last contrib", "eta", "up", "down", "blocked", "beat")
     rows = [(r["learner_id"], _alive(r["alive"], r["state"]), fmt_num(r["step"]), fmt_num(r["tokens"]),
              fmt_num(r["tokens_per_s"]), fmt_num(r["loss"], ".3f"), fmt_num(r["versions_behind"]),
+             "-" if r.get("lag_p50") is None else f"{r['lag_p50']}/{r['lag_p95']}",
              fmt_age(r["last_contribution_age_s"]), fmt_age(r["eta_s"]), fmt_bytes(r["bytes_up"]),
              fmt_bytes(r["bytes_down"]), fmt_age(r["blocked_s"]), fmt_age(r["heartbeat_age_s"]))
             for r in status["learners"]]
-    parts.append(_cut(learners, rows, 13) if rows else Text("learners: none yet", style="dim"))
+    parts.append(_cut(learners, rows, 14) if rows else Text("learners: none yet", style="dim"))
 
     syncers = _table("syncers", "epoch", "syncer", "state", "fragments", "beat", "lag", "backlog", "merges")
     rows = [(str(s["epoch"]), s["syncer_id"], _alive(s["alive"], s["state"]), fmt_fragments(s["fragments"]),
              fmt_age(s["heartbeat_age_s"]), fmt_num(s["lag_versions"]), str(s["backlog"]), fmt_num(s["num_merges"]))
             for s in status["syncers"]]
     parts.append(_cut(syncers, rows, 8) if rows else Text("syncers: none serving", style="yellow"))
-    for error in status.get("errors", []):
-        parts.append(Text(f"warning: {error}", style="yellow"))
+    for line in [*status.get("notes", []), *status.get("errors", [])]:
+        parts.append(Text(f"warning: {line}", style="yellow"))
     return _stack(parts)
 
 

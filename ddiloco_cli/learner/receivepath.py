@@ -16,10 +16,13 @@ log = logging.getLogger("ddiloco_cli.learner.sync")  # the learner's lines keep 
 Tensors = dict[str, torch.Tensor]
 
 ALERT_MIN_INTERVAL_S = 10.0  # stall alerts (decoupled and lock-step) come at most this often
+LAG_WARN_AFTER = 16  # receives before a late-receive warning (the median of fewer says little)
 
 
 class ReceivePath:
     """The receive half of ``DiLoCoSync`` (a base class: the methods use its attributes)."""
+
+    _lag_warned = False  # the late-receive warning is given once a session
 
     def _add_to_params(self, p: int, increment: Tensors) -> None:
         """Add ``increment`` (fp32, keyed by slice key) to fragment p of the model in place:
@@ -112,7 +115,21 @@ class ReceivePath:
         # the next contribution covers exactly the steps since this send (or since now)
         self.counters.reset(p, since=flight.counters if self.keep_progress else None)
         self.stats.versions[p] = version
+        self._note_lag(self.stats.step - (flight.receive_step - self.tau))
         return True
+
+    def _note_lag(self, lag: int) -> None:
+        """Keep a receive's send -> receive lag (steps) for the heartbeat and `status`; warn once a
+        session when the median of a full window is over tau: versions then come back after the
+        step the learner expected them (the overlap window does not cover the syncer's round trip)."""
+        self.stats.lags.append(lag)
+        quantiles = self.stats.lag_quantiles()
+        if (not self._lag_warned and not self.lockstep and len(self.stats.lags) >= LAG_WARN_AFTER
+                and quantiles[0] > self.tau):
+            self._lag_warned = True
+            log.warning("versions come back a median %d steps after their send (p95 %d), over the overlap window "
+                        "tau = %d: size --overlap-steps to about %d at the next init, or poll the syncer faster",
+                        quantiles[0], quantiles[1], self.tau, quantiles[0])
 
 
 __all__ = ["ALERT_MIN_INTERVAL_S", "ReceivePath"]

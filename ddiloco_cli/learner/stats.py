@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -12,6 +13,7 @@ log = logging.getLogger(__name__)
 # "batch": the learner's worker threads run as SCHED_BATCH (see background_thread); "normal" (the
 # default): as the training thread. Opt-in until an A/B on a quiet machine shows it pays (docs/results.md)
 BACKGROUND_SCHED_ENV = "DDILOCO_BACKGROUND_SCHED"
+LAG_WINDOW = 64  # the receives the lag quantiles of the heartbeat and `status` cover
 
 
 @dataclass
@@ -27,6 +29,14 @@ class LearnerStats:
     num_refused: int = 0  # own contributions the syncer's ledger refused
     versions: dict[int, int] = field(default_factory=dict)
     state: str = "running"
+    lags: deque = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))  # send -> receive, in steps
+
+    def lag_quantiles(self) -> tuple[int, int] | None:
+        """(p50, p95) of the recent send -> receive lags in steps, or None before the first receive."""
+        if not self.lags:
+            return None
+        ordered = sorted(self.lags)
+        return ordered[(len(ordered) - 1) // 2], ordered[min(len(ordered) - 1, (95 * len(ordered)) // 100)]
 
 
 def background_thread() -> str:

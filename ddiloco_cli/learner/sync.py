@@ -319,5 +319,10 @@ class DiLoCoSync(SendPath, ReceivePath):
             versions={str(p): v for p, v in s.versions.items()}, device=str(self.island.device),
             session=self.session, host=host, pid=pid, started_s=self.started_s,
             first_started_s=self.first_started_s,
-            time_s=self.clock.time(), schedule_offset=self.schedule_offset, **self.heartbeat_fields,
+            time_s=self.clock.time(), schedule_offset=self.schedule_offset, **self._lag_fields(),
+            **self.heartbeat_fields,
         )
+
+    def _lag_fields(self) -> dict[str, int]:
+        quantiles = self.stats.lag_quantiles()
+        return {} if quantiles is None else {"lag_p50": quantiles[0], "lag_p95": quantiles[1]}

@@ -17,10 +17,9 @@ from typing import Any
 
 from ddiloco_cli.errors import ProtocolError
 from ddiloco_cli.ops.metrics import latest_global_eval
-from ddiloco_cli.ops.runfigures import bytes_moved, goodput
+from ddiloco_cli.ops.runfigures import PILE_UP, alerts, bytes_moved, goodput, late_receives
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.fragments import FragmentPlan
-from ddiloco_cli.protocol.fragspec import format_fragment_spec
 from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 
@@ -284,7 +283,6 @@ def _admissions(scan: _Scan) -> list[dict[str, Any]]:
         return []
 
 
-PILE_UP = 3  # pending contributions of one learner on one fragment that mean nothing is merging them
 
 
 def run_status(store: Store) -> dict[str, Any]:
@@ -341,6 +339,7 @@ def run_status(store: Store) -> dict[str, Any]:
         "goodput": goodput(learners, run_age_s=now_s - training_start_s),
         "bytes": bytes_moved(learners, num_params=plan.total_numel()),
         "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
+        "notes": late_receives(learners, tau=run.overlap_steps),
         "global_eval": latest_global_eval(store, infos=infos),  # from `sync --eval-every`
         "errors": scan.errors,
     }
@@ -408,7 +407,13 @@ def _learner_row(rec: dict[str, Any], age: float, run: RunConfig, *, newest: dic
         "eta_s": remaining * step_time_s if alive and remaining is not None and step_time_s > 0 else None,
         "bytes_up": int(rec.get("bytes_up", 0)), "bytes_down": int(rec.get("bytes_down", 0)),
         "blocked_s": float(rec.get("blocked_s", 0.0)), "heartbeat_age_s": age,
+        "lag_p50": _steps(rec.get("lag_p50")), "lag_p95": _steps(rec.get("lag_p95")),
     }
+
+
+def _steps(value: Any) -> int | None:
+    """A step count from a heartbeat's optional field (None when absent or not a sane count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else None
 
 
 def _session_start_store_clock(rec: dict[str, Any], *, now_s: float, age_s: float) -> float | None:
@@ -423,37 +428,6 @@ def _session_start_store_clock(rec: dict[str, Any], *, now_s: float, age_s: floa
     return (now_s - age_s) - (written - started)
 
 
-def alerts(*, fragments: list[dict[str, Any]], syncers: list[dict[str, Any]],
-           learners: list[dict[str, Any]]) -> list[str]:
-    """Conditions that stop a run from making progress, one line each ([] when healthy):
-
-    * no syncer is alive (nothing is merged; learners train on stale fragments), or
-      some fragments have no live owner;
-    * contributions piling up: one learner has ``PILE_UP`` or more pending
-      contributions on a fragment, which a merging syncer never lets happen (it
-      merges or supersedes them every sync period).
-    """
-    out = []
-    alive = [s for s in syncers if s["alive"]]
-    if not alive:
-        beats = [s["heartbeat_age_s"] for s in syncers if s["heartbeat_age_s"] is not None]
-        last = f"last heartbeat {min(beats):.0f} s ago" if beats else "none has ever served"
-        out.append(f"no syncer alive ({last}): nothing is merged; start `ddiloco sync`")
-    else:
-        served = {p for s in alive for p in s["fragments"]}
-        orphaned = [f["fragment"] for f in fragments if f["fragment"] not in served]
-        if orphaned:
-            spec = format_fragment_spec(orphaned)
-            out.append(f"fragments {spec} have no live syncer: start `ddiloco sync --fragments {spec}`")
-    out.extend(a for s in alive for a in s.get("alerts", []))  # what a serving syncer cannot repair
-    piled = [f for f in fragments if f["max_pending_per_learner"] >= PILE_UP]
-    if piled:
-        worst = max(f["max_pending_per_learner"] for f in piled)
-        live = sum(1 for r in learners if r["alive"])
-        spec = format_fragment_spec([f["fragment"] for f in piled])
-        out.append(f"contributions piling up on fragments {spec} (up to {worst} pending from one learner; "
-                   f"{live} learner(s) alive): no syncer is merging them, or the quorum cannot be reached")
-    return out
 
 
 def _syncer_status(scan: _Scan, fragments: list[dict[str, Any]], lease_s: float) -> list[dict[str, Any]]:

@@ -1,10 +1,15 @@
 """The run's headline figures from its learners' status rows (``observe.run_status``): goodput
 (tokens trained against tokens the learners could have trained) and bytes moved against the
-data-parallel equivalent. Pure functions of the rows: no bucket, no clock."""
+data-parallel equivalent; the alerts a monitor pages on, and notes on late receives. Pure
+functions of the rows: no bucket, no clock."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from ddiloco_cli.protocol.fragspec import format_fragment_spec
+
+PILE_UP = 3  # pending contributions of one learner on one fragment that mean nothing is merging them
 
 
 def goodput(learners: list[dict[str, Any]], *, run_age_s: float) -> dict[str, Any]:
@@ -47,4 +52,51 @@ def bytes_moved(learners: list[dict[str, Any]], *, num_params: int) -> dict[str,
             "reduction": dp / total if total else None}
 
 
-__all__ = ["bytes_moved", "goodput"]
+def alerts(*, fragments: list[dict[str, Any]], syncers: list[dict[str, Any]],
+           learners: list[dict[str, Any]]) -> list[str]:
+    """Conditions that stop a run from making progress, one line each ([] when healthy):
+
+    * no syncer is alive (nothing is merged; learners train on stale fragments), or
+      some fragments have no live owner;
+    * contributions piling up: one learner has ``PILE_UP`` or more pending
+      contributions on a fragment, which a merging syncer never lets happen (it
+      merges or supersedes them every sync period).
+    """
+    out = []
+    alive = [s for s in syncers if s["alive"]]
+    if not alive:
+        beats = [s["heartbeat_age_s"] for s in syncers if s["heartbeat_age_s"] is not None]
+        last = f"last heartbeat {min(beats):.0f} s ago" if beats else "none has ever served"
+        out.append(f"no syncer alive ({last}): nothing is merged; start `ddiloco sync`")
+    else:
+        served = {p for s in alive for p in s["fragments"]}
+        orphaned = [f["fragment"] for f in fragments if f["fragment"] not in served]
+        if orphaned:
+            spec = format_fragment_spec(orphaned)
+            out.append(f"fragments {spec} have no live syncer: start `ddiloco sync --fragments {spec}`")
+    out.extend(a for s in alive for a in s.get("alerts", []))  # what a serving syncer cannot repair
+    piled = [f for f in fragments if f["max_pending_per_learner"] >= PILE_UP]
+    if piled:
+        worst = max(f["max_pending_per_learner"] for f in piled)
+        live = sum(1 for r in learners if r["alive"])
+        spec = format_fragment_spec([f["fragment"] for f in piled])
+        out.append(f"contributions piling up on fragments {spec} (up to {worst} pending from one learner; "
+                   f"{live} learner(s) alive): no syncer is merging them, or the quorum cannot be reached")
+    return out
+
+
+def late_receives(learners: list[dict[str, Any]], *, tau: int) -> list[str]:
+    """One line per live learner whose versions come back later than the overlap window:
+    its median send -> receive lag (steps, from its heartbeat) is over ``tau``. Its merges
+    then land after the step it expected them, and it trains on from an older base for the
+    difference; the remedy is a larger ``--overlap-steps`` or a faster syncer poll."""
+    out = []
+    for r in learners:
+        if r["alive"] and r.get("lag_p50") is not None and r["lag_p50"] > tau:
+            out.append(f"learner {r['learner_id']}: versions come back a median {r['lag_p50']} steps after its sends "
+                       f"(p95 {r['lag_p95']}), over the overlap window tau = {tau}: size --overlap-steps to about "
+                       f"{r['lag_p50']} at the next init, or poll faster (`sync --poll`)")
+    return out
+
+
+__all__ = ["PILE_UP", "alerts", "bytes_moved", "goodput", "late_receives"]

@@ -643,3 +643,24 @@ def test_the_worker_threads_run_as_sched_batch_and_the_training_thread_is_left_a
     expected = os.SCHED_BATCH if setting == "batch" else main_policy
     assert seen == {"uploader": expected, "receiver": expected, "heartbeat": expected}
     assert os.sched_getscheduler(0) == main_policy
+
+
+def test_a_learner_reports_its_send_to_receive_lag_and_warns_once_when_tau_cannot_cover_it(caplog):
+    """Every receive keeps its lag (steps from the send to the fold-in); the heartbeat carries
+    the median and p95; a full window whose median is over tau gives one warning a session."""
+    from ddiloco_cli.learner.receivepath import LAG_WARN_AFTER
+
+    store = _run(overlap_steps=1)
+    with DiLoCoSync(store, load_task(TINY).build_model(), learner_id="lag") as sync:
+        assert "lag_p50" not in sync._heartbeat_record()
+        sync._note_lag(1)
+        record = sync._heartbeat_record()
+        assert (record["lag_p50"], record["lag_p95"]) == (1, 1)
+        records.validate(record, "learner_heartbeat", where="heartbeat")
+        with caplog.at_level("WARNING", logger="ddiloco_cli.learner.sync"):
+            for _ in range(2 * LAG_WARN_AFTER):
+                sync._note_lag(9)
+        warnings = [r for r in caplog.records if "over the overlap window" in r.getMessage()]
+        assert len(warnings) == 1 and "median 9 steps" in warnings[0].getMessage()
+        assert sync.stats.lag_quantiles() == (9, 9)
+

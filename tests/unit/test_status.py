@@ -236,3 +236,21 @@ def test_status_check_exit_code(built):
     age_object(built.url, layout.syncer_heartbeat_key(built.syncer.epoch.epoch), built.run["lease_s"] + 5)
     result = invoke("status", built.url, "--check")
     assert result.exit_code == 1 and "alert: no syncer alive" in result.output
+
+
+def test_send_to_receive_lag_shows_per_learner_and_a_median_over_tau_is_noted(built):
+    """Issue 24 (latency control): a learner reports the median and p95 of its send -> receive
+    lags in steps; `status` shows them and notes a live learner whose median is over tau."""
+    tau = built.run["overlap_steps"]
+    write_learner_heartbeat(built.store, built.run, "quick", lag_p50=tau, lag_p95=tau + 1)
+    write_learner_heartbeat(built.store, built.run, "late", lag_p50=tau + 7, lag_p95=tau + 12)
+    write_learner_heartbeat(built.store, built.run, "gone", state="left", lag_p50=tau + 9, lag_p95=tau + 9)
+    status = run_status(built.store)
+    rows = {r["learner_id"]: r for r in status["learners"]}
+    assert (rows["quick"]["lag_p50"], rows["quick"]["lag_p95"]) == (tau, tau + 1)
+    assert rows[LEARNER]["lag_p50"] is None  # an older learner's heartbeat has no lag fields
+    (note,) = status["notes"]  # not "quick" (within tau), not "gone" (not live)
+    assert note.startswith("learner late: versions come back a median") and f"tau = {tau}" in note
+    assert status["alerts"] == []  # a tuning note, not a page
+    text = _text(render_status(status))
+    assert f"{tau + 7}/{tau + 12}" in text and "warning: learner late" in text
