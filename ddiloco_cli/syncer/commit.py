@@ -27,6 +27,7 @@ from ddiloco_cli.syncer.update import Decision, FragmentValue, NonFiniteUpdate, 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+FRAGMENTS_ROOT = "fragments/"  # every fragment's manifests (and payloads) are under it (layout.fragment_prefix)
 
 
 class _HeldInputs:
@@ -50,6 +51,7 @@ class Committer:
         self.beat = beat  # write the lease's heartbeat now
         self.committed_manifests: dict[int, tuple[int, bytes]] = {}  # per fragment: the last one we created
         self.repair = LedgerRepair(ctx)
+        self._intact: dict[int, tuple[int, tuple[int, float]]] = {}  # per fragment: (version, (size, mtime)) read back
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
         """Merge the pending contributions into the next version. Returns False when nothing
@@ -130,9 +132,20 @@ class Committer:
 
     def check_held(self, states: dict[int, FragmentState]) -> None:
         """``_put_back_previous`` for every fragment served (the syncer's periodic ledger check:
-        a damaged newest manifest is repaired even while no contribution arrives)."""
-        for state in list(states.values()):
-            self._put_back_previous(state)
+        a damaged newest manifest is repaired even while no contribution arrives). One LIST of
+        the fragments' objects; a GET only for a manifest whose size or mtime is not the one
+        seen when it was last read back intact (so an idle fragment costs no request)."""
+        held = {p: h for p, h in self.committed_manifests.items() if p in states and h[0] == states[p].version}
+        if not held:
+            return
+        prefix = layout.manifest_prefix(next(iter(held))) if len(held) == 1 else FRAGMENTS_ROOT
+        listed = {info.key: (info.size, info.mtime_s) for info in self.ctx.store.list(prefix)}
+        for p, (v, data) in sorted(held.items()):
+            seen = listed.get(layout.manifest_key(p, v))
+            if seen is not None and self._intact.get(p) == (v, seen):
+                continue
+            if not self.repair.restore_held(p, v, data) and seen is not None:
+                self._intact[p] = (v, seen)
 
     def _committed(self, state: FragmentState, decision: Decision, new: FragmentValue,
                    contributions: list[Contribution]) -> None:
