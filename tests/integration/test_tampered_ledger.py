@@ -190,3 +190,32 @@ def test_a_deleted_newest_manifest_is_put_back_and_learners_get_one_line(backend
     with pytest.raises(ProtocolError, match="version 4 of fragment 0 is missing") as err:
         reader.read(5)
     assert "\n" not in str(err.value) and "inspect" in str(err.value)
+
+
+def test_in_a_signed_run_a_manifest_not_signed_by_a_syncer_key_is_deleted(tmp_path):
+    """Case A where signatures are required: an admitted learner with bucket write rights signs
+    v1's content as version 2 with its own key and puts it at key v2; no reader accepts it (not an
+    admitted syncer key), so the syncer deletes it and commits its own, signed v2."""
+    from ddiloco_cli.ops.observe import verify_run
+    from ddiloco_cli.protocol import signing
+    from support.runs import fragment0_contribution, signed_run, signed_syncer, step
+
+    keys = {name: signing.new_key(tmp_path / f"{name}.pem") for name in ("admin", "a", "syncer")}
+    store = open_store(str(tmp_path / "run"))
+    run = signed_run(store, keys)
+    s = signed_syncer(store, keys, "s")
+    trust = signing.Trust(store, run=run)
+    for seq, version in ((10, 1), (11, 2)):
+        if version == 2:
+            v1 = {k: v for k, v in ledger.read_manifest(store, 0, 1, trust=trust).items()
+                  if k != signing.RECORD_FIELD}
+            key2 = layout.manifest_key(0, 2)
+            forged = signing.sign_record({**v1, "version": 2}, run_id=run["run_id"], key=key2, signer=keys["a"])
+            assert store.put_if_absent(key2, records.dumps(forged))
+            assert any(key2 in p for p in verify_run(store))
+        key, data = fragment0_contribution(store, run, "a", seq, signer=keys["a"])
+        assert store.put_if_absent(key, data)
+        assert step(s, 0) and s.states[0].version == version
+    assert ledger.read_manifest(store, 0, 2, trust=trust)["syncer_id"] == "s"  # its own, signed by its key
+    assert s.ctx.stats.num_repairs == 1 and s.unavailable == {}
+    assert verify_run(store) == []
