@@ -66,7 +66,9 @@ class LedgerRepair:
         data = self._read(key)
         if data is None:
             return True
-        if self._is_valid(p, version, data) or self._read(key) != data:  # read again just before the delete
+        if self._is_valid(p, version, data) or any(v > version for v in ledger.list_versions(store, p)):
+            return False  # a valid one, or not the newest key (the middle of a ledger: nothing to prove)
+        if self._read(key) != data:  # read again just before the delete
             return False
         log.warning("fragment %d: %s/%s is not a valid manifest of version %d (every reader rejects it); "
                     "deleting it and committing this syncer's own", p, store.url, key, version)
