@@ -122,11 +122,14 @@ def render_status(status: dict[str, Any]) -> RenderableType:
             for r in status["learners"]]
     parts.append(_cut(learners, rows, 14) if rows else Text("learners: none yet", style="dim"))
 
-    syncers = _table("syncers", "epoch", "syncer", "state", "fragments", "beat", "lag", "backlog", "merges")
+    syncers = _table("syncers", "epoch", "syncer", "state", "fragments", "beat", "lag", "backlog", "merges",
+                     "repairs")
     rows = [(str(s["epoch"]), s["syncer_id"], _alive(s["alive"], s["state"]), fmt_fragments(s["fragments"]),
-             fmt_age(s["heartbeat_age_s"]), fmt_num(s["lag_versions"]), str(s["backlog"]), fmt_num(s["num_merges"]))
-            for s in status["syncers"]]
+             fmt_age(s["heartbeat_age_s"]), fmt_num(s["lag_versions"]), str(s["backlog"]), fmt_num(s["num_merges"]),
+             fmt_num(s.get("num_repairs"))) for s in status["syncers"]]
     parts.append(_cut(syncers, rows, 8) if rows else Text("syncers: none serving", style="yellow"))
+    parts += [Text(f"repaired by syncer epoch {s['epoch']}: {r}", style="yellow")
+              for s in status["syncers"] for r in s.get("repairs", [])[-3:]]
     for line in [*status.get("notes", []), *status.get("errors", [])]:
         parts.append(Text(f"warning: {line}", style="yellow"))
     return _stack(parts)

@@ -249,7 +249,8 @@ def syncer_progress_hook(writer: MetricsWriter, *, every_s: float = 10.0,
                    pending=sum((p.get("pending") or {}).values()), live_learners=p.get("live_learners"),
                    quorum_min=min(quorum, default=None), quorum_max=max(quorum, default=None),
                    grace_s=p.get("grace_s"), bytes_in=p.get("bytes_in"), bytes_out=p.get("bytes_out"),
-                   suspect_learners=p.get("suspect_learners"),  # cut by a bound or refused 3 times in a row
+                   suspect_learners=p.get("suspect_learners"),
+                   ledger_repairs=p.get("num_repairs"),  # manifests put back or junk deleted (repair.py)  # cut by a bound or refused 3 times in a row
                    **_version_stats(p.get("versions") or {}))
 
     return hook

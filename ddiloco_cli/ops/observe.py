@@ -456,6 +456,8 @@ def _syncer_status(scan: _Scan, fragments: list[dict[str, Any]], lease_s: float)
             "num_merges": rec.get("num_merges") if rec else None,
             "num_quarantined": rec.get("num_quarantined") if rec else None,
             "alerts": list(rec.get("alerts") or []) if rec and beating else [],
+            "num_repairs": rec.get("num_repairs", 0) if rec else None,  # ledger repairs (syncer/repair.py)
+            "repairs": list(rec.get("repairs") or []) if rec else [],
         })
     return out
 

@@ -122,8 +122,16 @@ def read_manifest(store: Store, fragment: int, version: int, *, run_id: str | No
     """A committed manifest, validated (and its signature checked by ``trust``, [A5]).
     Raises NotFound or ProtocolError."""
     key = layout.manifest_key(fragment, version)
-    where = f"{store.url}/{key}"
-    manifest = records.loads(store.get(key), "manifest", where=where)
+    return parse_manifest(store.get(key), fragment, version, where=f"{store.url}/{key}", run_id=run_id, trust=trust)
+
+
+def parse_manifest(data: bytes, fragment: int, version: int, *, where: str, run_id: str | None = None,
+                   trust: "Trust | None" = None) -> dict[str, Any]:
+    """The bytes of an object at the key of ``version`` of ``fragment`` as a manifest a reader
+    accepts: schema, fragment, version, run, the keys it names, its signature. Raises
+    ProtocolError (NewerProtocolError: a newer ddiloco wrote it)."""
+    key = layout.manifest_key(fragment, version)
+    manifest = records.loads(data, "manifest", where=where)
     if manifest["fragment"] != fragment or manifest["version"] != version:
         raise ProtocolError(f"{where} claims fragment {manifest['fragment']} version {manifest['version']}")
     if run_id is not None and manifest["run_id"] != run_id:

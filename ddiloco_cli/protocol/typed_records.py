@@ -169,6 +169,8 @@ class SyncerHeartbeat(_Record):
     num_quarantined: int | None = None
     time_s: float | None = None
     alerts: tuple[str, ...] | None = None  # what the syncer cannot fix itself (``status`` shows them)
+    num_repairs: int | None = None  # ledger repairs it made (a manifest put back, junk deleted)
+    repairs: tuple[str, ...] | None = None  # the last of them, one line each
     signature: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 

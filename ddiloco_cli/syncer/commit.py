@@ -18,6 +18,7 @@ from ddiloco_cli.protocol.typed_records import REFUSED, LedgerEntry
 from ddiloco_cli.store.base import NotFound
 from ddiloco_cli.syncer.decide import Decider
 from ddiloco_cli.syncer.intake import Contribution
+from ddiloco_cli.syncer.repair import LedgerRepair
 from ddiloco_cli.syncer.replay import checkpoint_bytes
 from ddiloco_cli.syncer.restore import Restorer
 from ddiloco_cli.syncer.state import FragmentState, SyncContext
@@ -26,6 +27,7 @@ from ddiloco_cli.syncer.update import Decision, FragmentValue, NonFiniteUpdate, 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+FRAGMENTS_ROOT = "fragments/"  # every fragment's manifests (and payloads) are under it (layout.fragment_prefix)
 
 
 class _HeldInputs:
@@ -48,6 +50,8 @@ class Committer:
         self.ctx, self.decider, self.restorer = ctx, decider, restorer
         self.beat = beat  # write the lease's heartbeat now
         self.committed_manifests: dict[int, tuple[int, bytes]] = {}  # per fragment: the last one we created
+        self.repair = LedgerRepair(ctx)
+        self._intact: dict[int, tuple[int, tuple[int, float]]] = {}  # per fragment: (version, (size, mtime)) read back
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
         """Merge the pending contributions into the next version. Returns False when nothing
@@ -105,6 +109,8 @@ class Committer:
             ctx.stats.bytes_out += upload_payloads(ctx.store, encoded)
             ctx.lease.before_commit(self.beat)
             won = ledger.commit_manifest(ctx.store, manifest)
+            if not won and self.repair.clear_invalid(state.fragment, new.version):  # case A: junk at the key
+                won = ledger.commit_manifest(ctx.store, manifest)  # once: a second loss is an ordinary one
         if won:
             self.committed_manifests[state.fragment] = (new.version, records.dumps(manifest))
         if not won:
@@ -115,18 +121,31 @@ class Committer:
         return won
 
     def _put_back_previous(self, state: FragmentState) -> None:
-        """A newest manifest gone from the bucket (deleted by hand or a faulty tool) would leave
-        a gap under the version about to be committed, and learners could not read past it.
-        The syncer holds the bytes of the last manifest it created: it puts them back (proof
-        enough: it wrote them, under its epoch). One LIST per commit."""
+        """Case B of ``repair``: a newest manifest gone from the bucket (deleted by hand or a
+        faulty tool) or replaced by other bytes would leave a gap or junk under the version
+        about to be committed, and learners could not read past it. The syncer holds the
+        bytes of the last manifest it created: it puts them back (proof enough: it wrote them,
+        under its epoch). One GET per commit (and per ``check_held``)."""
         held = self.committed_manifests.get(state.fragment)
-        if held is None or held[0] != state.version:
+        if held is not None and held[0] == state.version:
+            self.repair.restore_held(state.fragment, held[0], held[1])
+
+    def check_held(self, states: dict[int, FragmentState]) -> None:
+        """``_put_back_previous`` for every fragment served (the syncer's periodic ledger check:
+        a damaged newest manifest is repaired even while no contribution arrives). One LIST of
+        the fragments' objects; a GET only for a manifest whose size or mtime is not the one
+        seen when it was last read back intact (so an idle fragment costs no request)."""
+        held = {p: h for p, h in self.committed_manifests.items() if p in states and h[0] == states[p].version}
+        if not held:
             return
-        key = layout.manifest_key(state.fragment, state.version)
-        if not any(info.key == key for info in self.ctx.store.list(key)):
-            log.warning("fragment %d: manifest %s/%s is gone; putting back the one this syncer committed",
-                        state.fragment, self.ctx.store.url, key)
-            self.ctx.store.put_if_absent(key, held[1])
+        prefix = layout.manifest_prefix(next(iter(held))) if len(held) == 1 else FRAGMENTS_ROOT
+        listed = {info.key: (info.size, info.mtime_s) for info in self.ctx.store.list(prefix)}
+        for p, (v, data) in sorted(held.items()):
+            seen = listed.get(layout.manifest_key(p, v))
+            if seen is not None and self._intact.get(p) == (v, seen):
+                continue
+            if not self.repair.restore_held(p, v, data) and seen is not None:
+                self._intact[p] = (v, seen)
 
     def _committed(self, state: FragmentState, decision: Decision, new: FragmentValue,
                    contributions: list[Contribution]) -> None:

@@ -43,6 +43,10 @@ from ddiloco_cli.syncer.update import ApplyRules, Decision
 
 log = logging.getLogger(__name__)
 
+# how often (in leases) the serving syncer re-reads the newest manifest it committed of each
+# fragment, to put it back if it was deleted or replaced: a damaged one is repaired within a lease
+LEDGER_CHECK_FRACTION = 0.5
+
 
 @dataclass
 class SyncerOptions:
@@ -106,6 +110,7 @@ class Syncer:
         self.committer = Committer(ctx, self.decider, self.restorer, beat=lambda: self.heartbeat(force=True))
         self._last_restore_t = self.clock.monotonic()
         self._last_gc_t = self.clock.monotonic()
+        self._last_ledger_check_t = self.clock.monotonic()
         self.committed = 0  # versions committed by tick (max_versions)
         self._pause_s = options.poll_s  # tick's answer: the pause before the next poll
 
@@ -174,7 +179,8 @@ class Syncer:
             self.lease.write_heartbeat(
                 state=state, versions={str(p): s.version for p, s in self.states.items()},
                 quorum_sizes={str(p): s.last_quorum_size for p, s in self.states.items()},
-                num_merges=self.num_merges, num_quarantined=self.num_quarantined, alerts=self.alerts() or None)
+                num_merges=self.num_merges, num_quarantined=self.num_quarantined, alerts=self.alerts() or None,
+                num_repairs=self.ctx.stats.num_repairs or None, repairs=tuple(self.ctx.stats.repairs) or None)
 
     def alerts(self) -> tuple[str, ...]:
         """What this syncer cannot repair by itself, for ``status --check`` (in its heartbeat):
@@ -269,9 +275,12 @@ class Syncer:
         Returns the seconds until it next wants to run. Raises FencedError when fenced."""
         if self.lease.fence_due():
             self.check_fence()
+        repairs = self.ctx.stats.num_repairs
         self.heartbeat()
         if self.learners.refresh_due():
             self.learners.refresh()
+        if self.clock.monotonic() - self._last_ledger_check_t > LEDGER_CHECK_FRACTION * self.config.lease_s:
+            self._check_ledger()
         fresh = self.poll_contributions()
         self._drop_unavailable()
         for state in list(self.states.values()):
@@ -286,6 +295,8 @@ class Syncer:
             self.on_progress(self.progress())
         if self.opts.gc and self.clock.monotonic() - self._last_gc_t > self.opts.gc_every_s:
             self._collect_garbage()
+        if self.ctx.stats.num_repairs != repairs:
+            self.heartbeat(force=True)  # status shows a repair at once
         idle = fresh == 0 and not any(state.pending for state in self.states.values())
         self._pause_s = self.next_poll_s(self._pause_s, idle=idle)
         return self._pause_s
@@ -298,6 +309,12 @@ class Syncer:
             del self.states[p]
         if dropped:
             self.heartbeat(force=True)
+
+    def _check_ledger(self) -> None:
+        """Every LEDGER_CHECK_FRACTION of a lease: is the newest manifest of each fragment, where
+        this syncer committed it, still the bytes it wrote? Put them back if not (``repair``)."""
+        self._last_ledger_check_t = self.clock.monotonic()
+        self.committer.check_held(self.states)
 
     def _collect_garbage(self) -> None:
         from ddiloco_cli.syncer.gc import collect_garbage
@@ -316,7 +333,7 @@ class Syncer:
             "quorum_sizes": {p: s.last_quorum_size for p, s in self.states.items()},
             "grace_s": max((s.last_grace_s for s in self.states.values() if s.last_grace_s is not None), default=None),
             "num_merges": self.num_merges, "num_quarantined": self.num_quarantined,
-            "suspect_learners": len(self.ctx.stats.suspects()),
+            "suspect_learners": len(self.ctx.stats.suspects()), "num_repairs": self.ctx.stats.num_repairs,
             "live_learners": len(self.live_learners), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
         }
 

@@ -111,6 +111,7 @@ class Learners:
         return learner_id in self.known
 
 
+REPAIRS_KEPT = 8  # the last ledger repairs a syncer's heartbeat lists
 SUSPECT_AFTER = 3  # contributions in a row cut by a bound (or refused) before status alerts on the learner
 
 
@@ -122,6 +123,13 @@ class SyncStats:
     stage_s: dict[str, float] = field(default_factory=dict)  # seconds per stage on the clock, cumulative
     # per learner: (its contributions clipped, capped or refused in a row, the last reason); ``suspects``
     bounded: dict[str, tuple[int, str]] = field(default_factory=dict)
+    num_repairs: int = 0  # ledger repairs (``repair``): manifests put back or junk deleted
+    repairs: deque = field(default_factory=lambda: deque(maxlen=REPAIRS_KEPT))  # the last ones, one line each
+
+    def note_repair(self, what: str) -> None:
+        """Count one ledger repair (``repair.LedgerRepair``); its heartbeat and ``status`` show it."""
+        self.num_repairs += 1
+        self.repairs.append(what[:1000])
 
     def note_bounded(self, learner_id: str, why: str | None) -> None:
         """Count a contribution of ``learner_id`` that a bound cut (``why``) or, None, one that
