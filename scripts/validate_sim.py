@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def scenario(args, seed: int) -> Scenario:
-    return Scenario(learners=args.learners, steps_per_learner=args.steps, seed=seed, step_s=args.step_ms / 1e3,
+    return Scenario(learners=args.learners, steps_per_learner=args.steps, seed=seed, learner_id_format="l{i}",
+                    step_s=args.step_ms / 1e3,
                     up_mbps=args.link_mbps, down_mbps=args.link_mbps, rtt_ms=0.0, jitter_ms=0.0,
                     store_latency_ms=args.store_latency_ms, syncer_poll_s=args.poll_s, syncer_rtt_ms=0.0,
                     eval_points=0, arms=("decoupled",))
