@@ -77,6 +77,12 @@ class Scenario:
             raise UsageError(f"speeds = {self.speeds!r}: use one of {', '.join(SPEEDS)}")
         if self.step_s <= 0 or min(self.up_mbps, self.down_mbps, self.syncer_gbps) <= 0:
             raise UsageError("step_s and link bandwidths must be > 0")
+        try:
+            ids = self.learner_ids()
+        except (KeyError, IndexError, ValueError) as exc:
+            raise UsageError(f"learner_id_format = {self.learner_id_format!r}: {exc!r}; use {{i}}") from None
+        if len(set(ids)) != len(ids):
+            raise UsageError(f"learner_id_format = {self.learner_id_format!r} gives equal ids: use {{i}}")
         bad = [a for a in self.arms if a not in ("decoupled", "sync", "dp")]
         if bad or "decoupled" not in self.arms:
             raise UsageError(f"arms {list(self.arms)}: a subset of decoupled, sync, dp with decoupled")
