@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chaos-mean-s", type=float, default=40.0, help="mean seconds between kills, per learner")
     ap.add_argument("--chaos-restart-s", type=float, default=2.0, help="seconds from kill to restart")
     ap.add_argument("--seed", type=int, default=0, help="chaos trace seed")
+    ap.add_argument("--step-ms", type=float, default=None,
+                    help="every learner paced to this fixed step time (benchlib.PACED_TASK, $DDILOCO_BENCH_STEP_MS), "
+                         "so how many steps fit into a round trip does not depend on the host's speed; tiny GPT only")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     ap.add_argument("--workdir", default=None, help="runs go here (default: a temp dir, removed after)")
     ap.add_argument("--timeout-s", type=float, default=1800, help="per arm")
@@ -126,7 +129,11 @@ def init_flags(args, *, arm: str) -> dict:
         flags.update(mode="lockstep", quorum=M)
     elif arm == "diloco":  # classic DiLoCo: the whole model every H steps, waited for, sent exactly
         flags.update(mode="lockstep", quorum=M, fragments=1, overlap_steps=0, codec="none")
-    elif arm == "mixed":
+    if getattr(args, "step_ms", None):
+        if args.task != "ddiloco_cli.tasks.gpt:tiny":
+            raise SystemExit("--step-ms paces the built-in tiny GPT; drop --task")
+        flags.update(task=benchlib.PACED_TASK)
+    if arm == "mixed":
         if args.task != "ddiloco_cli.tasks.gpt:tiny":
             raise SystemExit("--arms mixed paces the built-in tiny GPT; drop --task or the arm")
         flags.update(task=benchlib.PACED_TASK)
@@ -161,7 +168,8 @@ def arm_learners(args, arm: str) -> list[str]:
 
 def run_ddiloco_arm(args, *, arm: str, workdir: str, task, inner_out: dict) -> dict:
     ids = arm_learners(args, arm)
-    cluster = benchlib.Cluster(os.path.join(workdir, arm))
+    fixed = {benchlib.STEP_ENV: str(args.step_ms)} if getattr(args, "step_ms", None) else {}
+    cluster = benchlib.Cluster(os.path.join(workdir, arm), env=fixed)
     t0 = time.monotonic()
     try:
         run = cluster.init(**init_flags(args, arm=arm))

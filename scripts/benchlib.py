@@ -48,6 +48,7 @@ from ddiloco_cli.tasks.gpt import tiny as _tiny
 BENCHLIB_PATH = os.path.abspath(__file__)
 PACED_TASK = f"{BENCHLIB_PATH}:paced_tiny"
 PACE_ENV = "DDILOCO_BENCH_PACE_MS"
+STEP_ENV = "DDILOCO_BENCH_STEP_MS"  # a fixed step time: each training loss() waits for the previous + this
 
 
 # --------------------------------------------------------------------------- paced task
@@ -55,12 +56,15 @@ PACE_ENV = "DDILOCO_BENCH_PACE_MS"
 
 class PacedTask:
     """Wraps a task; in training mode each loss() call first sleeps pace_ms (read
-    from $DDILOCO_BENCH_PACE_MS at call time, default 0). Evaluation (model.eval())
+    from $DDILOCO_BENCH_PACE_MS at call time, default 0), or, with $DDILOCO_BENCH_STEP_MS,
+    until that many ms after the previous training call began (a fixed step time, whatever
+    the host's speed, while a step's own work takes less). Evaluation (model.eval())
     is not paced. Everything else is delegated, so the model and data are the
     wrapped task's."""
 
     def __init__(self, inner: Any):
         self.inner = inner
+        self._due = None  # monotonic time the next paced training step may begin
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -79,7 +83,13 @@ class PacedTask:
 
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         pace_ms = float(os.environ.get(PACE_ENV, "0") or 0)
-        if pace_ms > 0 and model.training:
+        step_ms = float(os.environ.get(STEP_ENV, "0") or 0)
+        if step_ms > 0 and model.training:
+            now = time.monotonic()
+            if self._due is not None and self._due > now:
+                time.sleep(self._due - now)  # the rest of the fixed step time
+            self._due = max(now, self._due or now) + step_ms / 1e3
+        elif pace_ms > 0 and model.training:
             time.sleep(pace_ms / 1e3)
         return self.inner.loss(model, batch)
 

@@ -36,6 +36,9 @@ class Scenario:
     learners: int = 4
     steps_per_learner: int = 600
     seed: int = 0
+    # learner i's id; a learner's data order is seeded by its id (+ seed): "l{i}" gives
+    # bench_convergence.py's learners l0, l1, ... the same batches as its real processes
+    learner_id_format: str = "L{i:03d}"
     run: dict[str, Any] = field(default_factory=dict)  # RunConfig overrides
     # compute: a learner's step takes step_s x its speed factor x (1 + its drift x progress)
     step_s: float = 1.0
@@ -74,6 +77,12 @@ class Scenario:
             raise UsageError(f"speeds = {self.speeds!r}: use one of {', '.join(SPEEDS)}")
         if self.step_s <= 0 or min(self.up_mbps, self.down_mbps, self.syncer_gbps) <= 0:
             raise UsageError("step_s and link bandwidths must be > 0")
+        try:
+            ids = self.learner_ids()
+        except (KeyError, IndexError, ValueError) as exc:
+            raise UsageError(f"learner_id_format = {self.learner_id_format!r}: {exc!r}; use {{i}}") from None
+        if len(set(ids)) != len(ids):
+            raise UsageError(f"learner_id_format = {self.learner_id_format!r} gives equal ids: use {{i}}")
         bad = [a for a in self.arms if a not in ("decoupled", "sync", "dp")]
         if bad or "decoupled" not in self.arms:
             raise UsageError(f"arms {list(self.arms)}: a subset of decoupled, sync, dp with decoupled")
@@ -91,7 +100,7 @@ class Scenario:
 
     # ------------------------------------------------------------ per learner
     def learner_ids(self) -> list[str]:
-        return [f"L{i:03d}" for i in range(self.learners)]
+        return [self.learner_id_format.format(i=i) for i in range(self.learners)]
 
     def speed_factors(self) -> list[tuple[float, float]]:
         """Per learner (speed factor, drift): seeded, independent of everything else drawn."""

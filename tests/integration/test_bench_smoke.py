@@ -165,3 +165,20 @@ def test_bench_metrics_smoke(tmp_path):
     rep = json.loads(out.read_text())["results"]["memory"]
     assert rep["bytes_per_record"] > 0 and rep["max_records_kept"] == 32000
     assert "loop_us_per_record_median" in res.stdout
+
+
+def test_validate_sim_smoke(tmp_path):
+    """The simulator and real paced processes on the same tiny scenario: both arms give a
+    finite val loss and the comparison's keys are there (no claim about which side wins)."""
+    out = tmp_path / "validate.json"
+    text = _run("validate_sim.py", "--learners", "2", "--steps", "24", "--seeds", "1", "--real-runs", "1",
+                "--step-ms", "40", "--json", str(out), timeout_s=180)
+    assert "simulator's [" in text
+    rep = json.loads(out.read_text())
+    assert {"settings", "sim", "real", "comparison"} <= set(rep)
+    for arm in ("sim", "real"):
+        assert len(rep[arm]["runs"]) == 1
+        assert math.isfinite(rep[arm]["runs"][0]["val_loss"])
+        assert {"val_loss", "merged_token_fraction", "mean_quorum"} <= set(rep[arm]["summary"])
+    assert rep["real"]["runs"][0]["steps"] == {"l0": 24, "l1": 24}
+    assert set(rep["comparison"]) == {"sim_val_loss_range", "real_inside", "all_inside", "real_mean_inside"}

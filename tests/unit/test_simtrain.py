@@ -96,6 +96,15 @@ def test_scenario_file_flags_and_quick(tmp_path):
         load_scenario(None, run={"nope": 1})
 
 
+def test_learner_ids_follow_the_format_and_must_differ():
+    # "l{i}" names the learners as bench_convergence.py does, so their data is its real learners'
+    assert load_scenario(None, learners=3, learner_id_format="l{i}").learner_ids() == ["l0", "l1", "l2"]
+    assert Scenario(learners=2).learner_ids() == ["L000", "L001"]
+    for bad in ("same", "{j}"):
+        with pytest.raises(UsageError, match="learner_id_format"):
+            load_scenario(None, learners=2, learner_id_format=bad)
+
+
 def test_lognormal_speeds_and_preemptions_are_seeded():
     a = Scenario(learners=4, speeds="lognormal", sigma=0.5, mtbf_s=100.0, seed=3)
     b = Scenario(learners=4, speeds="lognormal", sigma=0.5, mtbf_s=100.0, seed=4)
