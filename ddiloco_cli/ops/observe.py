@@ -407,13 +407,8 @@ def _learner_row(rec: dict[str, Any], age: float, run: RunConfig, *, newest: dic
         "eta_s": remaining * step_time_s if alive and remaining is not None and step_time_s > 0 else None,
         "bytes_up": int(rec.get("bytes_up", 0)), "bytes_down": int(rec.get("bytes_down", 0)),
         "blocked_s": float(rec.get("blocked_s", 0.0)), "heartbeat_age_s": age,
-        "lag_p50": _steps(rec.get("lag_p50")), "lag_p95": _steps(rec.get("lag_p95")),
+        "lag_p50": rec.get("lag_p50"), "lag_p95": rec.get("lag_p95"),  # bounded ints: the schema checked them
     }
-
-
-def _steps(value: Any) -> int | None:
-    """A step count from a heartbeat's optional field (None when absent or not a sane count)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else None
 
 
 def _session_start_store_clock(rec: dict[str, Any], *, now_s: float, age_s: float) -> float | None:

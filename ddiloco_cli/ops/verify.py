@@ -11,7 +11,7 @@ import torch
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.numerics import codec
 from ddiloco_cli.ops.observe import _epochs, _heartbeats, _manifests, _quarantined, _Scan, _scan
-from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol import layout, records, signing
 from ddiloco_cli.protocol.published import FragmentReader, expected_shapes
 from ddiloco_cli.store.base import NotFound, Store
 from ddiloco_cli.syncer.audit import audit_ledger
@@ -37,9 +37,9 @@ def verify_run(store: Store) -> list[str]:
         return problems
     for p in scan.fragment_ids():
         before = len(problems)
-        _verify_fragment(scan, p, problems)
-        if len(problems) == before:  # readable: the ledger must reproduce it too
-            _verify_replay(scan, p, problems)
+        latest = _verify_fragment(scan, p, problems)
+        if len(problems) == before and latest is not None:  # readable: the ledger must reproduce it too
+            _verify_replay(scan, p, latest, problems)
     _epochs(scan)
     beats = _heartbeats(scan, layout.SYNCER_HEARTBEAT_PREFIX, "syncer_heartbeat")
     _heartbeats(scan, layout.LEARNER_HEARTBEAT_PREFIX, "learner_heartbeat")
@@ -72,11 +72,12 @@ def _verify_tips(scan: _Scan, beats: list[tuple[dict[str, Any], float]], problem
                             f"{p}, but its newest manifest is {newest} (a committed manifest was deleted)")
 
 
-def _verify_fragment(scan: _Scan, p: int, problems: list[str]) -> None:
+def _verify_fragment(scan: _Scan, p: int, problems: list[str]) -> int | None:
+    """Checks fragment p's retained versions (see ``verify_run``); returns its newest one."""
     versions, manifests = _manifests(scan, p)
     if not versions:
         problems.append(f"{layout.manifest_prefix(p)}: fragment {p} has no committed version")
-        return
+        return None
     present = set(versions)
     for v in range(versions[0], versions[-1] + 1):
         if v not in present:
@@ -119,15 +120,13 @@ def _verify_fragment(scan: _Scan, p: int, problems: list[str]) -> None:
                    else "it has no keyframe and no delta from the previous version")
             problems.append(f"{mkey}: version {v} of fragment {p} is not readable: {why}")
         value, prev_v = new, v
+    return versions[-1]
 
 
-def _verify_replay(scan: _Scan, p: int, problems: list[str]) -> None:
+def _verify_replay(scan: _Scan, p: int, latest: int, problems: list[str]) -> None:
     """Replay fragment ``p`` from its newest checkpoint to its newest version, as a
     restarting syncer would (``replay.replay_check``: the same ``apply_decision``)."""
     if scan.plan is None or scan.run is None:
-        return
-    latest = ledger.latest_version(scan.store, p)
-    if latest is None:
         return
     reader = FragmentReader(scan.store, run_id=scan.run.run_id, plan=scan.plan, fragment=p,
                             trust=signing.Trust(scan.store, run=scan.run))

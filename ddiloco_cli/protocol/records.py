@@ -225,8 +225,9 @@ def validate(record: Any, record_type: str, *, where: str) -> dict[str, Any]:
     return record
 
 
-# (record type, bytes) that validated: the same bytes validate the same way every time, and
-# manifests are read again and again (restores, replays, audits). Cleared whole when full.
+# (record type, digest of the bytes) that validated: the same bytes validate the same way every
+# time, and manifests are read again and again (restores, replays, audits). A digest, not the
+# bytes: the set stays small (4096 x 16 B). Cleared whole when full.
 _VALIDATED: set[tuple[str, bytes]] = set()
 VALIDATED_MAX = 4096  # entries
 VALIDATED_MAX_BYTES = 1 << 16  # larger records are validated every time
@@ -237,7 +238,7 @@ def loads(data: bytes, record_type: str, *, where: str) -> dict[str, Any]:
     Raises ProtocolError (NewerProtocolError for a newer protocol version)."""
     record = parse_json(data, where=where)
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    key = (record_type, raw) if len(raw) <= VALIDATED_MAX_BYTES else None
+    key = (record_type, hashlib.blake2b(raw, digest_size=16).digest()) if len(raw) <= VALIDATED_MAX_BYTES else None
     if key is not None and key in _VALIDATED:
         return record
     validate(record, record_type, where=where)
