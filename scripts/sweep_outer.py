@@ -8,7 +8,11 @@ deterministic simulation for a few scenarios, one JSON line per (row, seed), and
 
 Rows (over sweep_sim.py's base: equal speeds, step time = the round trip): ``equal``; ``two``
 (every other learner 1.5x slower); ``outage`` (one syncer outage of 5 cycles, from a quarter
-of the run: the learners train through it and catch up).
+of the run: the learners train through it and catch up); ``lockstep`` and ``lockstep-noef``
+(the equal row in lock-step mode, Streaming DiLoCo with K = M and the int4 uploads, with and
+without the learners' error feedback):
+
+    python scripts/sweep_outer.py --learners 2 --steps 128 --seeds 3 --rows lockstep,lockstep-noef
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ddiloco_cli.simtrain.arms import run_dp, run_sync  # noqa: E402
 from ddiloco_cli.simtrain.report import _decoupled  # noqa: E402
 from ddiloco_cli.simtrain.world import World  # noqa: E402
 
-ROWS = {"equal": {}, "two": {"speeds": "two", "slow_factor": 1.5}, "outage": {}}
+ROWS = {"equal": {}, "two": {"speeds": "two", "slow_factor": 1.5}, "outage": {}, "lockstep": {}, "lockstep-noef": {}}
 OUTAGE_CYCLES = 5
 
 
@@ -38,6 +42,8 @@ def scenario(row: str, *, learners: int, seed: int, steps: int):
     if row == "outage":
         cycle_s = sc.run_config().sync_every * sc.step_s
         sc.syncer_outages = [{"at_s": 0.25 * steps * sc.step_s, "duration_s": OUTAGE_CYCLES * cycle_s}]
+    if row.startswith("lockstep"):  # merge None: the mode's own (mean); every learner in every merge
+        sc.run = {"mode": "lockstep", "merge": None, "quorum": learners, "error_feedback": row == "lockstep"}
     return sc
 
 

@@ -122,9 +122,11 @@ class DiLoCoSync(SendPath, ReceivePath):
         self.counters = FragmentCounters(self.plan.num_fragments)
         self.base: dict[int, tuple[int, Tensors]] = {}  # fragment -> (version, fp32 published value)
         # error feedback: per fragment, what the codec dropped from the last contribution uploaded
-        # (set by an upload thread, added to the next delta of that fragment); never in lock-step,
-        # whose contributions are Streaming DiLoCo's outer gradients exactly
-        self.error_feedback = self.config.error_feedback and self.config.codec != "none" and not self.lockstep
+        # (set by an upload thread, added to the next delta of that fragment), in both modes: without
+        # it a lock-step int4 run would drop every |x| < absmax/6 of a block on every send. Codec
+        # none has no residual, so its lock-step contributions stay Streaming DiLoCo's outer
+        # gradients exactly (tests/unit/test_lockstep_equivalence.py)
+        self.error_feedback = self.config.error_feedback and self.config.codec != "none"
         self._residual: dict[int, Tensors] = {}
         self._residual_lock = threading.Lock()
         self.in_flight: dict[int, InFlight] = {}
@@ -279,6 +281,8 @@ class DiLoCoSync(SendPath, ReceivePath):
             self._previous_sigterm = None
         finished = not crashed and self.total_steps > 0 and self.stats.step >= self.total_steps
         self.stats.state = "finished" if finished else "left"
+        # lock-step sends whole cycles only: the unsent steps and the error-feedback residual of
+        # the last contribution (what the codec dropped from it) leave with the learner
         if not crashed and self.stop_reason != "taken over" and not self.lockstep:
             self.flush()
         if self._receiver is not None:

@@ -664,3 +664,51 @@ def test_a_learner_reports_its_send_to_receive_lag_and_warns_once_when_tau_canno
         assert len(warnings) == 1 and "median 9 steps" in warnings[0].getMessage()
         assert sync.stats.lag_quantiles() == (9, 9)
 
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_lockstep_int4_error_feedback_carries_what_rounds_to_zero_L6(error_feedback):
+    """[L6] in lock-step mode (issue 24, finding 7): int4 at qmax 3 rounds every |x| < absmax/6
+    of a block to zero. A learner whose progress per cycle alternates A and a = A/10 along
+    the parameters sends a = 0 every cycle without error feedback, so the merged global never
+    moves there; with it the residual carries a over until it is sent, and after N cycles the
+    global (outer lr 1, no momentum: it moves by the decoded contribution) has moved there by
+    N*a within one quantisation step (A/3). No flush on close: lock-step sends whole cycles,
+    the last residual leaves with the learner."""
+    from ddiloco_cli.learner import SyncOptions
+    from ddiloco_cli.syncer.core import Syncer, SyncerOptions
+
+    cycles, A = 10, 1e-3
+    store = _run(mode="lockstep", num_fragments=1, sync_every=1, overlap_steps=0, codec="int4", quorum=1,
+                 outer_lr=1.0, outer_momentum=0.0, error_feedback=error_feedback)
+    assert read_run_config(store).codec_qmax == 3
+    model = load_task(TINY).build_model()
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    steps = {k: torch.where(torch.arange(v.numel()) % 2 == 0, A, A / 10).view(v.shape) for k, v in start.items()}
+    stop = threading.Event()
+    syncer = Syncer(store, options=SyncerOptions(poll_s=0.005, gc=False))
+    thread = threading.Thread(target=syncer.serve, kwargs={"stop": stop.is_set}, daemon=True)
+    thread.start()
+    try:
+        with DiLoCoSync(store, model, learner_id="ls", options=SyncOptions(min_poll_s=0.005)) as sync:
+            assert sync.error_feedback is error_feedback
+            for _ in range(cycles):
+                with torch.no_grad():
+                    for k, t in model.named_parameters():
+                        t.sub_(steps[k])  # stands in for a cycle of training: theta = base - step
+                sync.step(num_tokens=1)  # H = 1: sent, then (tau = 0) the merged version received
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert syncer.states[0].version == cycles and len(_contributions(store, 0)) == cycles  # nothing flushed
+    moved = {k: start[k] - v.detach() for k, v in model.named_parameters()}  # the merged global's move
+    small = torch.cat([moved[k].flatten()[1::2] for k in moved])  # the coordinates of progress a per cycle
+    big = torch.cat([moved[k].flatten()[0::2] for k in moved])
+    if error_feedback:  # every coordinate within one quantisation step (A/3) of the learner's progress
+        assert float((big - cycles * A).abs().max()) <= A / 3
+        assert float((small - cycles * A / 10).abs().max()) <= A / 3
+        assert abs(float(small.median()) - cycles * A / 10) <= A / 6
+    else:  # A sent whole every cycle, up to the bf16 block scale's rounding; a never (the median:
+        # a tensor whose last block holds one value sends that one exactly)
+        assert torch.allclose(big, torch.full_like(big, cycles * A), rtol=4e-3)
+        assert float(small.median()) == 0.0
