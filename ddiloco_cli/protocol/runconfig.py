@@ -176,7 +176,8 @@ class RunConfig:
                              metavar="N", help="Full (exact) payload every N versions")
     error_feedback: bool = _f(True, "error-feedback", _C, kind=bool,
                               off="no-error-feedback", help="Learners add what the codec dropped from their last "
-                                                            "contribution of a fragment to the next one")
+                                                            "contribution of a fragment to the next one (both "
+                                                            "modes; nothing to add under codec none)")
     error_feedback_decay: float | None = _f(None, "error-feedback-decay", _C, kind=float, lo=0.0, hi=1.0, optional=True,
                                             metavar="BETA", help="Learners carry BETA times that residual (e <- BETA*e + "
                                                                  "delta; default 0.95 for sparse, 1 otherwise)")
