@@ -19,7 +19,9 @@ default here is M in {1, 2, 4}, 192 steps per learner, 3 seeds, one factor at a 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import multiprocessing
 import os
 import re
 import statistics
@@ -59,24 +61,58 @@ def scenario_for(row: dict, *, learners: int, seed: int, steps: int) -> Scenario
     return sc
 
 
-def sweep(*, learners: list[int], seeds: int, steps: int) -> dict:
+def one_pair(M: int, seed: int, steps: int, rows: tuple[str, ...]) -> list[dict]:
+    """The references and the given rows for one (M, seed): one dict per row."""
     torch.set_num_threads(1)
-    cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    logging.disable(logging.ERROR)
+    t0 = time.process_time()
+    ref = scenario_for({}, learners=M, seed=seed, steps=steps)
+    world = World(ref)
+    sync = run_sync(world.task, ref, world.config, world.inner)["val_loss"]
+    dp = run_dp(world.task, ref, world.config, world.inner)["val_loss"]
+    out = []
+    for name in rows:
+        w = World(scenario_for(ROWS[name], learners=M, seed=seed, steps=steps))
+        w.run()
+        d = _decoupled(w)
+        out.append(dict(row=name, M=M, seed=seed, val=d["val_loss"], sync=sync, dp=dp,
+                        used=d["ledger"]["used"], refused=d["ledger"]["refused"],
+                        merged=d["ledger"]["merged_token_fraction"]))
+    print(f"M={M} seed {seed}: sync {sync:.4f} dp {dp:.4f} ({time.process_time() - t0:.0f} s CPU, "
+          f"{ref.run_config().num_fragments} fragments)", file=sys.stderr, flush=True)
+    return out
+
+
+def sweep(*, learners: list[int], seeds: int, steps: int, jobs: int = 1, base_only_above: int = 16,
+          large_seeds: int = 1, cells_out: str | None = None) -> dict:
+    """Every (M, seed) pair's rows, ``jobs`` pairs at a time (processes). Above
+    ``base_only_above`` learners only the base row runs, for ``large_seeds`` seeds: all the rows
+    at M = 64 are hours of CPU here. Each finished row is appended to ``cells_out`` (JSON lines)."""
+    pairs = []
     for M in learners:
-        for seed in range(seeds):
-            t0 = time.process_time()
-            ref = scenario_for({}, learners=M, seed=seed, steps=steps)
-            config = ref.run_config()
-            world = World(ref)
-            sync = run_sync(world.task, ref, world.config, world.inner)["val_loss"]
-            dp = run_dp(world.task, ref, world.config, world.inner)["val_loss"]
-            for name, row in ROWS.items():
-                w = World(scenario_for(row, learners=M, seed=seed, steps=steps))
-                w.run()
-                val = _decoupled(w)["val_loss"]
-                cells.setdefault((name, M), []).append((val / sync, val / dp))
-            print(f"M={M} seed {seed}: sync {sync:.4f} dp {dp:.4f} ({time.process_time() - t0:.0f} s CPU, "
-                  f"{config.num_fragments} fragments)", file=sys.stderr)
+        rows = tuple(ROWS) if M <= base_only_above else (next(iter(ROWS)),)
+        pairs += [(M, seed, steps, rows) for seed in range(seeds if M <= base_only_above else min(seeds, large_seeds))]
+    pairs.sort(key=lambda t: -t[0] * len(t[3]))  # the longest first, so the pool ends together
+    results: list[dict] = []
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        for out in pool.imap_unordered(_one_pair_star, pairs):
+            results += out
+            if cells_out:
+                with open(cells_out, "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in out)
+    return cells_from(results)
+
+
+def _one_pair_star(args: tuple) -> list[dict]:
+    return one_pair(*args)
+
+
+def cells_from(results: list[dict]) -> dict:
+    """(row, M) -> [(val / sync, val / dp, refused / (used + refused))] over seeds."""
+    cells: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for r in sorted(results, key=lambda r: (r["M"], r["seed"])):
+        refused = r["refused"] / max(1, r["used"] + r["refused"])
+        cells.setdefault((r["row"], r["M"]), []).append((r["val"] / r["sync"], r["val"] / r["dp"], refused))
     return cells
 
 
@@ -92,7 +128,7 @@ def table(cells: dict, *, learners: list[int]) -> str:
         row = [name]
         for M in learners:
             pairs = cells.get((name, M), [])
-            row += [_cell([a for a, _ in pairs]), _cell([b for _, b in pairs])] if pairs else ["-", "-"]
+            row += [_cell([c[0] for c in pairs]), _cell([c[1] for c in pairs])] if pairs else ["-", "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -115,16 +151,31 @@ def main(argv=None) -> str:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=192, help="inner steps per learner")
     ap.add_argument("--write-results", action="store_true", help="replace the table in docs/results.md")
+    ap.add_argument("--jobs", type=int, default=1, help="(M, seed) pairs run at once, one process each")
+    ap.add_argument("--base-only-above", type=int, default=16, help="above this M only the base row runs")
+    ap.add_argument("--large-seeds", type=int, default=1, help="seeds above --base-only-above")
+    ap.add_argument("--cells-out", default=None, help="append each finished row here (JSON lines)")
+    ap.add_argument("--from-cells", default=None, help="no runs: the table of a --cells-out file")
     args = ap.parse_args(argv)
     logging.disable(logging.ERROR)
     learners = [int(m) for m in args.learners.split(",")]
     t0 = time.process_time()
-    cells = sweep(learners=learners, seeds=args.seeds, steps=args.steps)
+    if args.from_cells:
+        with open(args.from_cells) as f:
+            cells = cells_from([json.loads(line) for line in f if line.strip()])
+    else:
+        cells = sweep(learners=learners, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
+                      base_only_above=args.base_only_above, large_seeds=args.large_seeds, cells_out=args.cells_out)
+    refused = max((c[2] for v in cells.values() for c in v), default=0.0)
+    large = [M for M in learners if M > args.base_only_above]
     text = (table(cells, learners=learners) + f"\n\nDecoupled val loss / classic DiLoCo and / data-parallel at equal "
-            f"tokens; mean (range) over {args.seeds} seed(s); tiny GPT, {args.steps} steps per learner, P = 4, H = 16, "
-            f"tau = 8, int4; links 100 Mbps / 50 ms, store 20 ms, syncer poll 0.2 s. Made by `python "
-            f"scripts/sweep_sim.py --learners {args.learners} --seeds {args.seeds} --steps {args.steps} "
-            f"--write-results` ({time.process_time() - t0:.0f} s CPU).")
+            f"tokens; mean (range) over {args.seeds} seed(s)"
+            + (f" ({args.large_seeds} at M = {', '.join(map(str, large))}, base row only)" if large else "")
+            + f"; tiny GPT, {args.steps} steps per learner, P = 4, H = 16, "
+            f"tau = 8, int4, the run defaults (alpha 0.5, RDA, outer lr 0.7, momentum 0.9); links 100 Mbps / 50 ms, "
+            f"store 20 ms, syncer poll 0.2 s. Refused contributions: at most {100 * refused:.1f}% of a run's. "
+            f"Made by `python scripts/sweep_sim.py --learners {args.learners} --seeds {args.seeds} --steps {args.steps} "
+            f"--jobs {args.jobs} --write-results`.")
     print(text)
     if args.write_results:
         write_results(text)

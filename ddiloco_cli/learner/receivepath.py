@@ -25,12 +25,16 @@ class ReceivePath:
     _lag_warned = False  # the late-receive warning is given once a session
 
     def _add_to_params(self, p: int, increment: Tensors) -> None:
-        """Add ``increment`` (fp32, keyed by slice key) to fragment p of the model in place:
-        no copy of the fragment out and back as ``receive_rule`` needs."""
+        """Add ``(1 - alpha) * increment`` (fp32, keyed by slice key) to fragment p of the model in
+        place: no copy of the fragment out and back as ``receive_rule`` needs (with progress kept,
+        alpha * theta + (1 - alpha) * (Theta_new + theta - theta_at_send) is that sum)."""
         views = [s.view_of(self.params[s.name]) for s in self.plan.fragments[p]]
         adds = [increment[s.key].to(v.device) for s, v in zip(self.plan.fragments[p], views)]
         with torch.no_grad():
-            torch._foreach_add_(views, adds)
+            if self.alpha == 0.0:
+                torch._foreach_add_(views, adds)
+            else:
+                torch._foreach_add_(views, adds, alpha=1.0 - self.alpha)
 
     def alert_every_s(self) -> float:
         """The least time between two stall alerts: the time 2*H steps take, at least

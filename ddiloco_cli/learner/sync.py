@@ -115,9 +115,10 @@ class DiLoCoSync(SendPath, ReceivePath):
         # in decoupled mode, since --take-newest was retired (PROTOCOL.md "Retired settings")
         self.await_own = not self.lockstep
         self.total_steps = self.config.total_steps
-        # receive as theta += Theta_new - theta_at_send on the parameters themselves (the alpha = 0
-        # case of receive_rule, summed in another order), the increment computed by the receiver
-        self._in_place = self.keep_progress and self.alpha == 0.0 and self.island.world == 1
+        # receive as theta += (1 - alpha) * (Theta_new - theta_at_send) on the parameters themselves
+        # (receive_rule with progress kept, summed in another order), the increment computed by
+        # the receiver
+        self._in_place = self.keep_progress and self.alpha < 1.0 and self.island.world == 1
         self.stats = LearnerStats()
         self.counters = FragmentCounters(self.plan.num_fragments)
         self.base: dict[int, tuple[int, Tensors]] = {}  # fragment -> (version, fp32 published value)

@@ -76,6 +76,13 @@ MODE_DEFAULTS: tuple[tuple[str, Any, Any], ...] = (
     ("outer_lr_scaling", "participation", "none"),
     ("publish_codec", None, "none"),
 )
+# Defaults by mode that a lockstep run may change: alpha (Streaming DiLoCo's mixing factor) is
+# 0.5 in a decoupled run (docs/results.md "Outer loop": the learner keeps half of the gap
+# between its own fragment and the new global one, which damps the outer Nesterov step's
+# overshoot) and 0 in lockstep (torchft's default, so lockstep stays classic DiLoCo at M = 1).
+MODE_DEFAULTS_FREE: tuple[tuple[str, Any, Any], ...] = (
+    ("alpha", 0.5, 0.0),
+)
 
 
 def _spec(flag: str, panel: str, *, kind: type | str, lo: float | None = None, hi: float | None = None,
@@ -123,8 +130,9 @@ class RunConfig:
                    help="decoupled, or lockstep (the streaming-DiLoCo baseline)")
     quorum: int = _f(1, "quorum", _M, kind=int, lo=1, hi=_MAX_INT,
                      short="-K", metavar="K", help="Minimum distinct learners per merge (K)")
-    alpha: float = _f(0.0, "alpha", _M, kind=float, lo=0.0, hi=1.0,
-                      metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*global")
+    alpha: float | None = _f(None, "alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True,
+                             metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*(global + "
+                                               "progress) (default: 0.5; lockstep: 0)")
     keep_overlap_progress: bool | None = _f(None, "keep-overlap-progress", _M, kind=bool, optional=True,
                                             off="discard-overlap-progress",
                                             help="On receive, keep the steps trained since the send (theta <- "
@@ -237,7 +245,8 @@ class RunConfig:
                                 f"({self.heartbeat_s:g} s)")
 
     def with_mode(self, mode: str) -> "RunConfig":
-        """This config in another mode, the mode-dependent settings back to that mode's defaults."""
+        """This config in another mode: the settings a lockstep run fixes back to that mode's
+        defaults; the others (alpha) as they were."""
         return dataclasses.replace(self, mode=mode, **{name: None for name, _, _ in MODE_DEFAULTS})
 
     def _mode_defaults(self) -> None:
@@ -254,6 +263,9 @@ class RunConfig:
                 f = self.__dataclass_fields__[name]
                 raise _bad(f.metadata["flag"], f"{json.dumps(value)}: a lockstep run always uses "
                                                f"{json.dumps(locked)} (leave it unset, or use --mode decoupled)")
+        for name, decoupled, locked in MODE_DEFAULTS_FREE:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, locked if lockstep else decoupled)
 
     @property
     def publish_qmax(self) -> int | None:
@@ -448,4 +460,4 @@ def wait_for_run_config(store: Store, *, timeout_s: float, on_wait: Callable[[fl
 
 
 __all__ = ["RunConfig", "Codec", "Merge", "OuterLrScaling", "Mode", "LrSchedule", "PANELS", "hyperparameters",
-           "flag", "setting_key", "read_run_config", "wait_for_run_config", "MODE_DEFAULTS"]
+           "flag", "setting_key", "read_run_config", "wait_for_run_config", "MODE_DEFAULTS", "MODE_DEFAULTS_FREE"]

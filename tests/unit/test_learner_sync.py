@@ -105,6 +105,46 @@ def test_lockstep_never_keeps_overlap_progress():
         assert sync.keep_progress
 
 
+def test_alpha_defaults_by_mode_and_lockstep_may_change_it():
+    """Decoupled runs mix half of the learner's own fragment into a received version (alpha 0.5,
+    docs/results.md "Outer loop"); lockstep defaults to overwrite (alpha 0, torchft's) but, unlike
+    the merge or the receive rule, may be given another alpha (Streaming DiLoCo's)."""
+    assert read_run_config(_run(overlap_steps=2)).alpha == 0.5
+    assert read_run_config(_run(mode="lockstep", overlap_steps=2)).alpha == 0.0
+    assert read_run_config(_run(mode="lockstep", overlap_steps=2, alpha=0.3)).alpha == 0.3
+    assert read_run_config(_run(overlap_steps=2, alpha=0.0)).alpha == 0.0
+    config = read_run_config(_run(overlap_steps=2, alpha=0.25))
+    assert config.with_mode("lockstep").alpha == 0.25 and config.with_mode("lockstep").merge == "mean"
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.8])
+def test_in_place_receive_is_the_receive_rule_with_alpha(alpha):
+    """The learner's in-place receive, theta += (1 - alpha) * (Theta_new - theta_at_send), is
+    receive_rule(alpha, keep_progress) up to float rounding."""
+    from ddiloco_cli.learner.receiver import receive_rule
+
+    store = _run(overlap_steps=2, alpha=alpha)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="c") as sync:
+        assert sync._in_place and sync.alpha == alpha
+        p = 0
+        keys = [s.key for s in sync.plan.fragments[p]]
+        at_send = {k: t.clone() for k, t in sync.island.gather(sync.plan, p, sync.params).items()}
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # progress after the send
+            for t in model.parameters():
+                t.add_(torch.randn(t.shape, generator=gen) * 0.01)
+        local = {k: t.clone() for k, t in sync.island.gather(sync.plan, p, sync.params).items()}
+        new_global = {k: at_send[k] + torch.randn(at_send[k].shape, generator=gen) * 0.1 for k in keys}
+        sync._add_to_params(p, {k: new_global[k] - at_send[k] for k in keys})
+        got = sync.island.gather(sync.plan, p, sync.params)
+        want = receive_rule(local, new_global, at_send, alpha=alpha, keep_progress=True)
+        for k in keys:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+            if alpha:  # the learner keeps alpha of the gap between its own fragment and the new one
+                assert not torch.allclose(got[k], new_global[k] + local[k] - at_send[k])
+
+
 def test_task_comes_from_the_learners_own_code(tmp_path):
     task_file = tmp_path / "task_here.py"
     task_file.write_text(open("examples/my_task.py").read())
