@@ -37,13 +37,14 @@ ROWS = {"equal": {}, "two": {"speeds": "two", "slow_factor": 1.5}, "outage": {},
 OUTAGE_CYCLES = 5
 
 
-def scenario(row: str, *, learners: int, seed: int, steps: int):
+def scenario(row: str, *, learners: int, seed: int, steps: int, run: dict | None = None):
     sc = scenario_for(ROWS[row], learners=learners, seed=seed, steps=steps)
+    sc.run = dict(run or {})
     if row == "outage":
         cycle_s = sc.run_config().sync_every * sc.step_s
         sc.syncer_outages = [{"at_s": 0.25 * steps * sc.step_s, "duration_s": OUTAGE_CYCLES * cycle_s}]
     if row.startswith("lockstep"):  # merge None: the mode's own (mean); every learner in every merge
-        sc.run = {"mode": "lockstep", "merge": None, "quorum": learners, "error_feedback": row == "lockstep"}
+        sc.run.update(mode="lockstep", merge=None, quorum=learners, error_feedback=row == "lockstep")
     return sc
 
 
@@ -54,22 +55,26 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rows", default="equal,outage", help=f"comma-separated, of {', '.join(ROWS)}")
     ap.add_argument("--refs", action="store_true", help="the references instead of the rows")
+    ap.add_argument("--run", default="{}", help='RunConfig overrides as JSON, for the rows and the references '
+                                               '(e.g. \'{"alpha": 0.0}\' or \'{"outer_momentum": 0.5}\')')
     args = ap.parse_args(argv)
+    run = json.loads(args.run)
     logging.disable(logging.ERROR)
     torch.set_num_threads(1)
     for seed in range(args.seeds):
         if args.refs:
             ref = scenario_for({}, learners=args.learners, seed=seed, steps=args.steps)
+            ref.run = dict(run)
             w = World(ref)
-            print(json.dumps(dict(seed=seed, sync=run_sync(w.task, ref, w.config, w.inner)["val_loss"],
+            print(json.dumps(dict(seed=seed, run=run, sync=run_sync(w.task, ref, w.config, w.inner)["val_loss"],
                                   dp=run_dp(w.task, ref, w.config, w.inner)["val_loss"])), flush=True)
             continue
         for row in args.rows.split(","):
             t0 = time.process_time()
-            w = World(scenario(row, learners=args.learners, seed=seed, steps=args.steps))
+            w = World(scenario(row, learners=args.learners, seed=seed, steps=args.steps, run=run))
             w.run()
             d = _decoupled(w)
-            print(json.dumps(dict(row=row, seed=seed, val=d["val_loss"], used=d["ledger"]["used"],
+            print(json.dumps(dict(row=row, seed=seed, run=run, val=d["val_loss"], used=d["ledger"]["used"],
                                   refused=d["ledger"]["refused"], cpu_s=round(time.process_time() - t0))), flush=True)
 
 
