@@ -17,6 +17,7 @@ Every arm trains on M * N * batch tokens:
                 measured step per step), so learners drift out of phase
   (g) m8        (c) with 8 learners of batch M*B/8: the same tokens, twice the learners
                 of M = 4 (M*B must be divisible by 8)
+  (h) diloco8   (b') with the 8 learners of (g): the synchronous reference of m8
 
 Lock-step is Streaming DiLoCo: K = M, mean merge, plain overwrite on receive, no lr
 scaling, exact published values. The decoupled arms use the run defaults (outer_lr_scaling =
@@ -51,10 +52,12 @@ import benchlib  # noqa: E402
 from ddiloco_cli.protocol.runconfig import MODE_DEFAULTS  # noqa: E402
 from ddiloco_cli.tasks import load_task  # noqa: E402
 
-ARMS = ("dp", "diloco", "lockstep", "decoupled", "mean", "chaos", "mixed", "m8")
+ARMS = ("dp", "diloco", "lockstep", "decoupled", "mean", "chaos", "mixed", "m8", "diloco8")
 TARGETS = {"decoupled": 1.03, "chaos": 1.03, "mixed": 1.03, "m8": 1.03}  # loss ratio to dp at most
 MIN_MERGED_TOKEN_FRACTION = 0.99
-DETERMINISTIC_ARMS = ("diloco", "lockstep")  # lock-step merges everyone every cycle: the same run every time
+DETERMINISTIC_ARMS = ("diloco", "lockstep", "diloco8")
+EIGHT = ("m8", "diloco8")  # arms of 8 learners of batch M*B/8
+SYNC_REFERENCE = {"m8": "diloco8"}  # the classic DiLoCo arm each arm is compared with (default: diloco)  # lock-step merges everyone every cycle: the same run every time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -122,13 +125,14 @@ def init_flags(args, *, arm: str) -> dict:
                  grace_gamma=args.grace_gamma, grace_max=args.grace_max, lease=6, heartbeat=1,
                  max_staleness=16, quorum=1, mode="decoupled", merge="rda")
     flags.update(outer_lr_scaling=args.outer_lr_scaling, error_feedback=args.error_feedback)
-    if arm in ("lockstep", "diloco"):  # a lockstep run has one merge, receive, lr scaling and publish codec
+    if arm in ("lockstep", "diloco", "diloco8"):  # a lockstep run has one merge, receive, lr scaling and publish codec
         for name, _, _ in MODE_DEFAULTS:
             flags.pop(name, None)
     if arm == "lockstep":  # Streaming DiLoCo
         flags.update(mode="lockstep", quorum=M)
-    elif arm == "diloco":  # classic DiLoCo: the whole model every H steps, waited for, sent exactly
-        flags.update(mode="lockstep", quorum=M, fragments=1, overlap_steps=0, codec="none")
+    elif arm in ("diloco", "diloco8"):  # classic DiLoCo: the whole model every H steps, waited for, sent exactly
+        flags.update(mode="lockstep", quorum=8 if arm == "diloco8" else M, fragments=1, overlap_steps=0,
+                     codec="none")
     if getattr(args, "step_ms", None):
         if args.task != "ddiloco_cli.tasks.gpt:tiny":
             raise SystemExit("--step-ms paces the built-in tiny GPT; drop --task")
@@ -139,7 +143,7 @@ def init_flags(args, *, arm: str) -> dict:
         flags.update(task=benchlib.PACED_TASK)
     elif arm == "mean":
         flags.update(merge="mean")
-    elif arm == "m8":
+    if arm in EIGHT:
         flags.update(batch_size=M * args.batch_size // 8)
     return flags
 
@@ -163,7 +167,7 @@ def mean_of_runs(runs: list[dict]) -> dict:
 
 
 def arm_learners(args, arm: str) -> list[str]:
-    return [f"l{i}" for i in range(8 if arm == "m8" else args.learners)]
+    return [f"l{i}" for i in range(8 if arm in EIGHT else args.learners)]
 
 
 def run_ddiloco_arm(args, *, arm: str, workdir: str, task, inner_out: dict) -> dict:
@@ -208,6 +212,8 @@ def run_ddiloco_arm(args, *, arm: str, workdir: str, task, inner_out: dict) -> d
             "tokens": tokens, "merged_tokens": merged, "merged_token_fraction": merged / tokens if tokens else None,
             "refused": sum(1 for m in manifests for c in m["contributions"] if c.get("status") == "refused"),
             "mean_quorum": sum(quorum_sizes) / max(1, len(quorum_sizes)),
+            # send -> receive lag in steps, per learner (p50, p95), from its last heartbeat
+            "lag_steps": {lid: [beats[lid].get("lag_p50"), beats[lid].get("lag_p95")] for lid in ids},
             "unmerged_at_stop": unmerged,
             "kills": sum(1 for e in (driver.events if driver else []) if e[1] == "kill"),
             "chaos_events": driver.events if driver else [],
@@ -234,8 +240,8 @@ def main(argv=None) -> dict:
     for arm in args.arms:
         t0 = time.monotonic()
         print(f"[{arm}] running ... ({benchlib.load_text()})", file=sys.stderr)
-        if arm == "m8" and (M * B) % 8:
-            raise SystemExit(f"--arms m8: M*B = {M * B} must be divisible by 8")
+        if arm in EIGHT and (M * B) % 8:
+            raise SystemExit(f"--arms {arm}: M*B = {M * B} must be divisible by 8")
         if arm == "dp":
             model = benchlib.train_data_parallel(task, steps=N, batch_size=M * B, inner=inner)
             results[arm] = {"arm": arm, "val_loss": benchlib.val_loss(task, model), "train_s": time.monotonic() - t0,
@@ -248,7 +254,7 @@ def main(argv=None) -> dict:
                                             inner_out=run_inner))
                 # the dp arm must use exactly the learners' optimizer settings
                 assert all(run_inner[k] == inner[k] or (k == "betas" and list(run_inner[k]) == inner[k])
-                           or (k == "batch_size" and arm == "m8") for k in inner), (run_inner, inner)
+                           or (k == "batch_size" and arm in EIGHT) for k in inner), (run_inner, inner)
             results[arm] = mean_of_runs(runs)
         print(f"[{arm}] val loss {results[arm]['val_loss']:.4f} in {time.monotonic() - t0:.0f}s "
               f"({benchlib.load_text()})", file=sys.stderr)
@@ -261,6 +267,9 @@ def main(argv=None) -> dict:
         r["ratio_to_dp"] = ratio
         r["target_ratio"] = target
         r["target_met"] = None if ratio is None or target is None else ratio <= target
+        ref = results.get(SYNC_REFERENCE.get(arm, "diloco"))
+        r["ratio_to_diloco"] = r["val_loss"] / ref["val_loss"] if ref and arm not in ("dp", "diloco", "diloco8") else None
+        lags = [v for lag in r.get("lag_steps", {}).values() for v in lag[:1] if v is not None]
         fraction = r.get("min_merged_token_fraction", r.get("merged_token_fraction"))  # the worst run
         losses = r.get("val_losses", [])
         shown = f"{r['val_loss']:.4f}" + (f" ({min(losses):.4f}-{max(losses):.4f})" if len(losses) > 1 else "")
@@ -268,10 +277,12 @@ def main(argv=None) -> dict:
                      "-" if target is None else f"<= {target:.2f} " + ("met" if r["target_met"] else "MISSED"),
                      r.get("tokens", "-"), "-" if fraction is None else
                      f"{fraction:.4f} " + ("met" if fraction >= MIN_MERGED_TOKEN_FRACTION else "MISSED"),
-                     f"{r['mean_quorum']:.2f}" if "mean_quorum" in r else "-", r.get("kills", "-"),
+                     f"{r['mean_quorum']:.2f}" if "mean_quorum" in r else "-",
+                     "-" if r["ratio_to_diloco"] is None else f"{r['ratio_to_diloco']:.4f}",
+                     f"{statistics.median(lags):g}" if lags else "-", r.get("kills", "-"),
                      f"{r['train_s']:.0f}"])
     table = benchlib.fmt_table(["arm", "val_loss", "ratio_to_dp", "target", "tokens", "merged_token_fraction",
-                                "mean_quorum", "kills", "wall_s"], rows)
+                                "mean_quorum", "ratio_to_diloco", "lag_p50", "kills", "wall_s"], rows)
     print(table)
     print(f"settings: M={M} N={N} B={B} P={args.fragments} H={args.sync_every} tau={args.overlap_steps} "
           f"inner_lr={args.inner_lr} (cosine, warmup {args.warmup_steps}) outer_lr={args.outer_lr} "

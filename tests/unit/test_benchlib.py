@@ -167,7 +167,7 @@ def test_data_parallel_baseline_uses_the_inner_schedule(monkeypatch):
     assert benchlib.val_loss(task, model, max_batches=1) < before  # it trains
 
 
-@pytest.mark.parametrize("arm", ["diloco", "lockstep", "decoupled", "mixed", "m8"])
+@pytest.mark.parametrize("arm", ["diloco", "lockstep", "decoupled", "mixed", "m8", "diloco8"])
 def test_every_convergence_arm_makes_a_run_init_accepts(tmp_path, arm):
     """bench_convergence's init flags per arm go through the real CLI: the classic-DiLoCo
     reference must really be one fragment, no overlap, exact gradients and every learner."""
@@ -186,6 +186,9 @@ def test_every_convergence_arm_makes_a_run_init_accepts(tmp_path, arm):
     if arm == "diloco":
         assert (config.mode, config.quorum, config.num_fragments, config.overlap_steps, config.codec) == \
             ("lockstep", 4, 1, 0, "none")
+    elif arm == "diloco8":  # m8's reference: 8 learners of half the batch
+        assert (config.mode, config.quorum, config.num_fragments, config.overlap_steps, config.codec,
+                config.batch_size) == ("lockstep", 8, 1, 0, "none", 8)
     elif arm == "lockstep":
         assert (config.mode, config.quorum, config.codec) == ("lockstep", 4, "int4")
     else:
