@@ -10,7 +10,9 @@ Rows (over sweep_sim.py's base: equal speeds, step time = the round trip): ``equ
 (every other learner 1.5x slower); ``outage`` (one syncer outage of 5 cycles, from a quarter
 of the run: the learners train through it and catch up); ``lockstep`` and ``lockstep-noef``
 (the equal row in lock-step mode, Streaming DiLoCo with K = M and the int4 uploads, with and
-without the learners' error feedback):
+without the learners' error feedback); ``chaos`` (preemptions taking 10% of learner time, and one
+syncer outage of 10 cycles from a quarter of the run). ``--eval-points N`` adds each run's curve
+of global val loss (virtual seconds, tokens, val loss):
 
     python scripts/sweep_outer.py --learners 2 --steps 128 --seeds 3 --rows lockstep,lockstep-noef
 """
@@ -33,16 +35,19 @@ from ddiloco_cli.simtrain.arms import run_dp, run_sync  # noqa: E402
 from ddiloco_cli.simtrain.report import _decoupled  # noqa: E402
 from ddiloco_cli.simtrain.world import World  # noqa: E402
 
-ROWS = {"equal": {}, "two": {"speeds": "two", "slow_factor": 1.5}, "outage": {}, "lockstep": {}, "lockstep-noef": {}}
+ROWS = {"equal": {}, "two": {"speeds": "two", "slow_factor": 1.5}, "outage": {}, "lockstep": {}, "lockstep-noef": {},
+        "chaos": {"preempt": True}}
 OUTAGE_CYCLES = 5
+CHAOS_OUTAGE_CYCLES = 10  # the issue's target scenario: 10% of learner time down + one syncer outage of 10 cycles
 
 
 def scenario(row: str, *, learners: int, seed: int, steps: int, run: dict | None = None):
     sc = scenario_for(ROWS[row], learners=learners, seed=seed, steps=steps)
     sc.run = dict(run or {})
-    if row == "outage":
+    if row in ("outage", "chaos"):
         cycle_s = sc.run_config().sync_every * sc.step_s
-        sc.syncer_outages = [{"at_s": 0.25 * steps * sc.step_s, "duration_s": OUTAGE_CYCLES * cycle_s}]
+        cycles = OUTAGE_CYCLES if row == "outage" else CHAOS_OUTAGE_CYCLES
+        sc.syncer_outages = [{"at_s": 0.25 * steps * sc.step_s, "duration_s": cycles * cycle_s}]
     if row.startswith("lockstep"):  # merge None: the mode's own (mean); every learner in every merge
         sc.run.update(mode="lockstep", merge=None, quorum=learners, error_feedback=row == "lockstep")
     return sc
@@ -55,6 +60,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rows", default="equal,outage", help=f"comma-separated, of {', '.join(ROWS)}")
     ap.add_argument("--refs", action="store_true", help="the references instead of the rows")
+    ap.add_argument("--eval-points", type=int, default=0, help="the global val loss this many times along "
+                                                                 "each row's run (printed as its curve)")
     ap.add_argument("--run", default="{}", help='RunConfig overrides as JSON, for the rows and the references '
                                                '(e.g. \'{"alpha": 0.0}\' or \'{"outer_momentum": 0.5}\')')
     args = ap.parse_args(argv)
@@ -71,11 +78,15 @@ def main(argv=None) -> None:
             continue
         for row in args.rows.split(","):
             t0 = time.process_time()
-            w = World(scenario(row, learners=args.learners, seed=seed, steps=args.steps, run=run))
+            sc = scenario(row, learners=args.learners, seed=seed, steps=args.steps, run=run)
+            sc.eval_points = args.eval_points
+            w = World(sc)
             w.run()
             d = _decoupled(w)
             print(json.dumps(dict(row=row, seed=seed, run=run, val=d["val_loss"], used=d["ledger"]["used"],
-                                  refused=d["ledger"]["refused"], cpu_s=round(time.process_time() - t0))), flush=True)
+                                  refused=d["ledger"]["refused"], outages=sc.syncer_outages,
+                                  curve=[(round(p["t_s"], 2), p["tokens"], round(p["val_loss"], 4)) for p in d["curve"]],
+                                  cpu_s=round(time.process_time() - t0))), flush=True)
 
 
 if __name__ == "__main__":
