@@ -74,11 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--inner-lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=20)
     ap.add_argument("--lr-schedule", default="cosine")
-    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's default")
+    ap.add_argument("--outer-lr", type=float, default=None, help="default: the run's (0.7, DiLoCo's; sparse: 1)")
     ap.add_argument("--outer-lr-scaling", default="participation", help="decoupled arms: participation (the run default) or none")
     ap.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                     help="decoupled arms: learners without error feedback on their contributions")
-    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--outer-momentum", type=float, default=None, help="default: the run's (0.9; sparse: 0)")
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--codec-block", type=int, default=None, help="default: the run's (64 for int4)")
     ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (3 for int4)")

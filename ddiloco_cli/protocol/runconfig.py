@@ -76,6 +76,13 @@ MODE_DEFAULTS: tuple[tuple[str, Any, Any], ...] = (
     ("outer_lr_scaling", "participation", "none"),
     ("publish_codec", None, "none"),
 )
+# The outer step's defaults by codec: DiLoCo's Nesterov (lr 0.7, momentum 0.9), and for sparse
+# uploads SparseLoCo's plain averaged descent (the learners' decayed error-feedback accumulators
+# are the momentum; with Nesterov on top a sparse run diverged, docs/sparse.md).
+CODEC_OUTER_DEFAULTS: dict[str | None, dict[str, float]] = {
+    None: {"outer_lr": 0.7, "outer_momentum": 0.9},
+    "sparse": {"outer_lr": 1.0, "outer_momentum": 0.0},
+}
 # Defaults by mode that a lockstep run may change: alpha (Streaming DiLoCo's mixing factor) is
 # 0.5 in a decoupled run (docs/results.md "Outer loop": the learner keeps half of the gap
 # between its own fragment and the new global one, which damps the outer Nesterov step's
@@ -140,11 +147,13 @@ class RunConfig:
                                                  "overwrite)")
     merge: str | None = _f(None, "merge", _M, kind=str, choices=Merge, optional=True,
                            help="Radial-Directional Averaging or a token-weighted mean (default: rda; lockstep: mean)")
-    outer_lr: float = _f(0.7, "outer-lr", _M, kind=float, lo=0.0, lo_open=True,
-                         metavar="LR", help="Outer Nesterov learning rate")
+    outer_lr: float | None = _f(None, "outer-lr", _M, kind=float, lo=0.0, lo_open=True, optional=True,
+                                metavar="LR", help="Outer Nesterov learning rate (default: 0.7; sparse: 1)")
     # 0: plain averaged descent, no outer momentum (sparse runs: the learners' error-feedback accumulators are the momentum)
-    outer_momentum: float = _f(0.9, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True,
-                               metavar="X", help="Outer Nesterov momentum (0: plain averaged descent)")
+    outer_momentum: float | None = _f(None, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True,
+                                      optional=True, metavar="X",
+                                      help="Outer Nesterov momentum, 0: plain averaged descent (default: 0.9; "
+                                           "sparse: 0)")
     outer_lr_scaling: str | None = _f(None, "outer-lr-scaling", _M, kind=str, choices=OuterLrScaling, optional=True,
                                       help="participation: a merge of m of M live learners uses lr*m/M (default: "
                                            "participation; lockstep: none)")
@@ -229,6 +238,9 @@ class RunConfig:
             object.__setattr__(self, "publish_density", self.codec_density)
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
             object.__setattr__(self, "error_feedback_decay", 0.95 if self.codec == "sparse" else 1.0)
+        for name, value in CODEC_OUTER_DEFAULTS["sparse" if self.codec == "sparse" else None].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.codec_density is not None and codec.topk(self.codec_density, self.codec_block) < 1:
             raise _bad("codec-density", "too small for the block size")
         try:
@@ -460,4 +472,4 @@ def wait_for_run_config(store: Store, *, timeout_s: float, on_wait: Callable[[fl
 
 
 __all__ = ["RunConfig", "Codec", "Merge", "OuterLrScaling", "Mode", "LrSchedule", "PANELS", "hyperparameters",
-           "flag", "setting_key", "read_run_config", "wait_for_run_config", "MODE_DEFAULTS", "MODE_DEFAULTS_FREE"]
+           "flag", "setting_key", "read_run_config", "wait_for_run_config", "MODE_DEFAULTS", "MODE_DEFAULTS_FREE", "CODEC_OUTER_DEFAULTS"]

@@ -6,8 +6,9 @@
 * ``sync``: classic synchronous DiLoCo at the same M and H (bench_convergence's
   ``diloco`` arm): every learner in every merge, one fragment, exact fp32 outer
   gradients, no overlap: every H steps the global model takes one Nesterov outer step
-  (``outer.OuterOptimizer``) on the mean of the learners' deltas, and every learner
-  starts the next H steps from it. A last partial cycle is merged too (as the decoupled
+  (``outer.OuterOptimizer``, the run's outer lr and momentum, or DiLoCo's defaults when the
+  run is sparse) on the mean of the learners' deltas, and every learner starts the next H
+  steps from it. A last partial cycle is merged too (as the decoupled
   learners flush their unsent steps).
 
 Both are deterministic functions of the scenario (no clock): they also give the curve
@@ -24,7 +25,7 @@ import torch
 
 from ddiloco_cli.learner.learn import lr_at, train_step
 from ddiloco_cli.numerics.outer import OuterOptimizer
-from ddiloco_cli.protocol.runconfig import RunConfig
+from ddiloco_cli.protocol.runconfig import CODEC_OUTER_DEFAULTS, RunConfig
 from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.tasks import Task, evaluate
 
@@ -78,7 +79,11 @@ def run_sync(task: Task, scenario: Scenario, config: RunConfig, inner: dict[str,
     global_model = task.build_model()
     names = [n for n, t in global_model.named_parameters() if t.requires_grad]
     global_params = {n: t.detach() for n, t in global_model.named_parameters() if t.requires_grad}
-    outer = OuterOptimizer(lr=config.outer_lr, momentum=config.outer_momentum)
+    # the run's outer step; a sparse run's plain averaged descent is SparseLoCo's rule, not
+    # DiLoCo's, so its reference takes DiLoCo's Nesterov defaults
+    outer_settings = CODEC_OUTER_DEFAULTS[None] if config.codec == "sparse" else {
+        "outer_lr": config.outer_lr, "outer_momentum": config.outer_momentum}
+    outer = OuterOptimizer(lr=outer_settings["outer_lr"], momentum=outer_settings["outer_momentum"])
     models = []
     for _ in range(scenario.learners):
         torch.manual_seed(config.seed)

@@ -26,7 +26,7 @@ MERGE_PARAMS_PER_S = 2.2e8
 # the run settings bench_convergence.py uses (decoupled arm); a scenario's [run] table overrides them
 RUN_DEFAULTS: dict[str, Any] = dict(
     task="ddiloco_cli.tasks.gpt:tiny", num_fragments=4, sync_every=16, overlap_steps=8, inner_lr=3e-3,
-    warmup_steps=20, lr_schedule="cosine", batch_size=16, outer_lr=0.7, outer_momentum=0.9, codec="int4",
+    warmup_steps=20, lr_schedule="cosine", batch_size=16, codec="int4",
     grace_gamma=0.5, lease_s=6.0, heartbeat_s=1.0, max_staleness=16, quorum=1, mode="decoupled", merge="rda",
 )
 

@@ -82,3 +82,33 @@ def test_the_default_decay_is_0_95_and_a_new_session_starts_from_zero():
     base, thetas, got = _contributions(store, model, "z", 1)  # a restart: the accumulator is not persisted
     sent, _ = _sent({k: base[k] - thetas[0][k] for k in base}, run)
     assert all(torch.equal(got[-1][k], sent[k]) for k in base)
+
+
+def test_a_sparse_run_defaults_to_plain_averaged_descent_and_its_sync_reference_to_nesterov(monkeypatch):
+    """SparseLoCo's outer rule by default for sparse uploads (Nesterov on top of the learners'
+    accumulators diverged, docs/sparse.md); DiLoCo's for the other codecs; given values win.
+    The simulator's classic-DiLoCo reference of a sparse run keeps DiLoCo's Nesterov."""
+    from ddiloco_cli.protocol.runconfig import RunConfig
+    from ddiloco_cli.simtrain import arms
+
+    sparse, int4 = RunConfig(codec="sparse"), RunConfig(codec="int4")
+    assert (sparse.outer_lr, sparse.outer_momentum) == (1.0, 0.0)
+    assert (int4.outer_lr, int4.outer_momentum) == (0.7, 0.9)
+    given = RunConfig(codec="sparse", outer_lr=0.5, outer_momentum=0.5)
+    assert (given.outer_lr, given.outer_momentum) == (0.5, 0.5)
+    seen = []
+
+    class Spy(arms.OuterOptimizer):
+        def __init__(self, *, lr, momentum):
+            seen.append((lr, momentum))
+            raise StopIteration  # the settings are all this test needs
+
+    from ddiloco_cli.simtrain.scenario import Scenario
+
+    monkeypatch.setattr(arms, "OuterOptimizer", Spy)
+    for config in (sparse, given, int4):
+        try:
+            arms.run_sync(load_task("ddiloco_cli.tasks.gpt:tiny"), Scenario(learners=1), config, {})
+        except StopIteration:
+            pass
+    assert seen == [(0.7, 0.9), (0.7, 0.9), (0.7, 0.9)]
