@@ -84,11 +84,11 @@ CODEC_OUTER_DEFAULTS: dict[str | None, dict[str, float]] = {
     "sparse": {"outer_lr": 1.0, "outer_momentum": 0.0},
 }
 # Defaults by mode that a lockstep run may change: alpha (Streaming DiLoCo's mixing factor) is
-# 0.5 in a decoupled run (docs/results.md "Outer loop": the learner keeps half of the gap
+# 0.3 in a decoupled run (docs/results.md "Outer loop": the learner keeps 0.3 of the gap
 # between its own fragment and the new global one, which damps the outer Nesterov step's
 # overshoot) and 0 in lockstep (torchft's default, so lockstep stays classic DiLoCo at M = 1).
 MODE_DEFAULTS_FREE: tuple[tuple[str, Any, Any], ...] = (
-    ("alpha", 0.5, 0.0),
+    ("alpha", 0.3, 0.0),
 )
 
 
@@ -139,7 +139,7 @@ class RunConfig:
                      short="-K", metavar="K", help="Minimum distinct learners per merge (K)")
     alpha: float | None = _f(None, "alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True,
                              metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*(global + "
-                                               "progress) (default: 0.5; lockstep: 0)")
+                                               "progress) (default: 0.3; lockstep: 0)")
     keep_overlap_progress: bool | None = _f(None, "keep-overlap-progress", _M, kind=bool, optional=True,
                                             off="discard-overlap-progress",
                                             help="On receive, keep the steps trained since the send (theta <- "

@@ -106,10 +106,10 @@ def test_lockstep_never_keeps_overlap_progress():
 
 
 def test_alpha_defaults_by_mode_and_lockstep_may_change_it():
-    """Decoupled runs mix half of the learner's own fragment into a received version (alpha 0.5,
+    """Decoupled runs mix 0.3 of the learner's own fragment into a received version (alpha 0.3,
     docs/results.md "Outer loop"); lockstep defaults to overwrite (alpha 0, torchft's) but, unlike
     the merge or the receive rule, may be given another alpha (Streaming DiLoCo's)."""
-    assert read_run_config(_run(overlap_steps=2)).alpha == 0.5
+    assert read_run_config(_run(overlap_steps=2)).alpha == 0.3
     assert read_run_config(_run(mode="lockstep", overlap_steps=2)).alpha == 0.0
     assert read_run_config(_run(mode="lockstep", overlap_steps=2, alpha=0.3)).alpha == 0.3
     assert read_run_config(_run(overlap_steps=2, alpha=0.0)).alpha == 0.0
