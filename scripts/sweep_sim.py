@@ -167,12 +167,14 @@ def main(argv=None) -> str:
         cells = sweep(learners=learners, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
                       base_only_above=args.base_only_above, large_seeds=args.large_seeds, cells_out=args.cells_out)
     refused = max((c[2] for v in cells.values() for c in v), default=0.0)
+    defaults = scenario_for({}, learners=1, seed=0, steps=args.steps).run_config()
     large = [M for M in learners if M > args.base_only_above]
     text = (table(cells, learners=learners) + f"\n\nDecoupled val loss / classic DiLoCo and / data-parallel at equal "
             f"tokens; mean (range) over {args.seeds} seed(s)"
             + (f" ({args.large_seeds} at M = {', '.join(map(str, large))}, base row only)" if large else "")
             + f"; tiny GPT, {args.steps} steps per learner, P = 4, H = 16, "
-            f"tau = 8, int4, the run defaults (alpha 0.5, RDA, outer lr 0.7, momentum 0.9); links 100 Mbps / 50 ms, "
+            f"tau = 8, int4, the run defaults (alpha {defaults.alpha:g}, RDA, outer lr {defaults.outer_lr:g}, momentum "
+            f"{defaults.outer_momentum:g}); links 100 Mbps / 50 ms, "
             f"store 20 ms, syncer poll 0.2 s. Refused contributions: at most {100 * refused:.1f}% of a run's. "
             f"Made by `python scripts/sweep_sim.py --learners {args.learners} --seeds {args.seeds} --steps {args.steps} "
             f"--jobs {args.jobs} --write-results`.")
