@@ -229,6 +229,32 @@ def test_sweep_table_goes_between_its_markers(tmp_path):
     assert sc.downtime_s / (sc.downtime_s + sc.mtbf_s) == pytest.approx(0.1)
 
 
+def test_sweep_table_from_saved_cells_states_the_refusals_and_large_m_rows(tmp_path, capsys):
+    """--from-cells rebuilds the table from a --cells-out file: ratios per (row, M) over seeds,
+    the largest refused share, and rows not run at a large M shown as "-"."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import sweep_sim
+
+    base, two = list(sweep_sim.ROWS)[:2]
+    lines = [dict(row=base, M=2, seed=0, val=2.02, sync=2.0, dp=1.9, used=9, refused=1, merged=1.0),
+             dict(row=base, M=2, seed=1, val=2.06, sync=2.0, dp=1.9, used=10, refused=0, merged=1.0),
+             dict(row=two, M=2, seed=0, val=1.98, sync=2.0, dp=1.9, used=10, refused=0, merged=1.0),
+             dict(row=base, M=64, seed=0, val=2.0, sync=2.0, dp=1.8, used=10, refused=0, merged=1.0)]
+    path = tmp_path / "cells.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    text = sweep_sim.main(["--learners", "2,64", "--seeds", "2", "--steps", "8", "--from-cells", str(path)])
+    base_line = next(line for line in text.splitlines() if line.startswith(f"| {base} |"))
+    assert base_line.split(" | ")[1:4] == ["1.020 (1.010-1.030)", "1.074 (1.063-1.084)", "1.000"]
+    two_line = next(line for line in text.splitlines() if line.startswith(f"| {two} |"))
+    assert two_line.endswith("| 0.990 | 1.042 | - | - |")
+    assert "at most 10.0% of a run's" in text and "(1 at M = 64, base row only)" in text
+    capsys.readouterr()
+
+
 def test_a_forked_crash_point_is_the_run_replayed_from_the_start_with_that_crash():
     from ddiloco_cli.simtrain.crash import crash_scenario, run_point
     from ddiloco_cli.simtrain.crashfork import run_digest, run_seed
