@@ -20,6 +20,7 @@ of global val loss (virtual seconds, tokens, val loss):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -31,9 +32,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sweep_sim import scenario_for  # noqa: E402
 
-from ddiloco_cli.simtrain.arms import run_dp, run_sync  # noqa: E402
+from ddiloco_cli.simtrain.arms import VAL_BATCH, run_dp, run_sync  # noqa: E402
 from ddiloco_cli.simtrain.report import _decoupled  # noqa: E402
 from ddiloco_cli.simtrain.world import World  # noqa: E402
+from ddiloco_cli.tasks import evaluate  # noqa: E402
 
 ROWS = {"equal": {}, "two": {"speeds": "two", "slow_factor": 1.5}, "outage": {}, "lockstep": {}, "lockstep-noef": {},
         "chaos": {"preempt": True}}
@@ -53,6 +55,29 @@ def scenario(row: str, *, learners: int, seed: int, steps: int, run: dict | None
     return sc
 
 
+class LearnerEvalWorld(World):
+    """A World whose evaluations along the run also score each learner's own model and the
+    average of their parameters (the model a catch-up merge could reach at best), on
+    ``eval_batches`` val batches. Read-only: the run is the same to the bit."""
+
+    learner_curve: list
+
+    def evaluate(self, *, final: bool = False) -> float:
+        val = super().evaluate(final=final)
+        if final:
+            return val
+        states = [learner.model.state_dict() for learner in self.learners]
+        average = copy.deepcopy(self.learners[0].model)
+        with torch.no_grad():
+            average.load_state_dict({k: sum(s[k] for s in states) / len(states) for k in states[0]})
+            own = [evaluate(self.task, learner.model, batch_size=VAL_BATCH, max_batches=self.scenario.eval_batches)
+                   for learner in self.learners]
+            mean_model = evaluate(self.task, average, batch_size=VAL_BATCH, max_batches=self.scenario.eval_batches)
+        self.__dict__.setdefault("learner_curve", []).append(
+            (round(self.loop.now, 2), round(val, 4), [round(x, 4) for x in own], round(mean_model, 4)))
+        return val
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--learners", type=int, default=2)
@@ -62,6 +87,9 @@ def main(argv=None) -> None:
     ap.add_argument("--refs", action="store_true", help="the references instead of the rows")
     ap.add_argument("--eval-points", type=int, default=0, help="the global val loss this many times along "
                                                                  "each row's run (printed as its curve)")
+    ap.add_argument("--learner-evals", type=int, default=0, metavar="BATCHES",
+                    help="at each eval point also score every learner's model and their average on this many val "
+                         "batches (printed as learner_curve: time, global, learners, average)")
     ap.add_argument("--run", default="{}", help='RunConfig overrides as JSON, for the rows and the references '
                                                '(e.g. \'{"alpha": 0.0}\' or \'{"outer_momentum": 0.5}\')')
     args = ap.parse_args(argv)
@@ -80,12 +108,15 @@ def main(argv=None) -> None:
             t0 = time.process_time()
             sc = scenario(row, learners=args.learners, seed=seed, steps=args.steps, run=run)
             sc.eval_points = args.eval_points
-            w = World(sc)
+            if args.learner_evals:
+                sc.eval_batches = args.learner_evals
+            w = (LearnerEvalWorld if args.learner_evals else World)(sc)
             w.run()
             d = _decoupled(w)
             print(json.dumps(dict(row=row, seed=seed, run=run, val=d["val_loss"], used=d["ledger"]["used"],
                                   refused=d["ledger"]["refused"], outages=sc.syncer_outages,
                                   curve=[(round(p["t_s"], 2), p["tokens"], round(p["val_loss"], 4)) for p in d["curve"]],
+                                  learner_curve=getattr(w, "learner_curve", None),
                                   cpu_s=round(time.process_time() - t0))), flush=True)
 
 
