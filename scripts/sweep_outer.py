@@ -60,7 +60,9 @@ class LearnerEvalWorld(World):
     average of their parameters (the model a catch-up merge could reach at best), on
     ``eval_batches`` val batches. Read-only: the run is the same to the bit."""
 
-    learner_curve: list
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.learner_curve: list[tuple] = []  # (virtual s, global, [each learner], their average)
 
     def evaluate(self, *, final: bool = False) -> float:
         val = super().evaluate(final=final)
@@ -73,7 +75,7 @@ class LearnerEvalWorld(World):
             own = [evaluate(self.task, learner.model, batch_size=VAL_BATCH, max_batches=self.scenario.eval_batches)
                    for learner in self.learners]
             mean_model = evaluate(self.task, average, batch_size=VAL_BATCH, max_batches=self.scenario.eval_batches)
-        self.__dict__.setdefault("learner_curve", []).append(
+        self.learner_curve.append(
             (round(self.loop.now, 2), round(val, 4), [round(x, 4) for x in own], round(mean_model, 4)))
         return val
 

@@ -31,10 +31,7 @@ class ReceivePath:
         views = [s.view_of(self.params[s.name]) for s in self.plan.fragments[p]]
         adds = [increment[s.key].to(v.device) for s, v in zip(self.plan.fragments[p], views)]
         with torch.no_grad():
-            if self.alpha == 0.0:
-                torch._foreach_add_(views, adds)
-            else:
-                torch._foreach_add_(views, adds, alpha=1.0 - self.alpha)
+            torch._foreach_add_(views, adds, alpha=1.0 - self.alpha)  # alpha 0: x + 1 * y == x + y exactly
 
     def alert_every_s(self) -> float:
         """The least time between two stall alerts: the time 2*H steps take, at least

@@ -115,9 +115,8 @@ class DiLoCoSync(SendPath, ReceivePath):
         # in decoupled mode, since --take-newest was retired (PROTOCOL.md "Retired settings")
         self.await_own = not self.lockstep
         self.total_steps = self.config.total_steps
-        # receive as theta += (1 - alpha) * (Theta_new - theta_at_send) on the parameters themselves
-        # (receive_rule with progress kept, summed in another order), the increment computed by
-        # the receiver
+        # receive in place: theta += (1 - alpha) * (Theta_new - theta_at_send) (receive_rule with
+        # progress kept, summed in another order; the receiver computes the increment)
         self._in_place = self.keep_progress and self.alpha < 1.0 and self.island.world == 1
         self.stats = LearnerStats()
         self.counters = FragmentCounters(self.plan.num_fragments)
