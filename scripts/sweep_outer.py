@@ -11,7 +11,8 @@ Rows (over sweep_sim.py's base: equal speeds, step time = the round trip): ``equ
 of the run: the learners train through it and catch up); ``lockstep`` and ``lockstep-noef``
 (the equal row in lock-step mode, Streaming DiLoCo with K = M and the int4 uploads, with and
 without the learners' error feedback); ``chaos`` (preemptions taking 10% of learner time, and one
-syncer outage of 10 cycles from a quarter of the run). ``--eval-points N`` adds each run's curve
+syncer outage of 10 cycles from a quarter of the run); ``preempt`` (chaos without the outage: the
+trend the chaos row's curve returns to, delayed by the outage). ``--eval-points N`` adds each run's curve
 of global val loss (virtual seconds, tokens, val loss):
 
     python scripts/sweep_outer.py --learners 2 --steps 128 --seeds 3 --rows lockstep,lockstep-noef
@@ -27,6 +28,7 @@ import os
 import sys
 import time
 
+import numpy
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +40,7 @@ from ddiloco_cli.simtrain.world import World  # noqa: E402
 from ddiloco_cli.tasks import evaluate  # noqa: E402
 
 ROWS = {"equal": {}, "two": {"speeds": "two", "slow_factor": 1.5}, "outage": {}, "lockstep": {}, "lockstep-noef": {},
-        "chaos": {"preempt": True}}
+        "chaos": {"preempt": True}, "preempt": {"preempt": True}}
 OUTAGE_CYCLES = 5
 CHAOS_OUTAGE_CYCLES = 10  # the issue's target scenario: 10% of learner time down + one syncer outage of 10 cycles
 
@@ -106,6 +108,7 @@ def main(argv=None) -> None:
             print(json.dumps(dict(seed=seed, run=run, sync=run_sync(w.task, ref, w.config, w.inner)["val_loss"],
                                   dp=run_dp(w.task, ref, w.config, w.inner)["val_loss"])), flush=True)
             continue
+        curves = {}
         for row in args.rows.split(","):
             t0 = time.process_time()
             sc = scenario(row, learners=args.learners, seed=seed, steps=args.steps, run=run)
@@ -120,6 +123,33 @@ def main(argv=None) -> None:
                                   curve=[(round(p["t_s"], 2), p["tokens"], round(p["val_loss"], 4)) for p in d["curve"]],
                                   learner_curve=getattr(w, "learner_curve", None),
                                   cpu_s=round(time.process_time() - t0))), flush=True)
+            curves[row] = (d["curve"], sc.syncer_outages, sc.run_config().sync_every * sc.step_s)
+        if "chaos" in curves and "preempt" in curves and args.eval_points:
+            print(json.dumps(dict(recovery=recovery(curves["chaos"], curves["preempt"][0]), seed=seed)), flush=True)
+
+
+RECOVERY_CYCLES = (1, 2, 4, 8)
+
+
+def recovery(chaos: tuple, trend_curve: list[dict]) -> dict:
+    """How far the chaos row's global val loss lies above its trend after the syncer's return:
+    the trend is the same run without the outage (the ``preempt`` row), delayed by the outage's
+    length (what an outage that costs only its own time would give). At 1, 2, 4 and 8 cycles
+    after the return, each the curve's first point at or after that time, against the trend
+    interpolated there. <= 0: back on the trend (the learners' work during the outage counted)."""
+    curve, outages, cycle_s = chaos
+    (outage,) = outages
+    back_s, dur_s = outage["at_s"] + outage["duration_s"], outage["duration_s"]
+    ts = [p["t_s"] for p in trend_curve]
+    out = {"cycle_s": round(cycle_s, 2)}
+    for n in RECOVERY_CYCLES:
+        point = next((p for p in curve if p["t_s"] >= back_s + n * cycle_s), None)
+        if point is None or point["t_s"] - dur_s > ts[-1]:
+            continue
+        trend = float(numpy.interp(point["t_s"] - dur_s, ts, [p["val_loss"] for p in trend_curve]))
+        out[f"{n}_cycles"] = dict(t_s=round(point["t_s"], 2), val=round(point["val_loss"], 4), trend=round(trend, 4),
+                                  above=round(point["val_loss"] - trend, 4))
+    return out
 
 
 if __name__ == "__main__":
