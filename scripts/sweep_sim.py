@@ -50,6 +50,7 @@ ROWS = {  # name -> scenario fields over the base
     "step = 5 x round trip": {"ratio": 5.0},
     "preemptions, 10% of learner time down": {"preempt": True},
 }
+ROW_KEYS = dict(zip(("base", "two", "lognormal", "fast", "slow", "preempt"), ROWS))  # --rows' short names
 
 
 def round_trip_s(sc: Scenario) -> float:
@@ -66,8 +67,10 @@ def scenario_for(row: dict, *, learners: int, seed: int, steps: int) -> Scenario
     return sc
 
 
-def one_pair(M: int, seed: int, steps: int, rows: tuple[str, ...]) -> list[dict]:
-    """The references and the given rows for one (M, seed): one dict per row."""
+def one_pair(M: int, seed: int, steps: int, rows: tuple[str, ...], run: dict | None = None) -> list[dict]:
+    """The references and the given rows for one (M, seed): one dict per row. ``run``:
+    RunConfig overrides of the rows (the references are classic DiLoCo and data-parallel
+    whatever the rows' codec); each row also reports its bytes per parameter per cycle."""
     torch.set_num_threads(1)
     logging.disable(logging.ERROR)
     t0 = time.process_time()
@@ -77,26 +80,33 @@ def one_pair(M: int, seed: int, steps: int, rows: tuple[str, ...]) -> list[dict]
     dp = run_dp(world.task, ref, world.config, world.inner)["val_loss"]
     out = []
     for name in rows:
-        w = World(scenario_for(ROWS[name], learners=M, seed=seed, steps=steps))
+        sc = scenario_for(ROWS[name], learners=M, seed=seed, steps=steps)
+        sc.run = dict(run or {})
+        w = World(sc)
         w.run()
         d = _decoupled(w)
+        per_cycle = sum(t.numel() for t in w.learners[0].model.parameters()) * steps / w.config.sync_every
         out.append(dict(row=name, M=M, seed=seed, val=d["val_loss"], sync=sync, dp=dp,
                         used=d["ledger"]["used"], refused=d["ledger"]["refused"],
-                        merged=d["ledger"]["merged_token_fraction"]))
+                        merged=d["ledger"]["merged_token_fraction"], run=dict(run or {}),
+                        up_b_per_param_cycle=d["bytes_up_per_learner"] / per_cycle,
+                        down_b_per_param_cycle=d["bytes_down_per_learner"] / per_cycle))
     print(f"M={M} seed {seed}: sync {sync:.4f} dp {dp:.4f} ({time.process_time() - t0:.0f} s CPU, "
           f"{ref.run_config().num_fragments} fragments)", file=sys.stderr, flush=True)
     return out
 
 
 def sweep(*, learners: list[int], seeds: int, steps: int, jobs: int = 1, base_only_above: int = 16,
-          large_seeds: int = 1, cells_out: str | None = None) -> dict:
+          large_seeds: int = 1, cells_out: str | None = None, rows: tuple[str, ...] = tuple(ROWS),
+          run: dict | None = None) -> list[dict]:
     """Every (M, seed) pair's rows, ``jobs`` pairs at a time (processes). Above
     ``base_only_above`` learners only the base row runs, for ``large_seeds`` seeds: all the rows
     at M = 64 are hours of CPU here. Each finished row is appended to ``cells_out`` (JSON lines)."""
     pairs = []
     for M in learners:
-        rows = tuple(ROWS) if M <= base_only_above else (next(iter(ROWS)),)
-        pairs += [(M, seed, steps, rows) for seed in range(seeds if M <= base_only_above else min(seeds, large_seeds))]
+        these = rows if M <= base_only_above else rows[:1]
+        pairs += [(M, seed, steps, these, run)
+                  for seed in range(seeds if M <= base_only_above else min(seeds, large_seeds))]
     pairs.sort(key=lambda t: -t[0] * len(t[3]))  # the longest first, so the pool ends together
     results: list[dict] = []
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
@@ -105,7 +115,7 @@ def sweep(*, learners: list[int], seeds: int, steps: int, jobs: int = 1, base_on
             if cells_out:
                 with open(cells_out, "a") as f:
                     f.writelines(json.dumps(r) + "\n" for r in out)
-    return cells_from(results)
+    return results
 
 
 def _one_pair_star(args: tuple) -> list[dict]:
@@ -126,10 +136,22 @@ def _cell(values: list[float]) -> str:
     return f"{mean:.3f} ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else f"{mean:.3f}"
 
 
-def table(cells: dict, *, learners: list[int]) -> str:
+def bytes_line(results: list[dict], *, learners: list[int]) -> str:
+    """Each M's mean bytes per parameter per cycle, up and down, over its rows and seeds (rows
+    of older cell files without them: left out)."""
+    parts = []
+    for M in learners:
+        rs = [r for r in results if r["M"] == M and "up_b_per_param_cycle" in r]
+        if rs:
+            parts.append(f"M = {M} {statistics.mean(r['up_b_per_param_cycle'] for r in rs):.3f} / "
+                         f"{statistics.mean(r['down_b_per_param_cycle'] for r in rs):.3f}")
+    return "Bytes per parameter per cycle per learner, up / down: " + "; ".join(parts) + "." if parts else ""
+
+
+def table(cells: dict, *, learners: list[int], rows: tuple[str, ...] = tuple(ROWS)) -> str:
     head = "| setting | " + " | ".join(f"M = {M}: / sync | M = {M}: / dp" for M in learners) + " |"
     lines = [head, "|---" * (1 + 2 * len(learners)) + "|"]
-    for name in ROWS:
+    for name in rows:
         row = [name]
         for M in learners:
             pairs = cells.get((name, M), [])
@@ -161,27 +183,46 @@ def main(argv=None) -> str:
     ap.add_argument("--large-seeds", type=int, default=1, help="seeds above --base-only-above")
     ap.add_argument("--cells-out", default=None, help="append each finished row here (JSON lines)")
     ap.add_argument("--from-cells", default=None, help="no runs: the table of a --cells-out file")
+    ap.add_argument("--rows", default=",".join(ROW_KEYS), help=f"comma-separated, of {', '.join(ROW_KEYS)}")
+    ap.add_argument("--run", default=None, help="RunConfig overrides of the rows as JSON, e.g. "
+                                                "'{\"codec\": \"sparse\"}' (not with --write-results)")
     args = ap.parse_args(argv)
     logging.disable(logging.ERROR)
     learners = [int(m) for m in args.learners.split(",")]
+    unknown = [k for k in args.rows.split(",") if k not in ROW_KEYS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}: choose from {', '.join(ROW_KEYS)}")
+    rows = tuple(ROW_KEYS[k] for k in args.rows.split(","))
+    run = json.loads(args.run) if args.run else None
+    if args.write_results and (run or rows != tuple(ROWS)):
+        ap.error("--write-results writes the defaults' whole table: not with --run or --rows")
     if args.from_cells:
         with open(args.from_cells) as f:
-            cells = cells_from([json.loads(line) for line in f if line.strip()])
+            results = [json.loads(line) for line in f if line.strip()]
     else:
-        cells = sweep(learners=learners, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
-                      base_only_above=args.base_only_above, large_seeds=args.large_seeds, cells_out=args.cells_out)
+        results = sweep(learners=learners, seeds=args.seeds, steps=args.steps, jobs=args.jobs,
+                        base_only_above=args.base_only_above, large_seeds=args.large_seeds, cells_out=args.cells_out,
+                        rows=rows, run=run)
+    cells = cells_from(results)
     refused = max((c[2] for v in cells.values() for c in v), default=0.0)
-    defaults = scenario_for({}, learners=1, seed=0, steps=args.steps).run_config()
+    ref = scenario_for({}, learners=1, seed=0, steps=args.steps)
+    ref.run = dict(run or {})
+    defaults = ref.run_config()
     large = [M for M in learners if M > args.base_only_above]
-    text = (table(cells, learners=learners) + f"\n\nDecoupled val loss / classic DiLoCo and / data-parallel at equal "
+    codec = defaults.codec + (f" at density {defaults.codec_density:g}" if defaults.codec == "sparse" else "")
+    extra = "".join(f" --{k} {v}" for k, v in (("rows", args.rows if rows != tuple(ROWS) else None),
+                                                ("run", f"'{args.run}'" if run else None)) if v)
+    text = (table(cells, learners=learners, rows=rows) + f"\n\nDecoupled val loss / classic DiLoCo and / data-parallel at equal "
             f"tokens; mean (range) over {args.seeds} seed(s)"
             + (f" ({args.large_seeds} at M = {', '.join(map(str, large))}, base row only)" if large else "")
             + f"; tiny GPT, {args.steps} steps per learner, P = 4, H = 16, "
-            f"tau = 8, int4, the run defaults (alpha {defaults.alpha:g}, RDA, outer lr {defaults.outer_lr:g}, momentum "
-            f"{defaults.outer_momentum:g}); links 100 Mbps / 50 ms, "
+            f"tau = 8, {codec}, {'the run defaults' if not run else 'the run defaults with ' + args.run} (alpha "
+            f"{defaults.alpha:g}, {defaults.merge.upper() if defaults.merge == 'rda' else defaults.merge}, outer lr "
+            f"{defaults.outer_lr:g}, momentum {defaults.outer_momentum:g}); links 100 Mbps / 50 ms, "
             f"store 20 ms, syncer poll 0.2 s. Refused contributions: at most {100 * refused:.1f}% of a run's. "
-            f"Made by `python scripts/sweep_sim.py --learners {args.learners} --seeds {args.seeds} --steps {args.steps} "
-            f"--jobs {args.jobs} --write-results`.")
+            + (bytes_line(results, learners=learners) + " " if bytes_line(results, learners=learners) else "")
+            + f"Made by `python scripts/sweep_sim.py --learners {args.learners} --seeds {args.seeds} --steps {args.steps} "
+            f"--jobs {args.jobs}{extra}{' --write-results' if not extra else ''}`.")
     print(text)
     if args.write_results:
         write_results(text)

@@ -306,3 +306,31 @@ def test_outage_recovery_is_measured_against_the_run_without_it_delayed_by_the_o
     assert rec["8_cycles"]["above"] == pytest.approx(0.05)
     short = sweep_outer.recovery((chaos, outage, 5.0), trend[:6])  # the trend ends at 50 s
     assert "4_cycles" in short and "8_cycles" not in short
+
+
+def test_sweep_rows_subset_and_run_overrides_report_bytes_and_never_overwrite_the_table(tmp_path, capsys):
+    """--rows and --run (a sparse sweep): the table has only those rows, the text names the codec
+    and the overrides and each M's bytes per parameter per cycle; --write-results refuses them."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import sweep_sim
+
+    base, two = sweep_sim.ROW_KEYS["base"], sweep_sim.ROW_KEYS["two"]
+    lines = [dict(row=base, M=4, seed=s, val=2.2, sync=2.0, dp=1.9, used=10, refused=0, merged=1.0,
+                  up_b_per_param_cycle=0.02 + 0.01 * s, down_b_per_param_cycle=0.01) for s in (0, 1)]
+    lines.append(dict(row=two, M=4, seed=0, val=2.1, sync=2.0, dp=1.9, used=10, refused=0, merged=1.0))  # older file
+    path = tmp_path / "cells.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    text = sweep_sim.main(["--learners", "4", "--seeds", "2", "--steps", "8", "--rows", "base",
+                           "--run", '{"codec": "sparse"}', "--from-cells", str(path)])
+    assert f"| {base} |" in text and f"| {two} |" not in text
+    assert "sparse at density 0.02" in text and "outer lr 1, momentum 0" in text
+    assert "M = 4 0.025 / 0.010" in text and "--rows base --run" in text
+    with pytest.raises(SystemExit):
+        sweep_sim.main(["--rows", "base", "--write-results", "--from-cells", str(path)])
+    with pytest.raises(SystemExit):
+        sweep_sim.main(["--rows", "nosuchrow", "--from-cells", str(path)])
+    capsys.readouterr()
