@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddiloco_cli.learner.stats import LearnerStats, background_thread
+from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.protocol import ledger
 from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store.base import NotFound, Store
@@ -206,7 +206,6 @@ class Receiver(threading.Thread):
                 self.backoff = 1 if found else min(self.MAX_BACKOFF, 2 * self.backoff)
 
     def run(self) -> None:
-        background_thread()
         while not self.stopping.is_set():
             self.wake.clear()  # before looking: a want() from now on ends the wait below
             polled, wait_s = self.tick()

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ddiloco_cli.errors import DdilocoError, UsageError
-from ddiloco_cli.learner.stats import background_thread
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.store.base import NotFound, Store
 
@@ -284,7 +283,6 @@ class SessionWriter(threading.Thread):
                 f"{b.age_s:.1f}s old): it may be waiting for a quorum or failing to commit")
 
     def run(self) -> None:
-        background_thread()
         while not self.stopping.is_set():
             wait_s = self.tick()
             self.wakeup.wait(wait_s)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddiloco_cli.learner.stats import LearnerStats, background_thread
+from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.numerics import codec
 from ddiloco_cli.protocol import signing
 from ddiloco_cli.store.base import Store
@@ -103,7 +103,6 @@ class Uploader:
         return self.clock() - t0
 
     def _run(self) -> None:
-        background_thread()
         while True:
             item = self.queue.get()
             try:

@@ -20,8 +20,7 @@ from ddiloco_cli.learner import Learner, LearnerOptions
 from ddiloco_cli.learner.island import move_model
 from ddiloco_cli.learner.receiver import Receiver
 from ddiloco_cli.learner.session import SessionWriter, heartbeat_bytes
-from ddiloco_cli.learner.stats import BACKGROUND_SCHED_ENV, LearnerStats
-from ddiloco_cli.learner.uploader import Uploader
+from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.numerics import codec
 from ddiloco_cli.ops.runinit import RunSpec, init_run
 from ddiloco_cli.protocol import layout, ledger, records
@@ -646,43 +645,6 @@ def test_stall_alerts_come_every_2h_quiet_steps_at_most_every_min_interval(monke
         for _ in range(35):
             assert sync.step(num_tokens=1) == []
     assert alerts == expected
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
-@pytest.mark.parametrize("setting", ["batch", None, "normal"])
-def test_the_worker_threads_run_as_sched_batch_and_the_training_thread_is_left_alone(monkeypatch, setting):
-    """With $DDILOCO_BACKGROUND_SCHED=batch each worker thread's real work (an encode, a poll, a
-    heartbeat tick) runs under SCHED_BATCH, so its wake-ups do not preempt the training thread;
-    by default (or =normal) they are left as they were. The training thread's own policy never
-    changes."""
-    if setting is None:
-        monkeypatch.delenv(BACKGROUND_SCHED_ENV, raising=False)
-    else:
-        monkeypatch.setenv(BACKGROUND_SCHED_ENV, setting)
-    seen: dict[str, int] = {}
-    done = {kind: threading.Event() for kind in ("uploader", "receiver", "heartbeat")}
-
-    def recording(kind, fn):
-        def wrapped(*a, **k):
-            if threading.current_thread() is not threading.main_thread():
-                seen.setdefault(kind, os.sched_getscheduler(0))
-                done[kind].set()
-            return fn(*a, **k)
-        return wrapped
-
-    monkeypatch.setattr(Uploader, "encode", recording("uploader", Uploader.encode))
-    monkeypatch.setattr(Receiver, "_fetch", recording("receiver", Receiver._fetch))
-    monkeypatch.setattr(SessionWriter, "tick", recording("heartbeat", SessionWriter.tick))
-    store = _run(num_fragments=1, sync_every=2, overlap_steps=0)
-    main_policy = os.sched_getscheduler(0)
-    with DiLoCoSync(store, load_task(TINY).build_model(), learner_id="s") as sync:
-        sync.step(num_tokens=1)
-        sync.step(num_tokens=1)  # fragment 0 is sent (the uploader encodes it) and wanted (the receiver polls)
-        for kind, event in done.items():
-            assert event.wait(timeout=60), f"the {kind} thread never ran"
-    expected = os.SCHED_BATCH if setting == "batch" else main_policy
-    assert seen == {"uploader": expected, "receiver": expected, "heartbeat": expected}
-    assert os.sched_getscheduler(0) == main_policy
 
 
 def test_a_learner_reports_its_send_to_receive_lag_and_warns_once_when_tau_cannot_cover_it(caplog):
