@@ -404,6 +404,67 @@ def syncer_memory(args, workdir: str) -> dict:
     return out
 
 
+# --interference: what other work on the machine costs the plain training step (no ddiloco). Each
+# neighbour is a process that wakes every 24 ms and runs ~1 ms of CPU (about what the learner's
+# worker threads do per step of the mid GPT, in ~5 wake-ups), touching ``elems`` fp32 values per
+# pass; "all" runs flat out. On CPU 1 it stands for the bench's syncer, on CPU 0 for the worker threads.
+NEIGHBOURS = {  # name -> (cpu, elems, duty: busy ms per wake-up or None for flat out)
+    "alone": None,
+    "cpu1-busy": (1, 2 << 20, None),
+    "cpu1-duty": (1, 1 << 17, 1.0),
+    "cpu0-small": (0, 16 << 10, 1.0),
+    "cpu0-large": (0, 2 << 20, 1.0),
+}
+_NEIGHBOUR_CODE = """import numpy as np, time
+a = np.ones({elems}, dtype=np.float32); b = np.empty_like(a)
+while True:
+    t = time.thread_time()
+    while {flat} or time.thread_time() - t < {busy_s}:
+        np.multiply(a, 1.0000001, out=b)
+    time.sleep(0.024)
+"""
+
+
+def interference(args, workdir: str) -> dict:
+    """The plain loop pinned to CPU 0 beside each neighbour, ``args.reps`` rounds in turn: median
+    wall and training-thread CPU per step. Tells the worker threads' CPU from what their memory
+    traffic costs the training step (docs/results.md, "Learner overhead")."""
+    res: dict[str, list[tuple[float, float]]] = {name: [] for name in NEIGHBOURS}
+    for rep in range(args.reps):
+        for name, spec in NEIGHBOURS.items():
+            neighbour = None
+            if spec is not None:
+                cpu, elems, busy_ms = spec
+                code = _NEIGHBOUR_CODE.format(elems=elems, flat=busy_ms is None, busy_s=(busy_ms or 0) / 1e3)
+                neighbour = subprocess.Popen([*_prefix(cpu), sys.executable, "-c", code])
+            try:
+                out = os.path.join(workdir, f"interference-{name}-{rep}.json")
+                subprocess.run([*_prefix(0), sys.executable, THIS, "--worker", "plain", "--steps", str(args.steps),
+                                "--out", out, "--skip", str(args.skip), "--task", args.task, "--threads", "1"],
+                               check=True, env=_env(1), cwd=str(REPO))
+            finally:
+                if neighbour is not None:
+                    neighbour.kill()
+                    neighbour.wait()
+            with open(out) as f:
+                stamps = json.load(f)["stamps"]
+            wall = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][args.skip:]
+            main_cpu = [b[2] - a[2] for a, b in zip(stamps, stamps[1:])][args.skip:]
+            res[name].append((1e3 * statistics.median(wall), 1e3 * statistics.median(main_cpu)))
+            print(f"  rep {rep} {name:11s} wall {res[name][-1][0]:7.1f} ms/step  training thread CPU "
+                  f"{res[name][-1][1]:7.1f}  load {os.getloadavg()[0]:.2f}", flush=True)
+    alone = statistics.median(c for _, c in res["alone"])
+    summary = {name: {"wall_ms": statistics.median(w for w, _ in v), "main_cpu_ms": statistics.median(c for _, c in v),
+                      "main_cpu_vs_alone": statistics.median(c for _, c in v) / alone - 1, "rounds": v}
+               for name, v in res.items()}
+    print(f"\nINTERFERENCE (plain loop on CPU 0, median of {args.reps} rounds; neighbours: ~1 ms of CPU every 24 ms, "
+          f"touching 64 KB (small) or 8 MB (large) a pass; busy: flat out)")
+    for name, v in summary.items():
+        print(f"  {name:11s} wall {v['wall_ms']:7.1f} ms/step  training thread CPU {v['main_cpu_ms']:7.1f} ms "
+              f"({100 * v['main_cpu_vs_alone']:+.1f}% vs alone)")
+    return {"interference": summary}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=150, help="inner steps per process")
@@ -425,6 +486,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="cProfile the ddiloco arm in thread CPU time, one pstats file per thread in DIR/repN/ (slows that arm: its "
                          "figures are then not comparable)")
+    ap.add_argument("--interference", action="store_true",
+                    help="instead of the A/B: the plain loop alone and beside neighbour processes on either CPU "
+                         "(what other work's CPU and memory traffic cost the training step)")
     # internal: one arm in this process
     ap.add_argument("--worker", choices=("plain", "ddiloco"), help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -440,6 +504,17 @@ def main() -> None:
         args.pin = False
 
     workdir = tempfile.mkdtemp(prefix="bench-overhead-")
+    if args.interference:
+        if (os.cpu_count() or 1) < 2:
+            raise SystemExit("--interference pins to CPU 0 and CPU 1: this machine has one CPU")
+        try:
+            res = interference(args, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return
     try:
         _, the_task, batch_size = TASKS[args.task]
         n = sum(p.numel() for p in the_task.build_model().parameters())

@@ -71,6 +71,7 @@ EXPECTED_S = {
     "test_stale_syncer_is_fenced_after_takeover_F1_F2_F3": 68,
     "test_kill_9_mid_init_then_resume_or_clean": 65,
     "test_bench_overhead_smoke": 60,
+    "test_bench_overhead_interference_smoke": 40,
     "test_thawed_syncer_writes_nothing_and_exits_F5": 57,
     "test_exactly_one_winner_per_round_and_no_torn_reads[s3]": 54,
     "test_island_of_two_ranks_trains_and_contributes": 49,

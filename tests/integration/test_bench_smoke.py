@@ -46,6 +46,18 @@ def test_bench_syncer_smoke(tmp_path):
         assert r["published_payloads"] >= 1 and len(r["published_digest"]) == 64
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="pins to CPU 0 and CPU 1")
+def test_bench_overhead_interference_smoke(tmp_path):
+    """--interference: the plain loop alone and beside each neighbour, every round recorded."""
+    out = tmp_path / "interference.json"
+    _run("bench_overhead.py", "--interference", "--steps", "4", "--skip", "1", "--reps", "1", "--json", str(out),
+         timeout_s=180)
+    rep = json.loads(out.read_text())["interference"]
+    assert set(rep) == {"alone", "cpu1-busy", "cpu1-duty", "cpu0-small", "cpu0-large"}
+    assert rep["alone"]["main_cpu_vs_alone"] == 0.0
+    assert all(len(v["rounds"]) == 1 and v["wall_ms"] > 0 and v["main_cpu_ms"] > 0 for v in rep.values())
+
+
 def test_bench_overhead_smoke(tmp_path):
     out = tmp_path / "overhead.json"
     # the syncer-memory part (4 more processes) is left out to keep this test short
