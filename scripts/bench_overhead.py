@@ -65,6 +65,7 @@ from overheadlib import (  # noqa: E402
     print_headline,
     profile_threads,
     thread_cpu_s,
+    thread_faults,
     thread_switches,
     time_functions,
 )
@@ -99,7 +100,7 @@ def _marks(marks: dict, stamps: list, *, skip: int, steps: int) -> None:
     switches (the steady state's figures are their differences)."""
     if len(stamps) in (skip + 1, steps + 1) and 0 < skip < steps:
         marks["skip" if len(stamps) == skip + 1 else "last"] = {"cpu": thread_cpu_s(), "switches": thread_switches(),
-                                                                "vm_hwm_kb": vm_hwm_kb()}
+                                                                "faults": thread_faults(), "vm_hwm_kb": vm_hwm_kb()}
 
 
 def plain_worker(steps: int, out: str, *, task: str = "mid", threads: int = 1, skip: int = 0) -> None:
@@ -264,8 +265,13 @@ def _steady_switches(rec: dict, n: int) -> dict[str, float]:
     a, b = marks["skip"]["switches"], marks["last"]["switches"]
     diff = {k: [b[k][i] - a.get(k, [0, 0])[i] for i in (0, 1)] for k in b}
     main = diff.get("MainThread", [0, 0])
-    return {"main_voluntary_switches": main[0] / n, "main_involuntary_switches": main[1] / n,
-            "all_switches": sum(v[0] + v[1] for v in diff.values()) / n}
+    out = {"main_voluntary_switches": main[0] / n, "main_involuntary_switches": main[1] / n,
+           "all_switches": sum(v[0] + v[1] for v in diff.values()) / n}
+    if "faults" in marks["skip"]:
+        fa, fb = marks["skip"]["faults"], marks["last"]["faults"]
+        faults = {k: fb[k] - fa.get(k, 0) for k in fb}
+        out.update(main_minor_faults=faults.get("MainThread", 0) / n, all_minor_faults=sum(faults.values()) / n)
+    return out
 
 
 def step_time_comparison(args, workdir: str) -> dict:

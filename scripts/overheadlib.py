@@ -40,6 +40,25 @@ def thread_cpu_s() -> dict[str, float]:
 
 
 
+def thread_faults() -> dict[str, int]:
+    """Minor page faults of every live thread of this process, by Python name (others
+    ``native-TID``), from /proc: a page touched for the first time since the allocator got it
+    from the kernel (or gave it back, trimming its heap, and got it again)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), f"native-{tid}")
+        out[name] = out.get(name, 0) + int(fields[7])  # minflt, the stat file's 10th field
+    return out
+
+
 def thread_switches() -> dict[str, list[int]]:
     """[voluntary, involuntary] context switches of every live thread of this process, by
     Python name (others ``native-TID``), from /proc: a voluntary switch is a wait (the GIL, a
@@ -177,7 +196,9 @@ def headline(res: dict, args) -> dict:
             "main_cpu_ms": {"plain": res["plain_main_cpu_ms"], "ddiloco": res["ddiloco_main_cpu_ms"]},
             "main_voluntary_switches_per_step": per_step("main_voluntary_switches"),
             "main_involuntary_switches_per_step": per_step("main_involuntary_switches"),
-            "all_switches_per_step": per_step("all_switches")}
+            "all_switches_per_step": per_step("all_switches"),
+            "main_minor_faults_per_step": per_step("main_minor_faults"),
+            "all_minor_faults_per_step": per_step("all_minor_faults")}
 
 
 def print_headline(h: dict) -> None:
@@ -197,6 +218,10 @@ def print_headline(h: dict) -> None:
     sw = h["main_voluntary_switches_per_step"], h["main_involuntary_switches_per_step"]
     print(f"  main thread's context switches per step (waits / preemptions): plain {sw[0]['plain']:.1f} / "
           f"{sw[1]['plain']:.1f}, ddiloco {sw[0]['ddiloco']:.1f} / {sw[1]['ddiloco']:.1f}")
+    if "main_minor_faults_per_step" in h:
+        mf, af = h["main_minor_faults_per_step"], h["all_minor_faults_per_step"]
+        print(f"  minor page faults per step (main thread / all threads): plain {mf['plain']:.0f} / {af['plain']:.0f}, "
+              f"ddiloco {mf['ddiloco']:.0f} / {af['ddiloco']:.0f}")
 
 
 def print_breakdown(res: dict, args) -> None:
