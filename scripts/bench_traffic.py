@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--codec-qmax", type=int, default=None, help="default: the run's (3 for int4)")
     ap.add_argument("--codec-density", type=float, default=None, help="sparse: default the run's (0.02)")
     ap.add_argument("--publish-codec", default=None, help="default: the run's (= --codec)")
+    ap.add_argument("--publish-density", type=float, default=None,
+                    help="sparse published deltas: default the run's (= --codec-density)")
     ap.add_argument("--keyframe-every", type=int, default=None, help="default: the run's")
     ap.add_argument("--grace-gamma", type=float, default=None, help="default: the run's")
     ap.add_argument("--grace-max", type=float, default=None, help="default: the run's")
@@ -140,7 +142,7 @@ def run_traffic(args, *, workdir: str) -> dict:
     flags = dict(task=task_path, fragments=args.fragments, sync_every=args.sync_every,
                  overlap_steps=args.overlap_steps, codec=args.codec, codec_block=args.codec_block,
                  codec_qmax=args.codec_qmax, codec_density=args.codec_density, publish_codec=args.publish_codec,
-                 keyframe_every=args.keyframe_every, grace_gamma=args.grace_gamma, grace_max=args.grace_max,
+                 publish_density=args.publish_density, keyframe_every=args.keyframe_every, grace_gamma=args.grace_gamma, grace_max=args.grace_max,
                  total_steps=args.steps, batch_size=batch_size, heartbeat=1, lease=6)
     samples: dict[str, dict[float, dict]] = {lid: {} for lid in ids}
     t0 = time.monotonic()
@@ -193,7 +195,7 @@ def run_traffic(args, *, workdir: str) -> dict:
     return {
         "settings": {k: v for k, v in vars(args).items() if k != "json_path"},
         "run": {k: run.get(k) for k in ("num_fragments", "sync_every", "overlap_steps", "codec", "codec_block", "codec_qmax", "codec_density", "publish_codec",
-                                    "keyframe_every", "quorum", "grace_gamma", "grace_max_s")},
+                                    "publish_density", "keyframe_every", "quorum", "grace_gamma", "grace_max_s")},
         "num_params": num_params, "step_s_unpaced": step_s, "train_s": train_s,
         "dp_bytes_per_step": dp_Bps, "learners": learners,
         "ratio_vs_dp": dp_Bps * steps / moved, "target_ratio": TARGET_RATIO,
