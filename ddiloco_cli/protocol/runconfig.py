@@ -197,7 +197,7 @@ class RunConfig:
                                                             "modes; nothing to add under codec none)")
     error_feedback_decay: float | None = _f(None, "error-feedback-decay", _C, kind=float, lo=0.0, hi=1.0, optional=True,
                                             metavar="BETA", help="Learners carry BETA times that residual (e <- BETA*e + "
-                                                                 "delta; default 0.95 for sparse, 1 otherwise)")
+                                                                 "delta; default 0.9 for sparse, 1 otherwise)")
     grace_gamma: float = _f(0.5, "grace-gamma", _F, kind=float, lo=0.0, hi=1.0, hi_open=True,
                             metavar="X", help="Grace window = gamma * slack of the overlap window")
     grace_max_s: float = _f(30.0, "grace-max", _F, kind=float, lo=0.0,
@@ -237,7 +237,7 @@ class RunConfig:
         if self.publish_density is None:  # published deltas: the uploads' density unless given
             object.__setattr__(self, "publish_density", self.codec_density)
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
-            object.__setattr__(self, "error_feedback_decay", 0.95 if self.codec == "sparse" else 1.0)
+            object.__setattr__(self, "error_feedback_decay", 0.9 if self.codec == "sparse" else 1.0)
         for name, value in CODEC_OUTER_DEFAULTS["sparse" if self.codec == "sparse" else None].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

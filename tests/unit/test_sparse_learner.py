@@ -75,7 +75,7 @@ def test_the_accumulator_decays_and_keeps_what_was_not_sent():
 def test_the_default_decay_is_0_95_and_a_new_session_starts_from_zero():
     store = _run()
     run = ledger.read_run(store)
-    assert run["error_feedback_decay"] == 0.95
+    assert run["error_feedback_decay"] == 0.9
     torch.manual_seed(1)
     model = load_task(TINY).build_model()
     _contributions(store, model, "z", 1)

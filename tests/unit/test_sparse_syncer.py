@@ -88,7 +88,7 @@ def test_intake_refuses_a_contribution_denser_than_the_run():
     quarantined = []
     s.intake.quarantine = lambda key, reason, **kw: quarantined.append((key, reason))
     run = ledger.read_run(store)
-    assert run["codec_density"] == 0.02 and run["error_feedback_decay"] == 0.95
+    assert run["codec_density"] == 0.02 and run["error_feedback_decay"] == 0.9
     meta = records.make("contribution", run_id=run["run_id"], fragment=0, learner_id="b", seq=1, base_version=0,
                         c_tokens=64, c_steps=2, step=1, nonce="n", created_s=0.0)
     for density, block, seq in ((0.5, None, 1), (0.02, 2048, 2)):
