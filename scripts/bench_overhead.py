@@ -413,7 +413,7 @@ def syncer_memory(args, workdir: str) -> dict:
 # --interference: what other work on the machine costs the plain training step (no ddiloco). Each
 # neighbour is a process that wakes every 24 ms and runs ~1 ms of CPU (about what the learner's
 # worker threads do per step of the mid GPT, in ~5 wake-ups), touching ``elems`` fp32 values per
-# pass; "all" runs flat out. On CPU 1 it stands for the bench's syncer, on CPU 0 for the worker threads.
+# pass; "cpu1-busy" runs flat out. On CPU 1 it stands for the bench's syncer, on CPU 0 for the worker threads.
 NEIGHBOURS = {  # name -> (cpu, elems, duty: busy ms per wake-up or None for flat out)
     "alone": None,
     "cpu1-busy": (1, 2 << 20, None),
