@@ -66,7 +66,7 @@ def default_config_toml() -> str:
                 note = {"publish_codec": "the run's codec; lockstep: none", "merge": "rda; lockstep: mean",
                         "keep_overlap_progress": "true; lockstep: false",
                         "outer_lr_scaling": "participation; lockstep: none", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
-                        "codec_density": "0.02 for sparse", "publish_density": "--codec-density",
+                        "codec_density": "0.02 for sparse", "publish_density": "2 x --codec-density",
                         "error_feedback_decay": "0.9 for sparse, 1 otherwise",
                         "alpha": "0.3; lockstep: 0", "outer_lr": "0.7; sparse: 1", "outer_momentum": "0.9; sparse: 0",
                         }.get(f.name, "64 for int4, 256 for int8, 4096 for sparse")

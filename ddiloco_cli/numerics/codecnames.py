@@ -10,6 +10,9 @@ CODECS = ("none", "bf16", "int8", "int4", "sparse")
 QMAX = {"int8": 127, "int4": 7}  # what an encoder writes: |q| <= QMAX
 SPARSE_DEFAULT_CHUNK = 4096
 SPARSE_DEFAULT_DENSITY = 0.02
+# a new run's published deltas carry this many times the uploads' density (at most 1): a merge of
+# several learners holds the union of their supports (docs/sparse.md, "Where the quality goes")
+SPARSE_PUBLISH_FACTOR = 2
 DEFAULT_BLOCK_SIZE = {"int8": 256, "int4": 64, "sparse": SPARSE_DEFAULT_CHUNK}
 # the bound on |code| a new run's encoders use when init is not given one: int4 at 3 (7 levels
 # of its 15) sends 29% fewer bytes each way, and both sides feed the error back (docs/design.md,
@@ -34,4 +37,5 @@ def check_qmax(codec: str, qmax: int | None) -> None:
 
 
 __all__ = ["CODECS", "DEFAULT_BLOCK_SIZE", "DEFAULT_QMAX", "QMAX", "SPARSE_DEFAULT_CHUNK", "SPARSE_DEFAULT_DENSITY",
+           "SPARSE_PUBLISH_FACTOR",
            "check_qmax", "topk"]

@@ -186,7 +186,7 @@ class RunConfig:
     publish_density: float | None = _f(None, "publish-density", _C, kind=float, lo=0.0, lo_open=True, hi=1.0,
                                        optional=True, metavar="X",
                                        help="Sparse published deltas: fraction of each chunk's values sent "
-                                            "(default: --codec-density)")
+                                            "(default: 2 x --codec-density, at most 1)")
     publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True,
                                    help="Codec of published fragment deltas (default: --codec; lockstep: none)")
     keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT,
@@ -234,8 +234,8 @@ class RunConfig:
         sparse_run = "sparse" in (self.codec, self.publish_codec)
         if self.codec_density is None and sparse_run:
             object.__setattr__(self, "codec_density", codec.SPARSE_DEFAULT_DENSITY)
-        if self.publish_density is None:  # published deltas: the uploads' density unless given
-            object.__setattr__(self, "publish_density", self.codec_density)
+        if self.publish_density is None and self.codec_density is not None:  # a new run's (from_record: old rule)
+            object.__setattr__(self, "publish_density", min(1.0, codec.SPARSE_PUBLISH_FACTOR * self.codec_density))
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
             object.__setattr__(self, "error_feedback_decay", 0.9 if self.codec == "sparse" else 1.0)
         for name, value in CODEC_OUTER_DEFAULTS["sparse" if self.codec == "sparse" else None].items():
@@ -321,6 +321,8 @@ class RunConfig:
                 values[f.name] = source[path[-1]]
         if "codec_qmax" not in values:  # a run.json from before the setting: the codec's whole range (PROTOCOL)
             values["codec_qmax"] = codec.QMAX.get(values.get("codec", cls.codec))
+        if values.get("publish_density") is None and values.get("codec_density") is not None:
+            values["publish_density"] = values["codec_density"]  # absent or null: the uploads' density (PROTOCOL)
         for f in hyperparameters():
             rest.pop(_json_key(f).split(".")[0], None)
         for meta in ("format", "protocol_version", "protocol_minor", "features", "nonce"):

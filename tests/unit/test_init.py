@@ -55,6 +55,24 @@ def test_codec_qmax_defaults_to_3_for_int4_and_binds_only_its_own_codec():
             RunConfig(**bad)
 
 
+def test_sparse_published_deltas_default_to_twice_the_upload_density_and_old_runs_keep_theirs():
+    """A new sparse run publishes at 2 x --codec-density (at most 1), written into run.json; a
+    run.json without publish_density, or with null, means the uploads' density (PROTOCOL), so
+    runs made before 0.2.3 publish as they did; a given value is kept."""
+    assert RunConfig(codec="sparse").publish_density == 0.04
+    assert RunConfig(codec="sparse", codec_density=0.7).publish_density == 1.0
+    assert RunConfig(codec="sparse", publish_density=0.02).publish_density == 0.02
+    assert RunConfig(codec="int4").publish_density is None
+    record = RunConfig(codec="sparse", codec_density=0.05).to_record(run_id="r")
+    assert record["publish_density"] == 0.1 and RunConfig.from_record(record).publish_density == 0.1
+    for old in (None, "absent"):
+        if old is None:
+            record["publish_density"] = None
+        else:
+            del record["publish_density"]
+        assert RunConfig.from_record(record).publish_density == 0.05
+
+
 @pytest.mark.parametrize("field,value", [("inner_lr", float("nan")), ("outer_lr", float("inf")), ("gc_grace_s", -5.0),
                                          ("quorum", 0), ("codec", "int3"), ("keep_overlap_progress", 1),
                                          ("codec_qmax", 8), ("codec_qmax", 0)])
