@@ -242,10 +242,7 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
     subprocess.run(cmd, check=True, env=_env(threads), cwd=str(REPO))
     with open(out) as f:
         rec = json.load(f)
-    stamps = rec.pop("stamps")
-    dts = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][skip:]
-    cpu = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])][skip:]
-    main_cpu = [b[2] - a[2] for a, b in zip(stamps, stamps[1:])][skip:]
+    dts, cpu, main_cpu = step_series(rec.pop("stamps"), skip)
     rec.update(rep=rep, median_ms=1e3 * statistics.median(dts), mean_ms=1e3 * statistics.fmean(dts),
                cpu_median_ms=1e3 * statistics.median(cpu), cpu_mean_ms=1e3 * statistics.fmean(cpu),
                main_cpu_median_ms=1e3 * statistics.median(main_cpu),
@@ -254,6 +251,13 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
     print(f"  rep {rep} {arm:8s} median {rec['median_ms']:7.1f} ms/step  p90 {rec['p90_ms']:7.1f}  "
           f"cpu {rec['cpu_mean_ms']:7.1f} (main {rec['main_cpu_median_ms']:6.1f})  VmHWM {rec['vm_hwm_kb'] / 1024:6.0f} MB  load {load0:.2f}->{rec['load_after']:.2f}", flush=True)
     return rec
+
+
+def step_series(stamps: list, skip: int) -> tuple[list[float], list[float], list[float]]:
+    """Per steady-state step (the first ``skip`` left out) of a worker's stamps (wall, process
+    CPU, training-thread CPU): wall seconds, process CPU seconds, training-thread CPU seconds."""
+    steps = list(zip(stamps, stamps[1:]))[skip:]
+    return tuple([b[i] - a[i] for a, b in steps] for i in range(3))  # type: ignore[return-value]
 
 
 def _steady_switches(rec: dict, n: int) -> dict[str, float]:
@@ -453,9 +457,7 @@ def interference(args, workdir: str) -> dict:
                     neighbour.kill()
                     neighbour.wait()
             with open(out) as f:
-                stamps = json.load(f)["stamps"]
-            wall = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][args.skip:]
-            main_cpu = [b[2] - a[2] for a, b in zip(stamps, stamps[1:])][args.skip:]
+                wall, _, main_cpu = step_series(json.load(f)["stamps"], args.skip)
             res[name].append((1e3 * statistics.median(wall), 1e3 * statistics.median(main_cpu)))
             print(f"  rep {rep} {name:11s} wall {res[name][-1][0]:7.1f} ms/step  training thread CPU "
                   f"{res[name][-1][1]:7.1f}  load {os.getloadavg()[0]:.2f}", flush=True)

@@ -10,6 +10,16 @@ import time
 from typing import Callable
 
 
+def _task_stat(tid: str) -> list[str] | None:
+    """The fields of /proc/self/task/TID/stat after the command name (the first is the state,
+    the stat file's 3rd field), or None when the thread ended meanwhile."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def thread_cpu_s() -> dict[str, float]:
     """CPU seconds (user + system) of every live thread of this process, by Python name.
     Python threads are read from their own CPU clocks (exact); /proc's utime + stime, for
@@ -29,10 +39,8 @@ def thread_cpu_s() -> dict[str, float]:
                 continue
             name = thread.name
         else:
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
+            fields = _task_stat(tid)
+            if fields is None:
                 continue
             cpu_s, name = (int(fields[11]) + int(fields[12])) / tick, f"native-{tid}"
         out[name] = out.get(name, 0.0) + cpu_s
@@ -49,13 +57,10 @@ def thread_faults() -> dict[str, int]:
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, int] = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        name = names.get(int(tid), f"native-{tid}")
-        out[name] = out.get(name, 0) + int(fields[7])  # minflt, the stat file's 10th field
+        fields = _task_stat(tid)
+        if fields is not None:
+            name = names.get(int(tid), f"native-{tid}")
+            out[name] = out.get(name, 0) + int(fields[7])  # minflt, the stat file's 10th field
     return out
 
 

@@ -125,20 +125,20 @@ def main(argv=None) -> None:
                                   cpu_s=round(time.process_time() - t0))), flush=True)
             curves[row] = (d["curve"], sc.syncer_outages, sc.run_config().sync_every * sc.step_s)
         if "chaos" in curves and "preempt" in curves and args.eval_points:
-            print(json.dumps(dict(recovery=recovery(curves["chaos"], curves["preempt"][0]), seed=seed)), flush=True)
+            curve, (outage,), cycle_s = curves["chaos"]
+            rec = recovery(curve, outage=outage, cycle_s=cycle_s, trend_curve=curves["preempt"][0])
+            print(json.dumps(dict(recovery=rec, seed=seed)), flush=True)
 
 
 RECOVERY_CYCLES = (1, 2, 4, 8)
 
 
-def recovery(chaos: tuple, trend_curve: list[dict]) -> dict:
+def recovery(curve: list[dict], *, outage: dict, cycle_s: float, trend_curve: list[dict]) -> dict:
     """How far the chaos row's global val loss lies above its trend after the syncer's return:
     the trend is the same run without the outage (the ``preempt`` row), delayed by the outage's
     length (what an outage that costs only its own time would give). At 1, 2, 4 and 8 cycles
     after the return, each the curve's first point at or after that time, against the trend
     interpolated there. <= 0: back on the trend (the learners' work during the outage counted)."""
-    curve, outages, cycle_s = chaos
-    (outage,) = outages
     back_s, dur_s = outage["at_s"] + outage["duration_s"], outage["duration_s"]
     ts = [p["t_s"] for p in trend_curve]
     out = {"cycle_s": round(cycle_s, 2)}

@@ -210,6 +210,7 @@ def main(argv=None) -> str:
     defaults = ref.run_config()
     large = [M for M in learners if M > args.base_only_above]
     codec = defaults.codec + (f" at density {defaults.codec_density:g}" if defaults.codec == "sparse" else "")
+    bytes_text = bytes_line(results, learners=learners)
     extra = "".join(f" --{k} {v}" for k, v in (("rows", args.rows if rows != tuple(ROWS) else None),
                                                 ("run", f"'{args.run}'" if run else None)) if v)
     text = (table(cells, learners=learners, rows=rows) + f"\n\nDecoupled val loss / classic DiLoCo and / data-parallel at equal "
@@ -220,7 +221,7 @@ def main(argv=None) -> str:
             f"{defaults.alpha:g}, {defaults.merge.upper() if defaults.merge == 'rda' else defaults.merge}, outer lr "
             f"{defaults.outer_lr:g}, momentum {defaults.outer_momentum:g}); links 100 Mbps / 50 ms, "
             f"store 20 ms, syncer poll 0.2 s. Refused contributions: at most {100 * refused:.1f}% of a run's. "
-            + (bytes_line(results, learners=learners) + " " if bytes_line(results, learners=learners) else "")
+            + (bytes_text + " " if bytes_text else "")
             + f"Made by `python scripts/sweep_sim.py --learners {args.learners} --seeds {args.seeds} --steps {args.steps} "
             f"--jobs {args.jobs}{extra}{' --write-results' if not extra else ''}`.")
     print(text)

@@ -296,15 +296,15 @@ def test_outage_recovery_is_measured_against_the_run_without_it_delayed_by_the_o
     import sweep_outer
 
     trend = [dict(t_s=t, val_loss=3.0 - 0.01 * t) for t in range(0, 101, 10)]  # 3.0 at 0 s, 2.0 at 100 s
-    outage = [dict(at_s=20.0, duration_s=30.0)]  # back at 50 s; the trend there is the curve at 20 s
+    outage = dict(at_s=20.0, duration_s=30.0)  # back at 50 s; the trend there is the curve at 20 s
     chaos = [dict(t_s=50.0 + d, val_loss=v) for d, v in ((0, 2.9), (5, 2.78), (10, 2.69), (20, 2.60), (45, 2.40))]
-    rec = sweep_outer.recovery((chaos, outage, 5.0), trend)
+    rec = sweep_outer.recovery(chaos, outage=outage, cycle_s=5.0, trend_curve=trend)
     assert rec["1_cycles"] == dict(t_s=55.0, val=2.78, trend=2.75, above=0.03)  # still 0.03 above
     assert rec["2_cycles"]["above"] == pytest.approx(-0.01) and rec["2_cycles"]["trend"] == pytest.approx(2.7)
     assert rec["4_cycles"]["t_s"] == 70.0 and rec["4_cycles"]["above"] == pytest.approx(0.0)
     assert "8_cycles" in rec and rec["8_cycles"]["t_s"] == 95.0  # 95 - 30 = 65 s: inside the trend's 100 s
     assert rec["8_cycles"]["above"] == pytest.approx(0.05)
-    short = sweep_outer.recovery((chaos, outage, 5.0), trend[:6])  # the trend ends at 50 s
+    short = sweep_outer.recovery(chaos, outage=outage, cycle_s=5.0, trend_curve=trend[:6])  # the trend ends at 50 s
     assert "4_cycles" in short and "8_cycles" not in short
 
 
