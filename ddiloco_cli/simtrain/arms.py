@@ -12,8 +12,11 @@
   learners flush their unsent steps).
 
 Both are deterministic functions of the scenario (no clock): they also give the curve
-of val loss against steps, from which the data-parallel time to its own final loss is
-computed for a given link (``dp_step_s``).
+of val loss against steps, which their time models turn into times on the scenario's
+link (``dp_step_s``, ``sync_time_s``: compute at the slowest learner's pace plus ring
+all-reduces of fp32 values, nothing overlapped), for the model size of
+``Scenario.model_params``. Data-parallel trains ``Scenario.dp_steps`` steps (its own lr
+schedule over them): its final loss is the target of every arm's time to a loss.
 """
 
 from __future__ import annotations
@@ -58,12 +61,16 @@ def _eval_steps(total: int, points: int) -> set[int]:
 
 
 def run_dp(task: Task, scenario: Scenario, config: RunConfig, inner: dict[str, Any]) -> dict[str, Any]:
+    """Data-parallel for ``scenario.dp_steps`` steps (0: steps_per_learner), its lr schedule
+    over that many: its own run, whose final loss is the time-to-loss target."""
     torch.manual_seed(config.seed)
     model = task.build_model()
     opt = _adamw(model, config)
     streams = learner_streams(task, scenario, config.batch_size)
     batches = (concat([next(s) for s in streams]) for _ in iter(int, 1))
-    N = scenario.steps_per_learner
+    N = scenario.dp_steps or scenario.steps_per_learner
+    if inner:
+        inner = {**inner, "total_steps": N}
     marks, curve = _eval_steps(N, scenario.eval_points), []
     for step in range(N):
         train_step(task, model, opt, batches, lr=lr_at(step, inner), clip=config.grad_clip)
@@ -74,7 +81,10 @@ def run_dp(task: Task, scenario: Scenario, config: RunConfig, inner: dict[str, A
     return {"val_loss": val, "curve_steps": curve}
 
 
-def run_sync(task: Task, scenario: Scenario, config: RunConfig, inner: dict[str, Any]) -> dict[str, Any]:
+def run_sync(task: Task, scenario: Scenario, config: RunConfig, inner: dict[str, Any], *,
+             curve: bool = False) -> dict[str, Any]:
+    """Classic DiLoCo; with ``curve``, the global model's val loss at the scenario's eval points
+    too (``curve_steps``, as run_dp's)."""
     torch.manual_seed(config.seed)
     global_model = task.build_model()
     names = [n for n, t in global_model.named_parameters() if t.requires_grad]
@@ -91,6 +101,7 @@ def run_sync(task: Task, scenario: Scenario, config: RunConfig, inner: dict[str,
     opts = [_adamw(m, config) for m in models]
     streams = learner_streams(task, scenario, config.batch_size)
     N, H = scenario.steps_per_learner, config.sync_every
+    marks, points = _eval_steps(N, scenario.eval_points) if curve else set(), []
     for step in range(N):
         for model, opt, stream in zip(models, opts, streams):
             train_step(task, model, opt, stream, lr=lr_at(step, inner), clip=config.grad_clip)
@@ -102,17 +113,32 @@ def run_sync(task: Task, scenario: Scenario, config: RunConfig, inner: dict[str,
                 for lp in locals_:
                     for n in names:
                         lp[n].copy_(global_params[n])
+        if step + 1 in marks and step + 1 < N and step + 1 >= H:  # the global model moves every H steps
+            points.append((step + 1, evaluate(task, global_model, batch_size=VAL_BATCH,
+                                              max_batches=scenario.eval_batches)))
     val = evaluate(task, global_model, batch_size=VAL_BATCH)
-    return {"val_loss": val, "outer_steps": outer.num_steps}
+    return {"val_loss": val, "outer_steps": outer.num_steps, "curve_steps": points + [(N, val)]}
 
 
-def dp_step_s(scenario: Scenario, num_params: int) -> float:
-    """Data-parallel's step time over the scenario's link: compute + a ring all-reduce of the
-    fp32 gradient (bench_bandwidth.py's model: each worker sends and receives
-    2 (M-1)/M x 4 bytes per parameter, in 2 (M-1) latency-bound rounds)."""
+def allreduce_s(scenario: Scenario, num_params: float) -> float:
+    """A ring all-reduce of ``num_params`` fp32 values over the scenario's link
+    (bench_bandwidth.py's model: each worker sends and receives 2 (M-1)/M x 4 bytes per
+    parameter, in 2 (M-1) latency-bound rounds)."""
     M = scenario.learners
     if M == 1:
-        return scenario.step_s
+        return 0.0
     nbytes = 2 * (M - 1) / M * 4 * num_params
     bw = min(scenario.up_mbps, scenario.down_mbps) * 1e6 / 8
-    return scenario.step_s + nbytes / bw + 2 * (M - 1) * scenario.rtt_ms / 1e3 / 2
+    return nbytes / bw + 2 * (M - 1) * scenario.rtt_ms / 1e3 / 2
+
+
+def dp_step_s(scenario: Scenario, num_params: float) -> float:
+    """Data-parallel's step time over the scenario's link: the slowest learner's compute (a
+    synchronous step waits for it) + an all-reduce of the fp32 gradient."""
+    return scenario.step_s * scenario.slowest() + allreduce_s(scenario, num_params)
+
+
+def sync_time_s(scenario: Scenario, num_params: float, steps: int, sync_every: int) -> float:
+    """Classic DiLoCo's time for its first ``steps`` steps: the slowest learner's compute, and
+    an all-reduce of the fp32 outer gradient every ``sync_every`` steps (nothing overlaps it)."""
+    return steps * scenario.step_s * scenario.slowest() + (steps // sync_every) * allreduce_s(scenario, num_params)

@@ -38,6 +38,14 @@ def charged_bytes(key: str, data: bytes) -> int:
     return len(data)  # overwritten objects: the newest versions kept for readers that may not see the last one yet
 
 
+def scales_with_model(key: str) -> bool:
+    """Whether ``key`` holds model tensors (a contribution, a published payload, a checkpoint):
+    the objects whose transfer time grows with the model (``SimBucket.payload_scale``). The run's
+    first version is left out: the references' workers build it from the seed at no cost, and a
+    real learner could too, so the start-up download is not charged at the larger size."""
+    return key.endswith(".safetensors") and f"/payloads/{layout.num(0)}-" not in key
+
+
 @dataclass(frozen=True)
 class Link:
     up_bps: float  # bytes per second
@@ -50,6 +58,16 @@ class Link:
         return Link(up_mbps * 1e6 / 8, down_mbps * 1e6 / 8, (rtt_ms + store_latency_ms) / 1e3, jitter_ms / 1e3)
 
 
+class Wire:
+    """One learner's link as its connections (training loop, upload workers, receiver,
+    heartbeat) share it: transfers in one direction queue behind each other, first come first
+    served; request latencies overlap. The syncer's connections do not share one (its link is
+    the datacenter's)."""
+
+    def __init__(self) -> None:
+        self.free_at = {"up": 0.0, "down": 0.0}  # virtual time each direction is free again
+
+
 class SimBucket:
     """key -> versions [(visible_at, data)], oldest first."""
 
@@ -60,6 +78,9 @@ class SimBucket:
         self.last_contribution_t = 0.0  # when the newest contribution became visible
         self.last_write_t = 0.0  # when the last write lands
         self.crash = None  # a crash.CrashPlan: called before and after every write
+        # transfer time of tensor payloads x this (Scenario.model_params: the times of a larger
+        # model with the simulated one's loss per step); byte counters stay the real sizes
+        self.payload_scale = 1.0
 
     def visible(self, key: str, t: float) -> tuple[float, bytes] | None:
         for version in reversed(self.objects.get(key, ())):
@@ -110,8 +131,8 @@ class SimStore:
     """One actor's connection to the ``SimBucket`` (a ddiloco ``Store``)."""
 
     def __init__(self, bucket: SimBucket, clock: TurnClock, link: Link, *, name: str, seed: str,
-                 parallel: int = 1, free: bool = False):
-        self.bucket, self.clock, self.link = bucket, clock, link
+                 parallel: int = 1, free: bool = False, wire: Wire | None = None):
+        self.bucket, self.clock, self.link, self.wire = bucket, clock, link, wire
         self.url = f"sim://{name}"
         self.name = name
         self.in_commit = False  # the syncer's connection: inside Syncer.commit (crash points)
@@ -124,7 +145,7 @@ class SimStore:
         self.contributions_listed_t = -1.0  # the start of the turn that last LISTed contributions
 
     # ------------------------------------------------------------ costs
-    def _request(self, *, up: int = 0, down: int = 0, overlapped: bool = False) -> None:
+    def _request(self, *, up: int = 0, down: int = 0, overlapped: bool = False, scale: float = 1.0) -> None:
         if self.free:
             return
         self.num_requests += 1
@@ -134,9 +155,18 @@ class SimStore:
             latency += self._rng.random() * self.link.jitter_s
         if overlapped:
             latency /= self.parallel
-        self.clock.spent += latency + up / self.link.up_bps + down / self.link.down_bps
+        transfer = scale * (up / self.link.up_bps + down / self.link.down_bps)
+        wait, direction = 0.0, "up" if up else "down"
+        if self.wire is not None and transfer > 0:  # behind the transfers already on the shared link
+            wait = max(0.0, self.wire.free_at[direction] - (self.clock.monotonic() + latency))
+        self.clock.spent += latency + wait + transfer
+        if self.wire is not None and transfer > 0:
+            self.wire.free_at[direction] = self.clock.monotonic()
         self.bytes_up += up
         self.bytes_down += down
+
+    def _scale(self, key: str) -> float:
+        return self.bucket.payload_scale if scales_with_model(key) else 1.0
 
     def charge_before_next_write(self, seconds: float) -> None:
         """Compute time that precedes this turn's next write (the syncer's merge: its cost
@@ -159,7 +189,7 @@ class SimStore:
         self._pay_pending()
         data = bytes(data)
         existing = self.bucket.peek(key)
-        self._request(up=charged_bytes(key, data))
+        self._request(up=charged_bytes(key, data), scale=self._scale(key))
         if existing is not None:
             return existing == data
         self.bucket.write(key, data, self.clock.monotonic())
@@ -170,7 +200,7 @@ class SimStore:
         check_key(key)
         self._crash_point(key, "before")
         self._pay_pending()
-        self._request(up=charged_bytes(key, data))
+        self._request(up=charged_bytes(key, data), scale=self._scale(key))
         self.bucket.write(key, bytes(data), self.clock.monotonic())
         self._crash_point(key, "after")
 
@@ -184,7 +214,8 @@ class SimStore:
         if max_bytes is not None and len(data) > max_bytes:
             self._request()
             raise ObjectTooLargeError(key, size=len(data), max_bytes=max_bytes)
-        self._request(down=charged_bytes(key, data), overlapped=self.parallel > 1 and key.startswith(layout.CONTRIBUTION_ROOT))
+        self._request(down=charged_bytes(key, data), scale=self._scale(key),
+                      overlapped=self.parallel > 1 and key.startswith(layout.CONTRIBUTION_ROOT))
         return data
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:

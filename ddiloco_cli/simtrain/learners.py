@@ -1,7 +1,8 @@
 """A simulated learner: the real ``DiLoCoSync`` without threads, driven in turns.
 
 What a learner's threads do in production, each is an actor here with its own
-``TurnClock`` and its own connection (``SimStore``) over the learner's link:
+``TurnClock`` and its own connection (``SimStore``) over the learner's one link (their
+transfers queue on it, ``bucket.Wire``):
 
 * the training loop: one turn per inner step, at the step's end (``learn.train_step``,
   then ``DiLoCoSync.step``: the send rule, the receive rule, alpha mix, [L8] hold-out);
@@ -29,7 +30,7 @@ import torch
 from ddiloco_cli.learner.learn import lr_at, resumable_batches, train_step
 from ddiloco_cli.learner.schedule import fragments_due
 from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions
-from ddiloco_cli.simtrain.bucket import Link, SimStore
+from ddiloco_cli.simtrain.bucket import Link, SimStore, Wire
 from ddiloco_cli.simtrain.loop import Timer, TurnClock
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class SimLearner:
     def __init__(self, world: "World", index: int, learner_id: str, *, link: Link, speed: tuple[float, float],
                  workers: int = 2):
         self.world, self.index, self.learner_id, self.link = world, index, learner_id, link
+        self.wire = Wire()  # the link its connections share
         self.factor, self.drift = speed
         self.report = LearnerReport()
         loop = world.loop
@@ -106,7 +108,7 @@ class SimLearner:
 
     def connect(self, clock: TurnClock, part: str) -> SimStore:
         return SimStore(self.world.bucket, clock, self.link, name=f"{self.learner_id}/{part}",
-                        seed=f"{self.world.scenario.seed}-{self.learner_id}-{part}")
+                        seed=f"{self.world.scenario.seed}-{self.learner_id}-{part}", wire=self.wire)
 
     @property
     def up(self) -> bool:

@@ -1,7 +1,9 @@
 """``simulate_train``: run the arms of one scenario and report them.
 
 The JSON's top level has one object per arm, ``decoupled``, ``sync`` and ``dp``, each
-with ``val_loss``; ``decoupled`` also has ``ratio_to_sync`` and ``ratio_to_dp``.
+with ``val_loss``; ``decoupled`` also has ``ratio_to_sync`` and ``ratio_to_dp``. With the
+dp arm, ``decoupled`` and ``sync`` have ``time_to_dp_loss_s`` (None: not reached) and
+``dp`` has ``time_to_final_s``: times to data-parallel's final loss.
 Scripts and monitors read these keys: keep them stable.
 """
 
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ddiloco_cli.simtrain.arms import dp_step_s, run_dp, run_sync
+from ddiloco_cli.simtrain.arms import dp_step_s, run_dp, run_sync, sync_time_s
 from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.simtrain.world import World
 
@@ -65,6 +67,24 @@ def _decoupled(world: World) -> dict[str, Any]:
     }
 
 
+def add_times_to_loss(arms: dict[str, Any], scenario: Scenario, *, num_params: float, sync_every: int) -> None:
+    """Every arm's time to data-parallel's final loss at a model of ``num_params`` parameters,
+    into ``arms`` (``dp`` required; ``decoupled`` and ``sync`` when there): the decoupled curve
+    is in its simulated time already, the references' curves go through their time models."""
+    target, dp = arms["dp"]["val_loss"], arms["dp"]
+    dp["step_s"] = dp_step_s(scenario, num_params)
+    dp["time_to_final_s"] = (scenario.dp_steps or scenario.steps_per_learner) * dp["step_s"]
+    if "decoupled" in arms:
+        dec = arms["decoupled"]
+        curve = [(p["t_s"], p["val_loss"]) for p in dec["curve"]] + [(dec["virtual_s"], dec["val_loss"])]
+        dec["time_to_dp_loss_s"] = time_to_reach(curve, target)
+    if "sync" in arms:
+        sync = arms["sync"]
+        sync["time_s"] = sync_time_s(scenario, num_params, scenario.steps_per_learner, sync_every)
+        sync["time_to_dp_loss_s"] = time_to_reach(
+            [(sync_time_s(scenario, num_params, step, sync_every), v) for step, v in sync["curve_steps"]], target)
+
+
 def simulate_train(scenario: Scenario, *, progress=lambda _msg: None) -> dict[str, Any]:
     """Run the scenario's arms; returns the report (see the module docstring)."""
     torch.set_num_threads(1)  # one thread: the same float reductions whatever the host
@@ -76,7 +96,7 @@ def simulate_train(scenario: Scenario, *, progress=lambda _msg: None) -> dict[st
     config, task, inner = world.config, world.task, world.inner
     if "sync" in scenario.arms:
         progress("sync (classic DiLoCo)")
-        out["sync"] = run_sync(task, scenario, config, inner)
+        out["sync"] = run_sync(task, scenario, config, inner, curve="dp" in scenario.arms)
     if "dp" in scenario.arms:
         progress("dp (data-parallel)")
         out["dp"] = run_dp(task, scenario, config, inner)
@@ -84,14 +104,8 @@ def simulate_train(scenario: Scenario, *, progress=lambda _msg: None) -> dict[st
     dec["ratio_to_sync"] = dec["val_loss"] / out["sync"]["val_loss"] if "sync" in out else None
     dec["ratio_to_dp"] = dec["val_loss"] / out["dp"]["val_loss"] if "dp" in out else None
     if "dp" in out:
-        num_params = world.plan.num_params if hasattr(world.plan, "num_params") else \
-            sum(t.numel() for t in world.eval_model.parameters())
-        step_s = dp_step_s(scenario, num_params)
-        target = out["dp"]["val_loss"]
-        out["dp"]["step_s"] = step_s
-        out["dp"]["time_to_final_s"] = scenario.steps_per_learner * step_s
-        curve = [(p["t_s"], p["val_loss"]) for p in dec["curve"]] + [(dec["virtual_s"], dec["val_loss"])]
-        dec["time_to_dp_loss_s"] = time_to_reach(curve, target)
+        add_times_to_loss(out, scenario, num_params=scenario.model_params or world.num_params,
+                          sync_every=config.sync_every)
     out["scenario"] = {k: v for k, v in vars(scenario).items()}
     out["cpu_s"] = time.process_time() - t0
     return out
@@ -116,12 +130,26 @@ def table(result: dict[str, Any]) -> str:
                  f"{dec['bytes_up_per_learner'] / 1e6:.2f} MB down {dec['bytes_down_per_learner'] / 1e6:.2f} MB; "
                  f"syncer busy {dec['syncer_utilisation']:.1%}; preemptions {dec['preemptions']}")
     if "dp" in result:
-        t_dec = dec.get("time_to_dp_loss_s")
-        lines.append(f"time to dp's final loss: decoupled {'not reached' if t_dec is None else f'{t_dec:.0f} s'}, "
-                     f"dp {result['dp']['time_to_final_s']:.0f} s ({result['dp']['step_s']:.3f} s/step)")
+        dp = result["dp"]
+        size = f"{sc['model_params']:.3g}-parameter model" if sc.get("model_params") else "the simulated model"
+        times = [f"decoupled {duration(dec.get('time_to_dp_loss_s'))}"]
+        if "sync" in result:
+            times.append(f"sync {duration(result['sync'].get('time_to_dp_loss_s'))}")
+        times.append(f"dp {duration(dp['time_to_final_s'])} ({dp['step_s']:.3g} s/step, "
+                     f"{sc.get('dp_steps') or sc['steps_per_learner']} steps)")
+        lines.append(f"time to dp's final loss {dp['val_loss']:.4f} ({size}): " + ", ".join(times))
     lines.append("val loss vs time: " + ", ".join(f"{p['t_s']:.0f}s {p['val_loss']:.3f}" for p in dec["curve"]))
     lines.append(f"virtual {dec['virtual_s']:.0f} s; cpu {result['cpu_s']:.0f} s ({dec['events']} events)")
     return "\n".join(lines)
+
+
+def duration(seconds: float | None) -> str:
+    """A time to a loss as text: seconds, minutes or hours; None is not reached."""
+    if seconds is None:
+        return "not reached"
+    if seconds < 600:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 36000 else f"{seconds / 3600:.1f} h"
 
 
 def _fmt(x: float | None) -> str:

@@ -67,6 +67,13 @@ class Scenario:
     standby: bool = False  # a standby syncer takes the lease over when the primary's runs out
     # report
     eval_points: int = 8  # global val loss this many times along the run
+    # time to a loss: every arm's time to data-parallel's final loss, data-parallel trained for
+    # dp_steps (0: steps_per_learner); give the other arms more steps to reach it
+    dp_steps: int = 0
+    # the times of a model of this many parameters (0: the simulated model's own): tensor payloads'
+    # transfer times, the syncer's merge time and the references' all-reduces scale with it, the
+    # loss per step stays the simulated model's
+    model_params: float = 0.0
     arms: tuple[str, ...] = ("decoupled", "sync", "dp")
     eval_batches: int | None = None  # val batches per evaluation (None: the whole val split)
 
@@ -83,6 +90,8 @@ class Scenario:
             raise UsageError(f"learner_id_format = {self.learner_id_format!r}: {exc!r}; use {{i}}") from None
         if len(set(ids)) != len(ids):
             raise UsageError(f"learner_id_format = {self.learner_id_format!r} gives equal ids: use {{i}}")
+        if self.dp_steps < 0 or self.model_params < 0:
+            raise UsageError("dp_steps and model_params must be >= 0")
         bad = [a for a in self.arms if a not in ("decoupled", "sync", "dp")]
         if bad or "decoupled" not in self.arms:
             raise UsageError(f"arms {list(self.arms)}: a subset of decoupled, sync, dp with decoupled")
@@ -115,6 +124,10 @@ class Scenario:
                 factor = 1.0
             out.append((factor, self.drift * (2 * rng.random() - 1)))
         return out
+
+    def slowest(self) -> float:
+        """The slowest learner's speed factor (its drift aside): a synchronous arm's steps wait for it."""
+        return max(f for f, _ in self.speed_factors())
 
     def link(self, i: int) -> dict[str, float]:
         base = dict(up_mbps=self.up_mbps, down_mbps=self.down_mbps, rtt_ms=self.rtt_ms, jitter_ms=self.jitter_ms)

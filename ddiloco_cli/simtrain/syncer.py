@@ -30,8 +30,9 @@ class CostedSyncer(Syncer):
     merge_s: float = 0.0
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
-        cost_s = self.plan.fragment_numel(state.fragment) * len(state.contributions()) / self.merge_params_per_s
         sim_store: SimStore = self.sim_store
+        cost_s = (self.plan.fragment_numel(state.fragment) * len(state.contributions()) / self.merge_params_per_s
+                  * sim_store.bucket.payload_scale)
         sim_store.charge_before_next_write(cost_s)
         sim_store.in_commit = True
         try:

@@ -50,6 +50,9 @@ class World:
         self.plan = ledger.read_plan(self.admin, run_id=self.run_id)
         self.task = load_task(self.config.task)
         self.eval_model = self.task.build_model()
+        self.num_params = sum(t.numel() for t in self.eval_model.parameters())
+        # the times of a model of sc.model_params parameters (the bucket's objects stay this one's)
+        self.bucket.payload_scale = sc.model_params / self.num_params if sc.model_params > 0 else 1.0
         self.learners = [
             SimLearner(self, i, lid, speed=speed, link=Link.of(**sc.link(i), store_latency_ms=sc.store_latency_ms))
             for i, (lid, speed) in enumerate(zip(sc.learner_ids(), sc.speed_factors()))]

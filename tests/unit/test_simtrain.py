@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.simtrain.arms import concat, dp_step_s
+from ddiloco_cli.protocol import layout
+from ddiloco_cli.simtrain.arms import allreduce_s, concat, dp_step_s, sync_time_s
 from ddiloco_cli.simtrain.bucket import Link, SimBucket, SimStore
 from ddiloco_cli.simtrain.loop import EventLoop, Timer, TurnClock
-from ddiloco_cli.simtrain.report import percentile, time_to_reach
+from ddiloco_cli.simtrain.report import duration, percentile, time_to_reach
 from ddiloco_cli.simtrain.scenario import Scenario, load_scenario
 from ddiloco_cli.store.base import NotFound
 
@@ -127,6 +128,31 @@ def test_dp_step_time_is_compute_plus_a_ring_all_reduce():
     # 2 (M-1)/M x 4 B x 1e6 params = 6e6 B at 12.5e6 B/s, + 6 one-way latencies of 25 ms
     assert dp_step_s(sc, 1_000_000) == pytest.approx(1.0 + 0.48 + 0.15)
     assert dp_step_s(Scenario(learners=1, step_s=2.0), 10**9) == 2.0
+    # a synchronous step waits for the slowest learner
+    assert dp_step_s(Scenario(learners=4, speeds="two", slow_factor=1.5), 1_000_000) == pytest.approx(1.5 + 0.63)
+
+
+def test_classic_diloco_time_is_compute_plus_one_all_reduce_per_cycle():
+    sc = Scenario(learners=4, step_s=1.0, up_mbps=100.0, down_mbps=100.0, rtt_ms=50.0)
+    assert allreduce_s(sc, 1_000_000) == pytest.approx(0.63)
+    assert sync_time_s(sc, 1_000_000, 48, 16) == pytest.approx(48 + 3 * 0.63)
+    assert sync_time_s(sc, 1_000_000, 47, 16) == pytest.approx(47 + 2 * 0.63)  # the third all-reduce not yet done
+    assert [duration(None), duration(59.6), duration(3000), duration(7.2e4)] == ["not reached", "60 s", "50 min", "20.0 h"]
+
+
+def test_payload_scale_charges_tensor_payloads_only_and_keeps_real_byte_counts():
+    loop, bucket = EventLoop(), SimBucket()
+    bucket.payload_scale = 10.0
+    store, clock = _store(bucket, loop, latency_s=0.0, bps=1000.0)
+    store.put("fragments/f0000/payloads/x.safetensors", b"0" * 100)  # 100 B x 10 at 1000 B/s
+    assert clock.spent == pytest.approx(1.0)
+    store.put("fragments/f0000/manifests/x.json", b"0" * 100)  # a record: not scaled
+    assert clock.spent == pytest.approx(1.1)
+    store.put(layout.payload_key(0, 0, "full", "ab12"), b"0" * 100)  # the first version: built from the seed
+    assert clock.spent == pytest.approx(1.2)
+    store.put(layout.payload_key(0, 1, "delta", "ab12"), b"0" * 100)
+    assert clock.spent == pytest.approx(2.2)
+    assert store.bytes_up == 400
 
 
 def test_concat_joins_tuples_of_tensors():
@@ -152,6 +178,26 @@ def _tiny(**over) -> Scenario:
     base = dict(learners=2, steps_per_learner=32, step_s=0.5, eval_points=1, eval_batches=1, arms=("decoupled",),
                 run={"sync_every": 8, "overlap_steps": 4, "num_fragments": 2})
     return Scenario(**{**base, **over})
+
+
+def test_time_to_data_parallels_loss_at_a_larger_models_size():
+    from ddiloco_cli.simtrain import simulate_train
+
+    arms = dict(arms=("decoupled", "sync", "dp"), dp_steps=16, eval_points=4)
+    small = simulate_train(_tiny(**arms))
+    big = simulate_train(_tiny(**arms, model_params=2e8))
+    # the same loss per step (the data-parallel run is the same), the times of a 1000x larger model
+    assert big["dp"]["val_loss"] == small["dp"]["val_loss"]
+    assert big["dp"]["time_to_final_s"] == pytest.approx(16 * dp_step_s(_tiny(), 2e8))
+    assert big["sync"]["time_s"] == pytest.approx(sync_time_s(_tiny(), 2e8, 32, 8))
+    assert big["decoupled"]["virtual_s"] > small["decoupled"]["virtual_s"] + 10  # its transfers take longer
+    assert big["decoupled"]["bytes_up_per_learner"] < 1e6  # the counters stay the real bytes
+    for result in (small, big):  # reached exactly when a point of the arm's curve is at the target or below
+        target, dec, sync = result["dp"]["val_loss"], result["decoupled"], result["sync"]
+        best_dec = min([p["val_loss"] for p in dec["curve"]] + [dec["val_loss"]])
+        assert (dec["time_to_dp_loss_s"] is None) == (best_dec > target)
+        assert (sync["time_to_dp_loss_s"] is None) == (min(v for _, v in sync["curve_steps"]) > target)
+        assert len(sync["curve_steps"]) >= 2
 
 
 def test_a_standby_syncer_takes_over_during_an_outage_and_nothing_is_lost():
