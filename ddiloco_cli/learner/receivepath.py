@@ -104,7 +104,7 @@ class ReceivePath:
         if version < 0:
             return False
         version, value = self.island.broadcast(self.plan, p, version, got.value if got is not None else {})
-        if self._in_place and got.increment is not None:
+        if self._in_place and got.increment is not None and got.subtracted is flight.theta:
             self._add_to_params(p, got.increment)
         elif self.alpha == 0.0 and not self.keep_progress:
             self.island.scatter(self.plan, p, self.params, value)

@@ -72,6 +72,9 @@ class Ready:
     manifest: dict[str, Any]
     refused: list[dict[str, Any]]  # ledger entries refusing this learner's contributions, since the version it had
     increment: Tensors | None = None  # value - the ``subtract`` given to want(), computed off the main thread
+    # the ``subtract`` it was computed with: a version that comes in after the fragment's next send
+    # may carry the previous send's, and the receive path then computes it again
+    subtracted: Tensors | None = None
 
 
 def refusals(manifests: list[dict[str, Any]], learner_id: str) -> list[dict[str, Any]]:
@@ -251,7 +254,7 @@ class Receiver(threading.Thread):
             increment = dict(zip(keys, torch._foreach_sub([value[k] for k in keys], [subtract[k] for k in keys])))
         with self.lock:
             if p in self.wanted:
-                self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment)
+                self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment, subtract)
         return True
 
     def _newest(self, p: int, reader: FragmentReader, have: int) -> int | None:

@@ -38,12 +38,17 @@ def charged_bytes(key: str, data: bytes) -> int:
     return len(data)  # overwritten objects: the newest versions kept for readers that may not see the last one yet
 
 
+def is_tensor_payload(key: str) -> bool:
+    """A contribution, a published payload or a checkpoint (the objects of model tensors)."""
+    return key.endswith(".safetensors")
+
+
 def scales_with_model(key: str) -> bool:
-    """Whether ``key`` holds model tensors (a contribution, a published payload, a checkpoint):
-    the objects whose transfer time grows with the model (``SimBucket.payload_scale``). The run's
+    """Whether the transfer time of ``key`` grows with the model (``SimBucket.payload_scale``):
+    the tensor payloads. The run's
     first version is left out: the references' workers build it from the seed at no cost, and a
     real learner could too, so the start-up download is not charged at the larger size."""
-    return key.endswith(".safetensors") and f"/payloads/{layout.num(0)}-" not in key
+    return is_tensor_payload(key) and f"/payloads/{layout.num(0)}-" not in key
 
 
 @dataclass(frozen=True)
@@ -59,10 +64,11 @@ class Link:
 
 
 class Wire:
-    """One learner's link as its connections (training loop, upload workers, receiver,
-    heartbeat) share it: transfers in one direction queue behind each other, first come first
-    served; request latencies overlap. The syncer's connections do not share one (its link is
-    the datacenter's)."""
+    """One learner's link as its connections (training loop, upload workers, receiver) share it
+    for tensor payloads: their transfers in one direction queue behind each other, first come
+    first served; request latencies overlap. Records (heartbeats, manifests, LISTs) do not
+    queue: a few kB take their share of a busy link within a round trip. The syncer's
+    connections do not share one (its link is the datacenter's)."""
 
     def __init__(self) -> None:
         self.free_at = {"up": 0.0, "down": 0.0}  # virtual time each direction is free again
@@ -145,7 +151,8 @@ class SimStore:
         self.contributions_listed_t = -1.0  # the start of the turn that last LISTed contributions
 
     # ------------------------------------------------------------ costs
-    def _request(self, *, up: int = 0, down: int = 0, overlapped: bool = False, scale: float = 1.0) -> None:
+    def _request(self, *, up: int = 0, down: int = 0, overlapped: bool = False, scale: float = 1.0,
+                 payload: bool = False) -> None:
         if self.free:
             return
         self.num_requests += 1
@@ -156,17 +163,21 @@ class SimStore:
         if overlapped:
             latency /= self.parallel
         transfer = scale * (up / self.link.up_bps + down / self.link.down_bps)
+        wire = self.wire if payload and transfer > 0 else None
         wait, direction = 0.0, "up" if up else "down"
-        if self.wire is not None and transfer > 0:  # behind the transfers already on the shared link
-            wait = max(0.0, self.wire.free_at[direction] - (self.clock.monotonic() + latency))
+        if wire is not None:  # behind the payloads already on the shared link
+            wait = max(0.0, wire.free_at[direction] - (self.clock.monotonic() + latency))
         self.clock.spent += latency + wait + transfer
-        if self.wire is not None and transfer > 0:
-            self.wire.free_at[direction] = self.clock.monotonic()
+        if wire is not None:
+            wire.free_at[direction] = self.clock.monotonic()
         self.bytes_up += up
         self.bytes_down += down
 
-    def _scale(self, key: str) -> float:
-        return self.bucket.payload_scale if scales_with_model(key) else 1.0
+    def _payload(self, key: str) -> dict:
+        """A request's keywords for ``key``: its transfer-time scale, and whether it is a tensor
+        payload (which queues on a shared link)."""
+        return dict(scale=self.bucket.payload_scale if scales_with_model(key) else 1.0,
+                    payload=is_tensor_payload(key))
 
     def charge_before_next_write(self, seconds: float) -> None:
         """Compute time that precedes this turn's next write (the syncer's merge: its cost
@@ -189,7 +200,7 @@ class SimStore:
         self._pay_pending()
         data = bytes(data)
         existing = self.bucket.peek(key)
-        self._request(up=charged_bytes(key, data), scale=self._scale(key))
+        self._request(up=charged_bytes(key, data), **self._payload(key))
         if existing is not None:
             return existing == data
         self.bucket.write(key, data, self.clock.monotonic())
@@ -200,7 +211,7 @@ class SimStore:
         check_key(key)
         self._crash_point(key, "before")
         self._pay_pending()
-        self._request(up=charged_bytes(key, data), scale=self._scale(key))
+        self._request(up=charged_bytes(key, data), **self._payload(key))
         self.bucket.write(key, bytes(data), self.clock.monotonic())
         self._crash_point(key, "after")
 
@@ -214,7 +225,7 @@ class SimStore:
         if max_bytes is not None and len(data) > max_bytes:
             self._request()
             raise ObjectTooLargeError(key, size=len(data), max_bytes=max_bytes)
-        self._request(down=charged_bytes(key, data), scale=self._scale(key),
+        self._request(down=charged_bytes(key, data), **self._payload(key),
                       overlapped=self.parallel > 1 and key.startswith(layout.CONTRIBUTION_ROOT))
         return data
 

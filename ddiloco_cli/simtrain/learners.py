@@ -248,15 +248,19 @@ class SimLearner:
         for p in sorted(set(receiver.ready) - before):  # in transit until the download is done
             ready = receiver.ready.pop(p)
             have = receiver.wanted.pop(p)
-            loop.at(done_t, self._arrive, self.session, p, ready, have, sync.in_flight.get(p))
+            loop.at(done_t, self._arrive, self.session, p, ready, have)
         if polled:
             self.recv_timer.arm(done_t, earlier_only=False)
         elif wait_s is not None:
             self.recv_timer.arm(loop.now + wait_s, earlier_only=False)
 
-    def _arrive(self, session: int, p: int, ready: Any, have: Any, flight: Any) -> None:
+    def _arrive(self, session: int, p: int, ready: Any, have: Any) -> None:
+        """A download is done: the version becomes ready, as the receiver thread makes it ready,
+        unless the learner has moved past it meanwhile (a newer base, or polling from another).
+        It counts even when the fragment was sent again meanwhile (a download longer than a
+        cycle, on a thin link): the receive path then re-bases on it against the newest send."""
         sync = self.sync
-        if session != self.session or sync is None or self.finished or sync.in_flight.get(p) is not flight:
+        if session != self.session or sync is None or self.finished or ready.version <= sync.base[p][0]:
             return
         receiver = sync._receiver
         if p in receiver.ready or receiver.wanted.get(p, have) is not have:

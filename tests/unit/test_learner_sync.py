@@ -144,6 +144,44 @@ def test_in_place_receive_is_the_receive_rule_with_alpha(alpha):
                 assert not torch.allclose(got[k], new_global[k] + local[k] - at_send[k])
 
 
+@pytest.mark.parametrize("computed_with", ["this send", "the send before"])
+def test_a_version_downloaded_across_the_next_send_is_received_against_the_newest_send(computed_with):
+    """On a thin link a download can outlast a cycle: the receiver computed the increment
+    against the fragment at the send before, and the learner has sent the fragment again since.
+    The receive then re-bases against the newest send (receive_rule), not the stale increment."""
+    from ddiloco_cli.learner.receiver import InFlight, Ready, receive_rule
+
+    store = _run(overlap_steps=2, alpha=0.3)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="c") as sync:
+        assert sync._in_place
+        p, gen = 0, torch.Generator().manual_seed(5)
+        keys = [s.key for s in sync.plan.fragments[p]]
+        fragment = lambda: {k: t.clone() for k, t in sync.island.gather(sync.plan, p, sync.params).items()}  # noqa: E731
+
+        def train_a_little():
+            with torch.no_grad():
+                for t in model.parameters():
+                    t.add_(torch.randn(t.shape, generator=gen) * 0.01)
+
+        at_first_send = fragment()
+        train_a_little()
+        at_next_send = fragment()
+        train_a_little()
+        local = fragment()
+        new_global = {k: at_first_send[k] + torch.randn(at_first_send[k].shape, generator=gen) * 0.1 for k in keys}
+        subtracted = at_next_send if computed_with == "this send" else at_first_send
+        flight = InFlight(receive_step=0, seq=7, theta=at_next_send, counters=(0, 0))
+        sync._receiver.ready[p] = Ready(1, new_global, {"high_water": {"c": 7}}, [],
+                                        {k: new_global[k] - subtracted[k] for k in keys}, subtracted)
+        assert sync._receive(p, flight)
+        got = fragment()
+        want = receive_rule(local, new_global, at_next_send, alpha=sync.alpha, keep_progress=True)
+        for k in keys:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+        assert sync.base[p][0] == 1
+
+
 def test_task_comes_from_the_learners_own_code(tmp_path):
     task_file = tmp_path / "task_here.py"
     task_file.write_text(open("examples/my_task.py").read())
