@@ -33,7 +33,9 @@ from ddiloco_cli.simtrain.report import _decoupled, add_times_to_loss, duration
 from ddiloco_cli.simtrain.scenario import MERGE_PARAMS_PER_S, Scenario
 from ddiloco_cli.simtrain.world import World
 
-CODEC_RUNS = {"int4": {}, "sparse": {"codec": "sparse"}}  # the run defaults of each codec
+# the run defaults of each codec; sparse-thin: published deltas at the uploads' density (half the
+# default's download bytes, for links whose download is the limit)
+CODEC_RUNS = {"int4": {}, "sparse": {"codec": "sparse"}, "sparse-thin": {"codec": "sparse", "publish_density": 0.02}}
 
 
 def base_scenario(args: argparse.Namespace, seed: int) -> Scenario:
@@ -81,7 +83,8 @@ def times(results: list[dict], args: argparse.Namespace) -> list[dict]:
                          time_s=dec["time_to_dp_loss_s"], val=dec["val_loss"], target=arms["dp"]["val_loss"],
                          up_mb=dec["bytes_up_per_learner"] / 1e6 * r["size"] / r["num_params"],
                          down_mb=dec["bytes_down_per_learner"] / 1e6 * r["size"] / r["num_params"],
-                         blocked_s=dec["blocked_s_per_learner"], run_s=dec["virtual_s"]))
+                         blocked_s=dec["blocked_s_per_learner"], run_s=dec["virtual_s"],
+                         lag_p50=dec["lag_steps_p50"], syncer_busy=dec["syncer_utilisation"]))
         if r["codec"] == args.codecs[0]:  # the references once per (seed, size)
             rows.append(dict(seed=r["seed"], size=r["size"], arm="classic DiLoCo", time_s=arms["sync"]["time_to_dp_loss_s"],
                              val=arms["sync"]["val_loss"], target=arms["dp"]["val_loss"], run_s=arms["sync"]["time_s"]))
@@ -98,6 +101,11 @@ def _cell(values: list[float | None]) -> str:
     if len(got) > 1:
         text += f" ({duration(min(got))}-{duration(max(got))})"
     return text + (f", {len(values) - len(got)} not reached" if len(got) < len(values) else "")
+
+
+def _median_lag(rows: list[dict]) -> str:
+    lags = [r["lag_p50"] for r in rows if r.get("lag_p50") is not None]
+    return f"{statistics.median(lags):g} steps (median)" if lags else "nothing received"
 
 
 def table(rows: list[dict], sizes: list[float]) -> str:
@@ -142,7 +150,9 @@ def main(argv=None) -> dict:
             rs = [r for r in rows if r["arm"] == arm and r["size"] == s]
             text += (f"\n{arm} at {s:.3g}: final loss {statistics.mean(r['val'] for r in rs):.4f} (target "
                      f"{statistics.mean(r['target'] for r in rs):.4f}), run {duration(statistics.mean(r['run_s'] for r in rs))}, "
-                     f"blocked {statistics.mean(r['blocked_s'] for r in rs):.0f} s per learner, up / down "
+                     f"blocked {statistics.mean(r['blocked_s'] for r in rs):.0f} s per learner, send -> receive "
+                     f"{_median_lag(rs)}, syncer busy "
+                     f"{statistics.mean(r['syncer_busy'] for r in rs):.0%}, up / down "
                      f"{statistics.mean(r['up_mb'] for r in rs):.0f} / {statistics.mean(r['down_mb'] for r in rs):.0f} MB "
                      f"per learner at that size")
     print(text)
