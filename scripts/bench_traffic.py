@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--publish-density", type=float, default=None,
                     help="sparse published deltas: default the run's (= --codec-density)")
     ap.add_argument("--keyframe-every", type=int, default=None, help="default: the run's")
+    ap.add_argument("--keyframe-rule", choices=["every", "size"], default=None, help="default: the run's")
     ap.add_argument("--grace-gamma", type=float, default=None, help="default: the run's")
     ap.add_argument("--grace-max", type=float, default=None, help="default: the run's")
     ap.add_argument("--batch-size", type=int, default=None, help="default: the task's")
@@ -127,7 +128,11 @@ def manifest_figures(manifests: list[dict], *, fragment_numel: list[int]) -> dic
     fulls = [(m["fragment"], e["size"]) for m in manifests if m["version"] > 0
              for e in m["payloads"] if e["kind"] == "full"]
     per_param = lambda xs: sum(s / fragment_numel[p] for p, s in xs) / len(xs) if xs else None  # noqa: E731
-    return {"versions": sum(1 for m in manifests if m["version"] > 0), "delta_payloads": len(deltas),
+    versions = sum(1 for m in manifests if m["version"] > 0)
+    return {"versions": versions, "delta_payloads": len(deltas),
+            # what the syncer uploads per version, keyframes included (B per parameter of its fragment)
+            "published_bytes_per_param_per_version": (sum(s / fragment_numel[p] for p, s in deltas + fulls) / versions
+                                                      if versions else None),
             "keyframe_payloads": len(fulls), "mean_delta_bytes": sum(s for _, s in deltas) / max(1, len(deltas)),
             "mean_keyframe_bytes": sum(s for _, s in fulls) / max(1, len(fulls)),
             "delta_bytes_per_param": per_param(deltas), "keyframe_bytes_per_param": per_param(fulls)}
@@ -142,7 +147,8 @@ def run_traffic(args, *, workdir: str) -> dict:
     flags = dict(task=task_path, fragments=args.fragments, sync_every=args.sync_every,
                  overlap_steps=args.overlap_steps, codec=args.codec, codec_block=args.codec_block,
                  codec_qmax=args.codec_qmax, codec_density=args.codec_density, publish_codec=args.publish_codec,
-                 publish_density=args.publish_density, keyframe_every=args.keyframe_every, grace_gamma=args.grace_gamma, grace_max=args.grace_max,
+                 publish_density=args.publish_density, keyframe_every=args.keyframe_every,
+                 keyframe_rule=args.keyframe_rule, grace_gamma=args.grace_gamma, grace_max=args.grace_max,
                  total_steps=args.steps, batch_size=batch_size, heartbeat=1, lease=6)
     samples: dict[str, dict[float, dict]] = {lid: {} for lid in ids}
     t0 = time.monotonic()
@@ -195,7 +201,7 @@ def run_traffic(args, *, workdir: str) -> dict:
     return {
         "settings": {k: v for k, v in vars(args).items() if k != "json_path"},
         "run": {k: run.get(k) for k in ("num_fragments", "sync_every", "overlap_steps", "codec", "codec_block", "codec_qmax", "codec_density", "publish_codec",
-                                    "publish_density", "keyframe_every", "quorum", "grace_gamma", "grace_max_s")},
+                                    "publish_density", "keyframe_every", "keyframe_rule", "quorum", "grace_gamma", "grace_max_s")},
         "num_params": num_params, "step_s_unpaced": step_s, "train_s": train_s,
         "dp_bytes_per_step": dp_Bps, "learners": learners,
         "ratio_vs_dp": dp_Bps * steps / moved, "target_ratio": TARGET_RATIO,
@@ -214,11 +220,13 @@ def print_report(out: dict) -> None:
           f"(target >= {TARGET_RATIO:.0f}x: {'met' if out['target_met'] else 'NOT met'})")
     print(f"syncer: {m['versions']} versions = {m['versions_per_fragment_per_cycle']:.2f} per fragment per cycle; "
           f"delta {m['mean_delta_bytes']:.0f} B ({m['delta_bytes_per_param']:.3f} B/param), "
-          f"{m['keyframe_payloads']} keyframes of {m['mean_keyframe_bytes']:.0f} B; contributions "
+          f"{m['keyframe_payloads']} keyframes of {m['mean_keyframe_bytes']:.0f} B "
+          f"({m['published_bytes_per_param_per_version'] or 0:.3f} B/param published per version); contributions "
           f"{m['contribution_bytes_per_param']:.3f} B/param")
     print(f"settings: M={s['learners']} (odd ones {s['slowdown']:g}x slower) P={out['run']['num_fragments']} "
           f"H={out['run']['sync_every']} tau={out['run']['overlap_steps']} codec={out['run']['codec']}/{out['run']['codec_block']} qmax={out['run']['codec_qmax']} "
           f"publish={out['run']['publish_codec']} keyframe_every={out['run']['keyframe_every']} "
+          f"keyframe_rule={out['run'].get('keyframe_rule', 'every')} "
           f"steps={s['steps']} (window from {s['skip_steps']}); {s['task']} GPT {out['num_params']:,} params, "
           f"{out['step_s_unpaced'] * 1e3:.0f} ms/step unpaced; {out['train_s']:.0f} s; {benchlib.load_text()}")
 

@@ -214,7 +214,7 @@ def inspect_run(store: Store) -> dict[str, Any]:
         signatures = {"required": signing.requires_signatures(scan.run), "admissions": _admissions(scan)}
         keys = ("run_id", "task", "mode", "num_fragments", "sync_every", "overlap_steps", "quorum", "alpha", "merge",
                 "outer_lr", "outer_momentum", "codec", "codec_block", "codec_qmax", "publish_codec", "keyframe_every",
-                "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
+                "keyframe_rule", "checkpoint_every", "retain_versions", "lease_s", "heartbeat_s", "gc_grace_s", "created_s")
         run_summary: dict[str, Any] = {k: getattr(scan.run, k) for k in keys}
         run_summary["num_params"] = scan.plan.total_numel() if scan.plan else None
     return {

@@ -154,7 +154,7 @@ def _write_version_zero(store: Store, plan: FragmentPlan, params: dict[str, Any]
         value = gather_fragment(plan, p, params)
         encoded = encode_version(fragment=p, version=0, new_value=value, prev_published=None,
                                  publish_codec=config["publish_codec"], block_size=config["codec_block"],
-                                 keyframe_every=config["keyframe_every"])
+                                 keyframe=True)
         upload_payloads(store, encoded)
         manifest = records.make(
             "manifest", run_id=run_id, fragment=p, version=0, epoch=0, syncer_id="init",

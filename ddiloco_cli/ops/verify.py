@@ -12,7 +12,8 @@ from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.numerics import codec
 from ddiloco_cli.ops.observe import _epochs, _heartbeats, _manifests, _quarantined, _Scan, _scan
 from ddiloco_cli.protocol import layout, records, signing
-from ddiloco_cli.protocol.published import FragmentReader, expected_shapes
+from ddiloco_cli.protocol.published import (FragmentReader, KeyframeChain, expected_shapes, keyframe_due,
+                                             payload_sizes)
 from ddiloco_cli.store.base import NotFound, Store
 from ddiloco_cli.syncer.audit import audit_ledger
 from ddiloco_cli.syncer.replay import checkpoint_shapes, replay_check
@@ -120,7 +121,39 @@ def _verify_fragment(scan: _Scan, p: int, problems: list[str]) -> int | None:
                    else "it has no keyframe and no delta from the previous version")
             problems.append(f"{mkey}: version {v} of fragment {p} is not readable: {why}")
         value, prev_v = new, v
+    _check_keyframes(scan, p, versions, manifests, problems)
     return versions[-1]
+
+
+def _check_keyframes(scan: _Scan, p: int, versions: list[int], manifests: dict[int, dict[str, Any]],
+                     problems: list[str]) -> None:
+    """[W15]: a retained version carries a full payload exactly when the run's keyframe rule
+    asks for one (under ``size``, checked from the first retained keyframe on, across no gap)."""
+    run = scan.run
+    if run is None or run.publish_codec == "none":
+        return
+    chain: KeyframeChain | None = None
+    prev: int | None = None
+    for v in versions:
+        m = manifests.get(v)
+        if m is None or prev != v - 1:
+            chain = None
+        prev = v
+        if m is None:
+            continue
+        sizes = payload_sizes(m["payloads"])
+        if v > 0 and (chain is not None or run.keyframe_rule == "every"):
+            due = keyframe_due(v, publish_codec=run.publish_codec, keyframe_every=run.keyframe_every,
+                               rule=run.keyframe_rule, chain=chain)
+            if due != ("full" in sizes):
+                problems.append(f"{layout.manifest_key(p, v)}: version {v} of fragment {p} "
+                                f"{'has no' if due else 'has a'} full payload, but the run's keyframe rule "
+                                f"({run.keyframe_rule}, keyframe_every {run.keyframe_every}) "
+                                f"{'asks for one' if due else 'does not ask for one'} there [W15]")
+        if "full" in sizes:
+            chain = KeyframeChain(v, sizes["full"])
+        elif chain is not None:
+            chain = chain.after(v, sizes)
 
 
 def _verify_replay(scan: _Scan, p: int, latest: int, problems: list[str]) -> None:

@@ -2,9 +2,11 @@
 
 A committed version of fragment p names one or two payloads in its manifest:
 
-* ``full``: the exact published fp32 value (codec "none"). Version 0 and every
-  ``keyframe_every``-th version carry one; with ``publish_codec = none`` every
-  version does.
+* ``full``: the exact published fp32 value (codec "none"), a keyframe. Version 0
+  carries one, and with ``publish_codec = none`` every version does; otherwise the
+  run's ``keyframe_rule`` says which (``keyframe_due``): ``every``, each
+  ``keyframe_every``-th version; ``size``, the version after the deltas since the
+  last keyframe have grown as large as it, or ``keyframe_every`` versions after it.
 * ``delta``: the published value minus the previous version's, quantized with
   ``publish_codec``. The syncer keeps the *published* value as the truth (so the
   quantization error is carried into the next delta): every reader that applies
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,6 +34,58 @@ from ddiloco_cli.store.base import NotFound, Store
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+
+
+KEYFRAME_RULES = ("every", "size")
+
+
+@dataclass(frozen=True)
+class KeyframeChain:
+    """A fragment's newest keyframe and the published deltas after it: what the size rule
+    reads (``keyframe_due``)."""
+
+    keyframe: int  # the version of the newest keyframe
+    keyframe_bytes: int  # its full payload's size
+    delta_bytes: int = 0  # the delta payloads of the versions after it, summed
+
+    def after(self, version: int, sizes: dict[str, int]) -> "KeyframeChain":
+        """The chain once ``version`` is committed with payloads of ``sizes`` ({kind: bytes},
+        ``payload_sizes``)."""
+        if "full" in sizes:
+            return KeyframeChain(version, sizes["full"])
+        return KeyframeChain(self.keyframe, self.keyframe_bytes, self.delta_bytes + sizes.get("delta", 0))
+
+
+def payload_sizes(entries: list[dict[str, Any]]) -> dict[str, int]:
+    """{kind: size} of a manifest's payload entries (or ``EncodedVersion.payloads``' entries)."""
+    return {e["kind"]: int(e["size"]) for e in entries}
+
+
+def keyframe_chain(manifest: Callable[[int], dict[str, Any]], version: int) -> KeyframeChain:
+    """The chain ending at committed ``version``, from its manifests (``manifest(v)``, newest
+    first down to the newest full payload). ProtocolError when no version at or below it has one."""
+    deltas = 0
+    for v in range(version, -1, -1):
+        m = manifest(v)
+        full = _payload_size(m, "full")
+        if full is not None:
+            return KeyframeChain(v, full, deltas)
+        deltas += _payload_size(m, "delta") or 0
+    raise ProtocolError(f"fragment {manifest(version)['fragment']}: no keyframe at or below version {version}")
+
+
+def keyframe_due(version: int, *, publish_codec: str, keyframe_every: int, rule: str,
+                 chain: KeyframeChain | None) -> bool:
+    """Whether ``version`` carries a full payload (a keyframe) besides its delta. Rule ``every``:
+    each ``keyframe_every``-th version. Rule ``size`` (``chain``: the versions before it):
+    when the deltas since the last keyframe add up to at least its size (a reader starting
+    there would read more than a new keyframe), or ``keyframe_every`` versions after it."""
+    if publish_codec == "none" or version == 0:
+        return True
+    if rule == "size":
+        assert chain is not None and chain.keyframe < version
+        return version - chain.keyframe >= keyframe_every or chain.delta_bytes >= chain.keyframe_bytes
+    return version % keyframe_every == 0
 
 
 @dataclass
@@ -50,12 +104,13 @@ def encode_version(
     prev_published: Tensors | None,
     publish_codec: str,
     block_size: int,
-    keyframe_every: int,
+    keyframe: bool,
     qmax: int | None = None,
     density: float | None = None,
 ) -> EncodedVersion:
     """Encode ``new_value`` as version ``version``: a delta from ``prev_published``
-    (quantized, error fed back) and/or a full keyframe."""
+    (quantized, error fed back) and/or a full keyframe (``keyframe``; always at version 0
+    and with ``publish_codec = none``)."""
     nonce = records.new_nonce()[:12]
     payloads = []
     published = new_value
@@ -66,7 +121,7 @@ def encode_version(
         )
         key = layout.payload_key(fragment, version, "delta", nonce)
         payloads.append((key, data, {"key": key, "kind": "delta", "base_version": version - 1, "codec": publish_codec}))
-    if publish_codec == "none" or version == 0 or version % keyframe_every == 0:
+    if publish_codec == "none" or version == 0 or keyframe:
         data = codec.encode_tensors(published, codec="none")
         key = layout.payload_key(fragment, version, "full", nonce)
         payloads.append((key, data, {"key": key, "kind": "full", "base_version": None, "codec": "none"}))

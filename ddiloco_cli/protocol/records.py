@@ -29,7 +29,10 @@ PROTOCOL_VERSION = 1
 PROTOCOL_MINOR = 0
 FEATURES: tuple[str, ...] = ()  # features every run of this writer uses
 SIGNATURES = "signatures"  # listed by runs that require signed contributions (PROTOCOL.md, "Signatures")
-KNOWN_FEATURES = frozenset((*FEATURES, SIGNATURES))  # a run.json listing a feature not here is refused
+# listed by runs whose keyframes follow the size rule (run.json keyframe_rule = "size", since 0.2.4): a
+# reader or GC of 0.2.3 would look for keyframes at multiples of keyframe_every and delete the chain's start
+KEYFRAMES_BY_SIZE = "keyframes_by_size"
+KNOWN_FEATURES = frozenset((*FEATURES, SIGNATURES, KEYFRAMES_BY_SIZE))  # a run.json listing a feature not here is refused
 
 RECORD_TYPES = (
     "run",

@@ -36,6 +36,11 @@ class Merge(str, Enum):
     mean = "mean"
 
 
+class KeyframeRule(str, Enum):
+    every = "every"
+    size = "size"
+
+
 class OuterLrScaling(str, Enum):
     participation = "participation"
     none = "none"
@@ -83,6 +88,7 @@ CODEC_OUTER_DEFAULTS: dict[str | None, dict[str, float]] = {
     None: {"outer_lr": 0.7, "outer_momentum": 0.9},
     "sparse": {"outer_lr": 1.0, "outer_momentum": 0.0},
 }
+SPARSE_KEYFRAME_EVERY = 64  # the longest delta chain of a run with sparse published deltas (rule size)
 # Defaults by mode that a lockstep run may change: alpha (Streaming DiLoCo's mixing factor) is
 # 0.3 in a decoupled run (docs/results.md "Outer loop": the learner keeps 0.3 of the gap
 # between its own fragment and the new global one, which damps the outer Nesterov step's
@@ -189,8 +195,14 @@ class RunConfig:
                                             "(default: 2 x --codec-density, at most 1)")
     publish_codec: str | None = _f(None, "publish-codec", _C, kind=str, choices=Codec, optional=True,
                                    help="Codec of published fragment deltas (default: --codec; lockstep: none)")
-    keyframe_every: int = _f(8, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT,
-                             metavar="N", help="Full (exact) payload every N versions")
+    keyframe_every: int | None = _f(None, "keyframe-every", _C, kind=int, lo=1, hi=_MAX_INT, optional=True,
+                                    metavar="N", help="Full (exact) payload every N versions (rule every), or at "
+                                                      "most N versions apart (rule size); default 8, 64 with "
+                                                      "sparse published deltas")
+    keyframe_rule: str | None = _f(None, "keyframe-rule", _C, kind=str, choices=KeyframeRule, optional=True,
+                                   help="every: a keyframe each --keyframe-every versions; size: when the deltas "
+                                        "since the last one add up to its size (default with sparse published "
+                                        "deltas; every otherwise)")
     error_feedback: bool = _f(True, "error-feedback", _C, kind=bool,
                               off="no-error-feedback", help="Learners add what the codec dropped from their last "
                                                             "contribution of a fragment to the next one (both "
@@ -236,6 +248,11 @@ class RunConfig:
             object.__setattr__(self, "codec_density", codec.SPARSE_DEFAULT_DENSITY)
         if self.publish_density is None and self.codec_density is not None:  # a new run's (from_record: old rule)
             object.__setattr__(self, "publish_density", min(1.0, codec.SPARSE_PUBLISH_FACTOR * self.codec_density))
+        sparse_published = self.publish_codec == "sparse"
+        if self.keyframe_rule is None:  # a new run's (from_record: "every", the rule before 0.2.4)
+            object.__setattr__(self, "keyframe_rule", "size" if sparse_published else "every")
+        if self.keyframe_every is None:  # a sparse delta is ~1/60 of a keyframe: the size rule decides
+            object.__setattr__(self, "keyframe_every", SPARSE_KEYFRAME_EVERY if sparse_published else 8)
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
             object.__setattr__(self, "error_feedback_decay", 0.9 if self.codec == "sparse" else 1.0)
         for name, value in CODEC_OUTER_DEFAULTS["sparse" if self.codec == "sparse" else None].items():
@@ -301,7 +318,8 @@ class RunConfig:
             for part in path[:-1]:
                 target = target.setdefault(part, {})
             target[path[-1]] = list(value) if isinstance(value, tuple) else value
-        return records.make("run", protocol_minor=records.PROTOCOL_MINOR, features=list(records.FEATURES),
+        features = [*records.FEATURES, *([records.KEYFRAMES_BY_SIZE] if self.keyframe_rule == "size" else [])]
+        return records.make("run", protocol_minor=records.PROTOCOL_MINOR, features=features,
                             run_id=run_id, created_s=time.time() if created_s is None else created_s,
                             nonce=records.new_nonce(), **body, **self.extra)
 
@@ -323,6 +341,7 @@ class RunConfig:
             values["codec_qmax"] = codec.QMAX.get(values.get("codec", cls.codec))
         if values.get("publish_density") is None and values.get("codec_density") is not None:
             values["publish_density"] = values["codec_density"]  # absent or null: the uploads' density (PROTOCOL)
+        values.setdefault("keyframe_rule", "every")  # absent: a run from before the size rule (PROTOCOL)
         for f in hyperparameters():
             rest.pop(_json_key(f).split(".")[0], None)
         for meta in ("format", "protocol_version", "protocol_minor", "features", "nonce"):

@@ -13,7 +13,7 @@ import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.protocol import layout, ledger, records, signing
-from ddiloco_cli.protocol.published import EncodedVersion, upload_payloads
+from ddiloco_cli.protocol.published import EncodedVersion, payload_sizes, upload_payloads
 from ddiloco_cli.protocol.typed_records import REFUSED, LedgerEntry
 from ddiloco_cli.store.base import NotFound
 from ddiloco_cli.syncer.decide import Decider
@@ -76,7 +76,7 @@ class Committer:
             return False
         if not self._publish(state, decision, new, encoded):
             return False
-        self._committed(state, decision, new, contributions)
+        self._committed(state, decision, new, encoded, contributions)
         dt = ctx.clock.monotonic() - t0
         stats = ctx.stats
         stats.sync_time_s = dt if stats.sync_time_s == 0 else 0.8 * stats.sync_time_s + 0.2 * dt
@@ -147,12 +147,14 @@ class Committer:
             if not self.repair.restore_held(p, v, data) and seen is not None:
                 self._intact[p] = (v, seen)
 
-    def _committed(self, state: FragmentState, decision: Decision, new: FragmentValue,
+    def _committed(self, state: FragmentState, decision: Decision, new: FragmentValue, encoded: EncodedVersion,
                    contributions: list[Contribution]) -> None:
         """Move ``state`` to the version just committed."""
         ctx = self.ctx
         self.decider.remember_base(state, state.version, state.current.published)
         state.current = new
+        if state.chain is not None:
+            state.chain = state.chain.after(new.version, payload_sizes([e for _, _, e in encoded.payloads]))
         for e in decision.used:
             state.tips[e.learner_id] = e
         self.decider.remember_shares(state, decision)

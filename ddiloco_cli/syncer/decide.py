@@ -12,6 +12,7 @@ import logging
 import torch
 
 from ddiloco_cli.errors import ProtocolError
+from ddiloco_cli.protocol.published import keyframe_due
 from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound
 from ddiloco_cli.syncer import staleness
@@ -228,7 +229,10 @@ class Decider:
                         lr=self.outer_lr(sum(c.discount for c in contributions)),
                         cycle=state.current.cycle + advance, cycle_advance=advance,
                         intake=self.catch_up_intake(contributions), high_water=high_water,
-                        quorum_size=len({c.learner_id for c in contributions}), grace_s=grace_s)
+                        quorum_size=len({c.learner_id for c in contributions}), grace_s=grace_s,
+                        keyframe=keyframe_due(state.version + 1, publish_codec=self.config.publish_codec,
+                                              keyframe_every=self.config.keyframe_every,
+                                              rule=self.config.keyframe_rule, chain=state.chain))
 
     def outer_lr(self, participation: float) -> float:
         """The outer learning rate of one merge. With outer_lr_scaling = "participation",

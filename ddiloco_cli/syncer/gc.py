@@ -5,7 +5,8 @@ outer-optimizer checkpoint at or below it, everything from
 
     keep_from = keyframe_floor(min(latest - retain_versions + 1, ckpt, staleness_floor))
 
-on is kept: the manifests and payloads a reader needs for any recent version
+on is kept (keyframe_floor: the newest version at or below with a full payload, found by the
+run's keyframe rule): the manifests and payloads a reader needs for any recent version
 (a keyframe plus the deltas after it), and the ledger plus contributions a
 restarting syncer needs to replay from its checkpoint, and the manifests of
 the versions a pending contribution may still name as its base (their cycle
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.protocol import layout, ledger
@@ -47,6 +48,10 @@ class GCReport:
 
 
 _VALID_CHECKPOINTS: set[tuple[str, str]] = set()  # (store url, key): checked once per process
+# (store url, run id, fragment, version): whether its manifest names a full payload (manifests are
+# create-only, so read once per process; bounded)
+_IS_KEYFRAME: dict[tuple[str, str, int, int], bool] = {}
+_IS_KEYFRAME_MAX = 1 << 16
 
 
 def _checkpoint_ok(store: Store, key: str, *, run_id: str, plan: FragmentPlan, fragment: int) -> bool:
@@ -63,14 +68,13 @@ def _checkpoint_ok(store: Store, key: str, *, run_id: str, plan: FragmentPlan, f
     return True
 
 
-def keep_from_version(*, latest: int, newest_checkpoint: int, retain_versions: int,
-                      publish_codec: str, keyframe_every: int, floor: int) -> int:
+def keep_from_version(*, latest: int, newest_checkpoint: int, retain_versions: int, floor: int,
+                      keyframe_floor: Callable[[int], int] | None) -> int:
     """The oldest version GC keeps for a fragment (see the module docstring); ``floor`` is the
-    oldest version a pending contribution or a replay may still read as a base."""
+    oldest version a pending contribution or a replay may still read as a base;
+    ``keyframe_floor(v)`` the newest keyframe at or below v (None: every version is one)."""
     keep = max(0, min(latest - retain_versions + 1, newest_checkpoint, floor))
-    if publish_codec != "none":
-        keep -= keep % keyframe_every  # the keyframe the retained delta chain starts from
-    return keep
+    return keep if keyframe_floor is None else keyframe_floor(keep)  # where the retained delta chain starts
 
 
 def collect_garbage(store: Store, *, config: RunConfig, fragments: Iterable[int] | None = None,
@@ -127,9 +131,8 @@ class _Collector:
         # a replay reads the bases of what it merges again
         floor = min(floor, replay_base_floor(store, run_id=run_id, fragment=p, checkpoint=newest_ckpt, latest=latest))
         keep = keep_from_version(latest=latest, newest_checkpoint=newest_ckpt,
-                                 retain_versions=config.retain_versions,
-                                 publish_codec=config.publish_codec, keyframe_every=config.keyframe_every,
-                                 floor=floor)
+                                 retain_versions=config.retain_versions, floor=floor,
+                                 keyframe_floor=self._keyframe_floor(p, versions))
         self.report.keep_from[p] = keep
         referenced, high_water = self._retained(p, versions, keep=keep, newest_ckpt=newest_ckpt)
         for info in store.list(layout.manifest_prefix(p)):
@@ -153,6 +156,34 @@ class _Collector:
             _, learner_id, seq = parsed
             if seq <= high_water.get(learner_id, -1) and self.old(info):
                 self.drop(info)
+
+    def _keyframe_floor(self, p: int, versions: list[int]) -> Callable[[int], int] | None:
+        """The newest keyframe at or below a version: by its number under the rule ``every``,
+        from the manifests under ``size`` (down to the oldest version there; when one of them
+        cannot be read, that oldest version, so nothing of the chain is deleted)."""
+        config = self.config
+        if config.publish_codec == "none":
+            return None
+        if config.keyframe_rule != "size":
+            return lambda v: v - v % config.keyframe_every
+
+        def floor(v: int) -> int:
+            for u in range(v, versions[0], -1):
+                key = (self.store.url, self.run_id, p, u)
+                if key not in _IS_KEYFRAME:
+                    try:
+                        m = ledger.read_manifest(self.store, p, u, run_id=self.run_id)
+                    except (NotFound, ProtocolError) as exc:
+                        log.warning("gc: fragment %d version %d unreadable (%s); keeping the versions below it",
+                                    p, u, exc)
+                        break
+                    if len(_IS_KEYFRAME) >= _IS_KEYFRAME_MAX:
+                        _IS_KEYFRAME.clear()
+                    _IS_KEYFRAME[key] = any(e["kind"] == "full" for e in m["payloads"])
+                if _IS_KEYFRAME[key]:
+                    return u
+            return versions[0]
+        return floor
 
     def _retained(self, p: int, versions: list[int], *, keep: int,
                   newest_ckpt: int) -> tuple[set[str] | None, dict[str, int]]:

@@ -9,6 +9,7 @@ import logging
 
 from ddiloco_cli.errors import DdilocoError, InvalidPayloadError, ProtocolError
 from ddiloco_cli.protocol import ledger
+from ddiloco_cli.protocol.published import keyframe_chain
 from ddiloco_cli.protocol.typed_records import Manifest
 from ddiloco_cli.store.base import NotFound
 from ddiloco_cli.syncer.replay import restore_value
@@ -52,6 +53,8 @@ class Restorer:
         value = restore_value(ctx.store, config=ctx.config, plan=ctx.plan, fragment=p, reader=reader,
                               fetch=ctx.intake.fetch_used, latest=latest, republish=self.republish_missing)
         state = FragmentState(p, value, dict(Manifest.from_json(reader.manifest(latest)).high_water))
+        if ctx.config.keyframe_rule == "size":
+            state.chain = keyframe_chain(reader.manifest, latest)
         norms: list[float] = []  # newest first: the norm bound's running median, as the ledger recorded it
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
             try:
@@ -92,7 +95,7 @@ class Restorer:
             self.unavailable[p] = why
             return False
         hw = fresh.high_water
-        state.current, state.high_water = fresh.current, hw
+        state.current, state.high_water, state.chain = fresh.current, hw, fresh.chain
         state.shares, state.tips = fresh.shares, fresh.tips
         state.pending = {lid: kept for lid, cs in state.pending.items()
                          if (kept := [c for c in cs if c.seq > hw.get(lid, -1)])}

@@ -20,7 +20,7 @@ import torch
 from ddiloco_cli.clock import Clock
 from ddiloco_cli.protocol import layout, ledger
 from ddiloco_cli.protocol.fragments import FragmentPlan
-from ddiloco_cli.protocol.published import FragmentReader
+from ddiloco_cli.protocol.published import FragmentReader, KeyframeChain
 from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.protocol.signing import Signer, Trust
 from ddiloco_cli.protocol.typed_records import LearnerHeartbeat, LedgerEntry
@@ -51,6 +51,7 @@ class FragmentState:
     quorum_t: float | None = None
     last_quorum_size: int = 0
     last_grace_s: float | None = None  # the grace window of its last merge (metrics)
+    chain: KeyframeChain | None = None  # its newest keyframe and the deltas since (keyframe rule "size")
 
     @property
     def version(self) -> int:

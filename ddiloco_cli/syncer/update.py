@@ -74,7 +74,7 @@ def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, metho
 
 def outer_update(
     value: FragmentValue, *, fragment: int, grads: Sequence[Tensors], weights: Sequence[float], lr: float,
-    method: str, publish_codec: str, block_size: int, keyframe_every: int, cycle: float,
+    method: str, publish_codec: str, block_size: int, keyframe: bool, cycle: float,
     publish_qmax: int | None = None, publish_density: float | None = None, intake: float = 1.0,
 ) -> tuple[FragmentValue, EncodedVersion]:
     """The next version of ``value`` from the contributions' outer gradients; ``cycle`` is the
@@ -90,7 +90,7 @@ def outer_update(
     raw, outer = value.outer.stepped(value.raw, merged, lr=lr, intake=intake)  # into new tensors: value is kept
     encoded = encode_version(fragment=fragment, version=value.version + 1, new_value=raw,
                              prev_published=value.published, publish_codec=publish_codec,
-                             block_size=block_size, keyframe_every=keyframe_every, qmax=publish_qmax,
+                             block_size=block_size, keyframe=keyframe, qmax=publish_qmax,
                              density=publish_density)
     for k, t in encoded.published.items():
         if not all_finite(t) or not all_finite(raw[k]):
@@ -117,6 +117,7 @@ class Decision:
     high_water: Mapping[str, int] = field(default_factory=dict)
     quorum_size: int = 0
     grace_s: float = 0.0
+    keyframe: bool = False  # the version carries a full payload (``published.keyframe_due``)
 
     @property
     def weights(self) -> list[float]:
@@ -131,7 +132,8 @@ class Decision:
                    lr=float(default_lr if m.outer_lr is None else m.outer_lr), cycle=m.cycle_clock,
                    cycle_advance=float(m.cycle_advance or 0.0),
                    intake=float(1.0 if m.outer_intake is None else m.outer_intake), high_water=dict(m.high_water),
-                   quorum_size=int(m.quorum_size or 0), grace_s=float(m.grace_s or 0.0))
+                   quorum_size=int(m.quorum_size or 0), grace_s=float(m.grace_s or 0.0),
+                   keyframe="full" in m.payload_sha256())
 
     def manifest_fields(self) -> dict[str, Any]:
         """The manifest's fields this decision fills (the rest: who committed, payloads)."""
@@ -151,15 +153,13 @@ class ApplyRules:
     merge: str
     publish_codec: str
     block_size: int
-    keyframe_every: int
     publish_qmax: int | None = None
     publish_density: float | None = None  # the sparse codec's (run.json publish_density)
 
     @classmethod
     def of(cls, config: Any) -> "ApplyRules":
         return cls(merge=config.merge, publish_codec=config.publish_codec,
-                   block_size=config.codec_block, keyframe_every=config.keyframe_every,
-                   publish_qmax=config.publish_qmax, publish_density=config.publish_density)
+                   block_size=config.codec_block, publish_qmax=config.publish_qmax, publish_density=config.publish_density)
 
 
 class Inputs(Protocol):
@@ -187,7 +187,7 @@ def hold(previous: FragmentValue, decision: Decision, *, rules: ApplyRules) -> t
     publishes only what the residual still owes."""
     encoded = encode_version(fragment=decision.fragment, version=decision.version, new_value=previous.raw,
                              prev_published=previous.published, publish_codec=rules.publish_codec,
-                             block_size=rules.block_size, keyframe_every=rules.keyframe_every,
+                             block_size=rules.block_size, keyframe=decision.keyframe,
                              qmax=rules.publish_qmax, density=rules.publish_density)
     return FragmentValue(decision.version, encoded.published, previous.raw, previous.outer, decision.cycle), encoded
 
@@ -206,6 +206,6 @@ def apply_decision(previous: FragmentValue, decision: Decision, *, rules: ApplyR
              for e in decision.used]
     return outer_update(previous, fragment=decision.fragment, grads=grads, weights=decision.weights,
                         lr=decision.lr, method=rules.merge, publish_codec=rules.publish_codec,
-                        block_size=rules.block_size, keyframe_every=rules.keyframe_every, cycle=decision.cycle,
+                        block_size=rules.block_size, keyframe=decision.keyframe, cycle=decision.cycle,
                         publish_qmax=rules.publish_qmax, publish_density=rules.publish_density,
                         intake=decision.intake)

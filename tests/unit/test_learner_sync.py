@@ -264,7 +264,7 @@ def test_a_refused_contribution_is_logged_and_the_fragment_re_based(caplog):
     plan = ledger.read_plan(store, run_id=run["run_id"])
     v0 = FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=0).read(0)
     encoded = encode_version(fragment=0, version=1, new_value={k: v + 0.5 for k, v in v0.items()}, prev_published=v0,
-                             publish_codec="none", block_size=64, keyframe_every=8)
+                             publish_codec="none", block_size=64, keyframe=False)
     upload_payloads(store, encoded)
     refused = {"learner_id": "g", "seq": 7, "key": layout.contribution_key(0, "g", 7), "size": 10, "used": False,
                "status": "refused", "reason": "stale: base 0 is 9 cycles behind (max_staleness 8)"}
@@ -566,7 +566,7 @@ def _publish(store, *, version: int, prev: dict, high_water: dict) -> dict:
     plan = ledger.read_plan(store, run_id=run["run_id"])
     value = {k: v + 0.5 for k, v in prev.items()}
     encoded = encode_version(fragment=0, version=version, new_value=value, prev_published=prev,
-                             publish_codec="none", block_size=64, keyframe_every=8)
+                             publish_codec="none", block_size=64, keyframe=False)
     upload_payloads(store, encoded)
     assert ledger.commit_manifest(store, records.make(
         "manifest", run_id=run["run_id"], fragment=0, version=version, epoch=1, syncer_id="s",

@@ -38,7 +38,7 @@ def run_store():
 
 def _update(value: FragmentValue, grad: dict, publish_codec: str) -> FragmentValue:
     new, _ = outer_update(value, fragment=0, grads=[grad], weights=[1.0], lr=0.7, method="rda",
-                          publish_codec=publish_codec, block_size=BLOCK, keyframe_every=10_000, cycle=0.0)
+                          publish_codec=publish_codec, block_size=BLOCK, keyframe=False, cycle=0.0)
     return new
 
 
