@@ -17,7 +17,7 @@ from typing import Any
 
 from ddiloco_cli.errors import ProtocolError
 from ddiloco_cli.ops.metrics import latest_global_eval
-from ddiloco_cli.ops.runfigures import PILE_UP, alerts, bytes_moved, goodput, late_receives
+from ddiloco_cli.ops.runfigures import PILE_UP, alerts, blocked_learners, bytes_moved, goodput, late_receives
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.fragments import FragmentPlan
 from ddiloco_cli.protocol.runconfig import RunConfig
@@ -339,7 +339,7 @@ def run_status(store: Store) -> dict[str, Any]:
         "goodput": goodput(learners, run_age_s=now_s - training_start_s),
         "bytes": bytes_moved(learners, num_params=plan.total_numel()),
         "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
-        "notes": late_receives(learners, tau=run.overlap_steps),
+        "notes": late_receives(learners, tau=run.overlap_steps) + blocked_learners(learners, codec=run.codec),
         "global_eval": latest_global_eval(store, infos=infos),  # from `sync --eval-every`
         "errors": scan.errors,
     }

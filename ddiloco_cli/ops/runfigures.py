@@ -99,4 +99,28 @@ def late_receives(learners: list[dict[str, Any]], *, tau: int) -> list[str]:
     return out
 
 
-__all__ = ["PILE_UP", "alerts", "bytes_moved", "goodput", "late_receives"]
+BLOCKED_NOTE = 0.1  # a live learner blocked on the bucket more than this share of its time gets a note
+
+
+def blocked_learners(learners: list[dict[str, Any]], *, codec: str) -> list[str]:
+    """One line per live learner blocked on the bucket more than ``BLOCKED_NOTE`` of its time
+    (its heartbeat's ``blocked_s`` over steps x step time, both counted over all its sessions):
+    its uploads or downloads do not fit its link within a cycle, or the versions it holds out
+    for come late (a syncer that is behind). The sweep in docs/sparse.md measured both: int4
+    contributions outgrow 100 Mbps above about 5.7e8 parameters at H = 16 and 1 s steps, and a
+    3e9-parameter sparse run needed 16 syncer processes."""
+    out = []
+    for r in learners:
+        wall_s = (r["step"] or 0) * (r["step_time_s"] or 0.0)
+        if not r["alive"] or wall_s <= 0 or r["blocked_s"] <= BLOCKED_NOTE * wall_s:
+            continue
+        fewer = ("`--codec sparse` at the next init (about 10x fewer bytes than int4), or a longer --sync-every"
+                 if codec != "sparse" else "a longer --sync-every or a lower --codec-density")
+        out.append(f"learner {r['learner_id']}: blocked on the bucket {min(1.0, r['blocked_s'] / wall_s):.0%} of its "
+                   f"time ({r['blocked_s']:.0f} s over {r['step']} steps): its transfers do not fit its link "
+                   f"within a cycle, or the syncer is behind; send fewer bytes per cycle ({fewer}; docs/sparse.md), "
+                   "give it a faster link, or run more syncer processes (`sync --fragments`)")
+    return out
+
+
+__all__ = ["BLOCKED_NOTE", "PILE_UP", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]

@@ -39,7 +39,7 @@ def write_learner_heartbeat(store: Store, run: dict, learner_id: str, *, step: i
                             bytes_up: int = 1000, bytes_down: int = 2000, **fields) -> None:
     rec = records.make("learner_heartbeat", run_id=run["run_id"], learner_id=learner_id, state=state, step=step,
                        tokens=step * 64, step_time_s=0.5, loss=2.5, bytes_up=bytes_up, bytes_down=bytes_down,
-                       num_contributions=1, blocked_s=0.25, **{"time_s": time.time(), **fields})
+                       num_contributions=1, **{"blocked_s": 0.25, "time_s": time.time(), **fields})
     store.put(layout.learner_heartbeat_key(learner_id), records.dumps(rec))
 
 

@@ -254,3 +254,17 @@ def test_send_to_receive_lag_shows_per_learner_and_a_median_over_tau_is_noted(bu
     assert status["alerts"] == []  # a tuning note, not a page
     text = _text(render_status(status))
     assert f"{tau + 7}/{tau + 12}" in text and "warning: learner late" in text
+
+
+def test_a_learner_blocked_on_the_bucket_is_noted_with_what_to_change(built):
+    """A live learner blocked on the bucket more than BLOCKED_NOTE of its time (steps x step
+    time, here 10 x 0.5 s) gets a note naming the remedies; one under it, or gone, does not."""
+    write_learner_heartbeat(built.store, built.run, "thin", blocked_s=2.0)  # 40% of 5 s
+    write_learner_heartbeat(built.store, built.run, "fine", blocked_s=0.4)  # 8%
+    write_learner_heartbeat(built.store, built.run, "gone", state="left", blocked_s=4.0)
+    status = run_status(built.store)
+    (note,) = status["notes"]
+    assert note.startswith("learner thin: blocked on the bucket 40% of its time (2 s over 10 steps)")
+    assert "--codec sparse" in note and "sync --fragments" in note
+    assert status["alerts"] == []
+    assert "warning: learner thin: blocked" in _text(render_status(status))
