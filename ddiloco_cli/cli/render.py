@@ -88,6 +88,24 @@ def _stack(parts: list[RenderableType]) -> Group:
 
 
 # ------------------------------------------------------------------------ status
+def traffic_line(run: dict[str, Any], *, num_params: int) -> str:
+    """One line for `init`: about what a learner of this run moves per cycle, and the link that
+    carries it at 1 s per step (``runfigures.traffic_per_cycle``)."""
+    from ddiloco_cli.ops.runfigures import traffic_per_cycle
+    from ddiloco_cli.protocol.runconfig import RunConfig
+
+    c = RunConfig.from_record(run)
+    t = traffic_per_cycle(codec=c.codec, publish_codec=c.publish_codec, codec_qmax=c.codec_qmax,
+                          codec_density=c.codec_density, publish_density=c.publish_density,
+                          num_params=num_params, sync_every=c.sync_every)
+    line = (f"traffic per learner: about {fmt_bytes(t['up_bytes'])} up and {fmt_bytes(t['down_bytes'])} down per cycle "
+            f"of {c.sync_every} steps ({num_params:,} params x {t['up_b_per_param']:.3g} / {t['down_b_per_param']:.3g} "
+            f"B/param, {c.codec} / {c.publish_codec}): {t['mbps_at_1s']:,.3g} Mbps each way at 1 s per step")
+    if c.codec != "sparse" and t["mbps_at_1s"] > 100:
+        line += " (over a 100 Mbps link learners wait on uploads: `--codec sparse` sends about 10x fewer bytes, docs/sparse.md)"
+    return line
+
+
 def render_status(status: dict[str, Any]) -> RenderableType:
     """Header lines, alerts (red), fragments (a table, or a summary when there are many),
     learners, syncers."""

@@ -49,6 +49,8 @@ def init(
     """
     from ddiloco_cli.ops.runinit import init_or_join
     from ddiloco_cli.cli.configfile import default_config_toml, load_config_file
+    from ddiloco_cli.cli.render import traffic_line
+    from ddiloco_cli.protocol import ledger
     from ddiloco_cli.protocol.signing import default_require_signatures, load_admin_key
 
     if print_config:
@@ -64,7 +66,8 @@ def init(
     spec = RunConfig.from_flags(values)
     require = default_require_signatures(url) if require_signatures is None else require_signatures
     admin = load_admin_key(admin_key, create=True) if require else None
-    run, created = init_or_join(_store(url, storage_option), spec, force_clean=force_clean,
+    store = _store(url, storage_option)
+    run, created = init_or_join(store, spec, force_clean=force_clean,
                                 note=lambda line: console.print(line, highlight=False, soft_wrap=True), admin=admin)
     if json_out:
         out.print_json(json.dumps(run))
@@ -74,6 +77,8 @@ def init(
     else:
         console.print(f"[green]created run {run['run_id']}[/] at {url}: P={spec.num_fragments} H={spec.sync_every} "
                       f"tau={spec.overlap_steps} K={spec.quorum} codec={spec.codec} mode={spec.mode}",
+                      highlight=False, soft_wrap=True)
+        console.print(traffic_line(run, num_params=ledger.read_plan(store, run_id=run["run_id"]).total_numel()),
                       highlight=False, soft_wrap=True)
         if admin is not None:
             console.print(f"signatures required (admin key {admin.path}): admit each learner with "

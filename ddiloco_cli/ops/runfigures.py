@@ -99,6 +99,34 @@ def late_receives(learners: list[dict[str, Any]], *, tau: int) -> list[str]:
     return out
 
 
+# Bytes per parameter of one contribution (up) and one published delta (down), compressed, as
+# measured on real outer gradients of the 3.2M-param GPT at P = H = 24 (docs/results.md "Codec",
+# "Real-run traffic"; docs/sparse.md): int4 at codec_qmax 3 (the default; 7: 0.479 up), sparse at
+# density 0.02 up and 0.04 down (scaled by the run's densities).
+MEASURED_B_PER_PARAM = {"none": (4.0, 4.0), "bf16": (1.59, 1.59), "int8": (0.94, 0.94), "int4": (0.348, 0.344),
+                        "sparse": (0.030, 0.047)}
+_MEASURED_DENSITY = (0.02, 0.04)
+
+
+def traffic_per_cycle(*, codec: str, publish_codec: str, codec_qmax: int | None, codec_density: float | None,
+                      publish_density: float | None, num_params: int, sync_every: int) -> dict[str, float]:
+    """About what one learner moves per cycle of H steps: every fragment sent once (up) and one
+    version of each received (down; the runs measured 1.0-1.4), at the measured bytes per
+    parameter of the run's codecs. ``mbps_at_1s``: the link that carries it in H one-second
+    steps, each way (scale by 1 / the step time)."""
+    up_bpp = MEASURED_B_PER_PARAM[codec][0]
+    down_bpp = MEASURED_B_PER_PARAM[publish_codec][1]
+    if codec == "int4" and codec_qmax is not None and codec_qmax > 3:
+        up_bpp = 0.479
+    if codec == "sparse" and codec_density:
+        up_bpp *= codec_density / _MEASURED_DENSITY[0]
+    if publish_codec == "sparse" and publish_density:
+        down_bpp *= publish_density / _MEASURED_DENSITY[1]
+    up, down = up_bpp * num_params, down_bpp * num_params
+    return {"up_bytes": up, "down_bytes": down, "up_b_per_param": up_bpp, "down_b_per_param": down_bpp,
+            "mbps_at_1s": max(up, down) * 8 / sync_every / 1e6}
+
+
 BLOCKED_NOTE = 0.1  # a live learner blocked on the bucket more than this share of its time gets a note
 
 
@@ -123,4 +151,4 @@ def blocked_learners(learners: list[dict[str, Any]], *, codec: str) -> list[str]
     return out
 
 
-__all__ = ["BLOCKED_NOTE", "PILE_UP", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]
+__all__ = ["BLOCKED_NOTE", "MEASURED_B_PER_PARAM", "PILE_UP", "traffic_per_cycle", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]

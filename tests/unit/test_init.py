@@ -260,3 +260,27 @@ def test_version_flag():
 
     result = invoke("--version")
     assert result.exit_code == 0 and result.output.strip() == f"ddiloco {__version__}"
+
+
+def test_init_says_what_a_learner_moves_per_cycle(tmp_path):
+    """`init` prints the traffic per learner and cycle from the measured bytes per parameter
+    of the run's codecs, and the link that carries it at 1 s per step; past 100 Mbps with a
+    dense codec it points to the sparse codec."""
+    from ddiloco_cli.cli.render import traffic_line
+    from ddiloco_cli.ops.runfigures import MEASURED_B_PER_PARAM, traffic_per_cycle
+
+    url = str(tmp_path / "run")
+    result = invoke("init", url, *SMALL)
+    assert result.exit_code == 0, result.output
+    run = ledger.read_run(open_store(url))
+    n = ledger.read_plan(open_store(url), run_id=run["run_id"]).total_numel()
+    up = MEASURED_B_PER_PARAM["int4"][0] * n
+    assert f"traffic per learner: about {up / 1e3:.1f} kB up" in " ".join(result.output.split())
+    t = traffic_per_cycle(codec="int4", publish_codec="int4", codec_qmax=3, codec_density=None, publish_density=None,
+                          num_params=10**9, sync_every=24)
+    assert t["mbps_at_1s"] == pytest.approx(0.348e9 * 8 / 24 / 1e6)
+    assert "--codec sparse" in traffic_line(run, num_params=10**9)  # 116 Mbps at 1 s per step
+    assert "--codec sparse" not in traffic_line(run, num_params=10**8)
+    sparse = traffic_per_cycle(codec="sparse", publish_codec="sparse", codec_qmax=None, codec_density=0.04,
+                               publish_density=0.08, num_params=10**9, sync_every=24)
+    assert (sparse["up_b_per_param"], sparse["down_b_per_param"]) == pytest.approx((0.060, 0.094))  # 2x the measured densities
