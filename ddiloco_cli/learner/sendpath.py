@@ -7,6 +7,7 @@ uploader, the island, the plan, the counters, the readers) is DiLoCoSync's."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -18,6 +19,9 @@ from ddiloco_cli.protocol import layout, ledger, records, signing
 log = logging.getLogger("ddiloco_cli.learner.sync")  # the learner's lines keep their logger name
 
 Tensors = dict[str, torch.Tensor]
+
+
+BOOTSTRAP_THREADS = 8  # fragments a starting learner reads at once
 
 
 class SendPath:
@@ -53,19 +57,30 @@ class SendPath:
             log.info("schedule offset %d: in phase with %d running learner(s)", offset, len(phases))
         return offset
 
+    def _read_latest(self, p: int) -> tuple[int, Tensors]:
+        """The latest committed version of fragment p and its published value."""
+        v = ledger.latest_version(self.store, p)
+        if v is None:
+            raise DdilocoError(f"fragment {p} has no committed version at {self.store.url}")
+        return v, self.readers[p].read(v)
+
     def _bootstrap(self) -> None:
-        """Load the latest committed version of every fragment into the model."""
-        for p in range(self.plan.num_fragments):
-            v, value = -1, {}
-            if self.island.io:
-                v = ledger.latest_version(self.store, p)
-                if v is None:
-                    raise DdilocoError(f"fragment {p} has no committed version at {self.store.url}")
-                reader = self.readers[p]
-                before = reader.bytes_down
-                value = reader.read(v)
-                self.stats.bytes_down += reader.bytes_down - before
-            v, value = self.island.broadcast(self.plan, p, v, value)
+        """Load the latest committed version of every fragment into the model. The fragments
+        are read concurrently (each by its own reader): on a distant bucket a joining learner
+        waits for the slowest fragment's chain of round trips, not for the sum of them."""
+        P = self.plan.num_fragments
+        latest: list[tuple[int, Tensors]] = [(-1, {})] * P
+        if self.island.io:
+            before = sum(r.bytes_down for r in self.readers.values())
+            if getattr(self.store, "concurrent_reads", True) and P > 1:
+                with ThreadPoolExecutor(max_workers=min(P, BOOTSTRAP_THREADS),
+                                        thread_name_prefix="ddiloco-bootstrap") as pool:
+                    latest = list(pool.map(self._read_latest, range(P)))
+            else:
+                latest = [self._read_latest(p) for p in range(P)]
+            self.stats.bytes_down += sum(r.bytes_down for r in self.readers.values()) - before
+        for p in range(P):
+            v, value = self.island.broadcast(self.plan, p, *latest[p])
             self.island.scatter(self.plan, p, self.params, value)
             self.base[p] = (v, value)
             self.stats.versions[p] = v

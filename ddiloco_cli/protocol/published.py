@@ -19,6 +19,7 @@ decoding and the decoded shapes against the fragment plan.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -172,8 +173,29 @@ def _cheapest_start(ms: list[dict[str, Any]]) -> int | None:
     return None if best is None else best[1]
 
 
+COLD_BATCH = 8  # manifests a cold read fetches at once, walking back to a keyframe
+
+
+def _fetch_all(calls: list[Callable[[], Any]], *, concurrent: bool = True) -> list[Any]:
+    """The results of ``calls`` (each a bucket read), made concurrently when there are several:
+    on a distant bucket a cold read then costs a round trip per batch, not per object. An
+    exception is returned in place of its result, for the caller to raise in order."""
+    if len(calls) < 2 or not concurrent:
+        out: list[Any] = []
+        for call in calls:
+            try:
+                out.append(call())
+            except Exception as exc:  # noqa: BLE001 (returned to the caller, which raises it)
+                out.append(exc)
+        return out
+    with ThreadPoolExecutor(max_workers=min(len(calls), COLD_BATCH), thread_name_prefix="ddiloco-read") as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [f.exception() or f.result() for f in futures]
+
+
 class FragmentReader:
-    """Reads published values of one fragment. Not thread-safe; one per thread."""
+    """Reads published values of one fragment. Not thread-safe; one per thread (a cold read
+    fetches its objects on a few short-lived threads of its own)."""
 
     def __init__(self, store: Store, *, run_id: str, plan: FragmentPlan, fragment: int, trust: Trust | None = None):
         self.store = store
@@ -184,22 +206,44 @@ class FragmentReader:
         self.numel = plan.fragment_numel(fragment)
         self.bytes_down = 0
         self._manifests: dict[int, dict[str, Any]] = {}
+        # a store may ask for its reads one at a time, in order (the simulation's: virtual time)
+        self.concurrent = bool(getattr(store, "concurrent_reads", True))
 
     def manifest(self, version: int) -> dict[str, Any]:
         """A committed manifest (immutable, so cached: a few recent ones)."""
         cached = self._manifests.get(version)
         if cached is None:
             cached = ledger.read_manifest(self.store, self.fragment, version, run_id=self.run_id, trust=self.trust)
-            self._manifests[version] = cached
-            while len(self._manifests) > 64:
-                del self._manifests[min(self._manifests)]
+            self._cache(version, cached)
         return cached
 
-    def _payload(self, entry: dict[str, Any], *, version: int) -> bytes:
+    def _cache(self, version: int, manifest: dict[str, Any]) -> None:
+        self._manifests[version] = manifest
+        while len(self._manifests) > 64:
+            del self._manifests[min(self._manifests)]
+
+    def _prefetch(self, versions: range) -> None:
+        """Read the manifests of ``versions`` not cached yet, concurrently. One that cannot be
+        read is left out: the walk reads it again and raises its error in order."""
+        if not self.concurrent:
+            return
+        todo = [v for v in versions if v >= 0 and v not in self._manifests]
+        got = _fetch_all([lambda v=v: ledger.read_manifest(self.store, self.fragment, v, run_id=self.run_id,
+                                                          trust=self.trust) for v in todo])
+        for v, m in zip(todo, got):
+            if not isinstance(m, BaseException):
+                self._cache(v, m)
+
+    def _payload(self, entry: dict[str, Any], *, version: int, data: bytes | BaseException | None = None) -> bytes:
+        """The payload ``entry`` names, checked against it (``data``: its bytes, or the error, as
+        a concurrent fetch got them)."""
         key = entry["key"]
         where = f"{self.store.url}/{key}"
         try:
-            data = self.store.get(key)
+            if data is None:
+                data = self.store.get(key)
+            elif isinstance(data, BaseException):
+                raise data
         except NotFound:
             raise InvalidPayloadError(f"{where}: payload of version {version} is missing") from None
         self.bytes_down += len(data)
@@ -218,12 +262,31 @@ class FragmentReader:
                 return values
         return None
 
-    def _apply_delta(self, value: Tensors, manifest: dict[str, Any]) -> Tensors | None:
-        for entry in manifest["payloads"]:
-            if entry["kind"] == "delta" and entry.get("base_version") == manifest["version"] - 1:
-                data = self._payload(entry, version=manifest["version"])
-                return codec.apply_published_delta(value, data, where=f"{self.store.url}/{entry['key']}")
-        return None
+    def _apply_delta(self, value: Tensors, manifest: dict[str, Any], *,
+                     data: bytes | BaseException | None = None) -> Tensors | None:
+        entry = self._delta_entry(manifest)
+        if entry is None:
+            return None
+        data = self._payload(entry, version=manifest["version"], data=data)
+        return codec.apply_published_delta(value, data, where=f"{self.store.url}/{entry['key']}")
+
+    @staticmethod
+    def _delta_entry(manifest: dict[str, Any]) -> dict[str, Any] | None:
+        return next((e for e in manifest["payloads"]
+                     if e["kind"] == "delta" and e.get("base_version") == manifest["version"] - 1), None)
+
+    def _apply_deltas(self, value: Tensors, ms: list[dict[str, Any]]) -> Tensors:
+        """``value`` with the deltas of ``ms`` (consecutive manifests) applied in order, their
+        payloads fetched concurrently. ProtocolError when one has no delta payload."""
+        entries = [self._delta_entry(m) for m in ms]
+        got = _fetch_all([lambda e=e: self.store.get(e["key"]) for e in entries if e is not None],
+                         concurrent=self.concurrent)
+        datas = iter(got)
+        for m, entry in zip(ms, entries):
+            if entry is None:
+                raise ProtocolError(f"{self.store.url}: version {m['version']} of fragment {self.fragment} has no delta payload")
+            value = self._apply_delta(value, m, data=next(datas))
+        return value
 
     def read(self, version: int, *, have: tuple[int, Tensors] | None = None) -> Tensors:
         """The published value at ``version``.
@@ -237,6 +300,7 @@ class FragmentReader:
             return have[1]
         if have is not None and have[0] < version:
             try:
+                self._prefetch(range(have[0] + 1, version + 1))
                 ms = [self.manifest(v) for v in range(have[0] + 1, version + 1)]
             except NotFound:
                 log.info("fragment %d: versions after %d are gone; reading a keyframe", self.fragment, have[0])
@@ -244,12 +308,12 @@ class FragmentReader:
                 start = _cheapest_start(ms)
                 if start is not None:
                     value = have[1] if start < 0 else self._full(ms[start])
-                    for m in ms[start + 1:]:
-                        value = self._apply_delta(value, m)
-                    return value
+                    return self._apply_deltas(value, ms[start + 1:])
         pending: list[dict[str, Any]] = []
         v = version
         while True:
+            if v not in self._manifests:  # walking back to a keyframe: a batch of manifests at once
+                self._prefetch(range(v, v - COLD_BATCH, -1))
             try:
                 m = self.manifest(v)
             except NotFound:
@@ -265,12 +329,7 @@ class FragmentReader:
             if v == 0:
                 raise ProtocolError(f"{self.store.url}: fragment {self.fragment} has no keyframe at or below version {version}")
             v -= 1
-        for m in reversed(pending):
-            nxt = self._apply_delta(value, m)
-            if nxt is None:
-                raise ProtocolError(f"{self.store.url}: version {m['version']} of fragment {self.fragment} has no delta payload")
-            value = nxt
-        return value
+        return self._apply_deltas(value, pending[::-1])
 
 
 class MissingVersionError(ProtocolError, NotFound):

@@ -136,6 +136,10 @@ class SimBucket:
 class SimStore:
     """One actor's connection to the ``SimBucket`` (a ddiloco ``Store``)."""
 
+    # reads one at a time, in the caller's order: each charges virtual time and may draw jitter
+    # from this connection's generator (published.FragmentReader reads distant buckets concurrently)
+    concurrent_reads = False
+
     def __init__(self, bucket: SimBucket, clock: TurnClock, link: Link, *, name: str, seed: str,
                  parallel: int = 1, free: bool = False, wire: Wire | None = None):
         self.bucket, self.clock, self.link, self.wire = bucket, clock, link, wire

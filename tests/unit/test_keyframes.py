@@ -9,14 +9,18 @@ keyframe at or below what it must retain, found in the manifests.
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
+import torch
 
+from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.ops.observe import verify_run
 from ddiloco_cli.protocol import layout, ledger, records
-from ddiloco_cli.protocol.published import KeyframeChain, keyframe_chain, keyframe_due
+from ddiloco_cli.protocol.published import FragmentReader, KeyframeChain, keyframe_chain, keyframe_due
 from ddiloco_cli.protocol.runconfig import RunConfig, SPARSE_KEYFRAME_EVERY
 from ddiloco_cli.store import open_store
+from ddiloco_cli.store.base import StoreWrapper
 from ddiloco_cli.syncer.gc import collect_garbage
 
 from support.runs import assert_same_state, beat, drive, live_syncer, make_run, manifests
@@ -131,3 +135,65 @@ def test_a_syncer_writes_keyframes_by_size_and_a_restart_and_gc_follow(tmp_path)
         assert keep > 0 and keep in _keyframes(store, p), (keep, _keyframes(store, p))
         assert ledger.list_versions(store, p)[0] == keep
     assert verify_run(store) == []
+
+
+class _Meeting(StoreWrapper):
+    """Records how many gets were in flight at once: the first get waits (up to a generous
+    ceiling, an event and not a fixed sleep) until a second one is in flight, so concurrent
+    reads meet and sequential ones would show a maximum of 1."""
+
+    def __init__(self, inner, *, concurrent: bool = True):
+        super().__init__(inner)
+        self.concurrent_reads = concurrent
+        self.lock, self.met = threading.Lock(), threading.Event()
+        self.in_flight = self.most = self.gets = 0
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        with self.lock:
+            self.in_flight += 1
+            self.gets += 1
+            self.most = max(self.most, self.in_flight)
+            if self.in_flight >= 2:
+                self.met.set()
+        try:
+            if self.concurrent_reads:
+                self.met.wait(timeout=30)
+            return self.inner.get(key, max_bytes=max_bytes)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def test_a_cold_read_fetches_its_chain_concurrently_with_the_same_result(tmp_path):
+    """A reader with no value at hand walks back to a keyframe and applies the deltas after it:
+    its manifests and payloads are fetched several at a time (a distant bucket then costs a
+    round trip per batch), and the value, the bytes counted and the errors are those of one read
+    at a time (a store with ``concurrent_reads = False``, like the simulation's)."""
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, codec="none", publish_codec="int4", keyframe_rule="size", keyframe_every=1000)
+    beat(store, "a")
+    beat(store, "b")
+    drive(store, live_syncer(store), rounds=10)
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    for p in (0, 1):
+        keyframes = _keyframes(store, p)  # the version furthest from its keyframe: a chain of deltas to walk
+        latest = max(range(1, ledger.latest_version(store, p) + 1), key=lambda v: v - max(k for k in keyframes if k <= v))
+        assert latest not in keyframes and latest - 1 not in keyframes
+        got = {}
+        for concurrent in (False, True):
+            wrapped = _Meeting(store, concurrent=concurrent)
+            reader = FragmentReader(wrapped, run_id=run["run_id"], plan=plan, fragment=p)
+            got[concurrent] = (reader.read(latest), reader.bytes_down, wrapped.most)
+        (seq, seq_bytes, seq_most), (con, con_bytes, con_most) = got[False], got[True]
+        assert seq_most == 1 and con_most >= 2
+        assert con_bytes == seq_bytes and con.keys() == seq.keys()
+        assert all(torch.equal(con[k], seq[k]) for k in seq)
+    # a delta payload gone from the chain (fragment 1's): the same error either way, naming it
+    m = ledger.read_manifest(store, 1, latest)
+    (delta,) = [e for e in m["payloads"] if e["kind"] == "delta"]
+    store.delete(delta["key"])
+    for concurrent in (False, True):
+        reader = FragmentReader(_Meeting(store, concurrent=concurrent), run_id=run["run_id"], plan=plan, fragment=1)
+        with pytest.raises(InvalidPayloadError, match=f"{delta['key']}: payload of version {m['version']} is missing"):
+            reader.read(m["version"])
