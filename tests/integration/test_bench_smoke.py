@@ -95,6 +95,18 @@ def test_bench_store_smoke(tmp_path):
         assert set(r["median_ms"]) == {"expect", "no-expect"} and all(v > 0 for v in r["median_ms"].values())
 
 
+def test_bench_join_smoke(tmp_path):
+    """A starting learner's read of the model from moto S3 through a link proxy, both arms: the
+    values are checked equal inside the script; the report has each chain length."""
+    out = tmp_path / "join.json"
+    text = _run("bench_join.py", "--fragments", "2", "--versions", "3", "--repeats", "1", "--latency-ms", "2",
+                "--json", str(out), timeout_s=240)
+    assert "speedup" in text
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["versions"] == 3 and row["bytes"] > 0 and row["objects"] > 0
+    assert len(row["one_at_a_time_s"]) == len(row["concurrent_s"]) == 1
+
+
 def test_bench_junk_smoke(tmp_path):
     out = tmp_path / "junk.json"
     text = _run("bench_junk.py", "--junk", "40", "--junk-kb", "2", "--dir", str(tmp_path / "w"), "--json", str(out),
