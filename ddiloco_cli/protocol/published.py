@@ -37,9 +37,6 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 
 
-KEYFRAME_RULES = ("every", "size")
-
-
 @dataclass(frozen=True)
 class KeyframeChain:
     """A fragment's newest keyframe and the published deltas after it: what the size rule
@@ -174,6 +171,7 @@ def _cheapest_start(ms: list[dict[str, Any]]) -> int | None:
 
 
 COLD_BATCH = 8  # manifests a cold read fetches at once, walking back to a keyframe
+MANIFESTS_CACHED = 64  # a reader's cache of recent manifests
 
 
 def _fetch_all(calls: list[Callable[[], Any]], *, concurrent: bool = True) -> list[Any]:
@@ -219,7 +217,7 @@ class FragmentReader:
 
     def _cache(self, version: int, manifest: dict[str, Any]) -> None:
         self._manifests[version] = manifest
-        while len(self._manifests) > 64:
+        while len(self._manifests) > MANIFESTS_CACHED:
             del self._manifests[min(self._manifests)]
 
     def _prefetch(self, versions: range) -> None:
@@ -300,7 +298,8 @@ class FragmentReader:
             return have[1]
         if have is not None and have[0] < version:
             try:
-                self._prefetch(range(have[0] + 1, version + 1))
+                # (no more than the cache holds: a reader far behind reads the rest one by one)
+                self._prefetch(range(have[0] + 1, min(version, have[0] + MANIFESTS_CACHED) + 1))
                 ms = [self.manifest(v) for v in range(have[0] + 1, version + 1)]
             except NotFound:
                 log.info("fragment %d: versions after %d are gone; reading a keyframe", self.fragment, have[0])
