@@ -220,7 +220,7 @@ class FragmentReader:
         while len(self._manifests) > MANIFESTS_CACHED:
             del self._manifests[min(self._manifests)]
 
-    def _prefetch(self, versions: range) -> None:
+    def prefetch(self, versions: range) -> None:
         """Read the manifests of ``versions`` not cached yet, concurrently. One that cannot be
         read is left out: the walk reads it again and raises its error in order."""
         if not self.concurrent:
@@ -299,7 +299,7 @@ class FragmentReader:
         if have is not None and have[0] < version:
             try:
                 # (no more than the cache holds: a reader far behind reads the rest one by one)
-                self._prefetch(range(have[0] + 1, min(version, have[0] + MANIFESTS_CACHED) + 1))
+                self.prefetch(range(have[0] + 1, min(version, have[0] + MANIFESTS_CACHED) + 1))
                 ms = [self.manifest(v) for v in range(have[0] + 1, version + 1)]
             except NotFound:
                 log.info("fragment %d: versions after %d are gone; reading a keyframe", self.fragment, have[0])
@@ -312,7 +312,7 @@ class FragmentReader:
         v = version
         while True:
             if v not in self._manifests:  # walking back to a keyframe: a batch of manifests at once
-                self._prefetch(range(v, v - COLD_BATCH, -1))
+                self.prefetch(range(v, v - COLD_BATCH, -1))
             try:
                 m = self.manifest(v)
             except NotFound:

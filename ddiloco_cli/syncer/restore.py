@@ -52,6 +52,7 @@ class Restorer:
                                 "interrupted?)")
         value = restore_value(ctx.store, config=ctx.config, plan=ctx.plan, fragment=p, reader=reader,
                               fetch=ctx.intake.fetch_used, latest=latest, republish=self.republish_missing)
+        reader.prefetch(range(latest, max(-1, latest - TIP_WINDOW), -1))  # the walks below, a batch at a time
         state = FragmentState(p, value, dict(Manifest.from_json(reader.manifest(latest)).high_water))
         if ctx.config.keyframe_rule == "size":
             state.chain = keyframe_chain(reader.manifest, latest)
