@@ -237,14 +237,14 @@ def _inspect_run_view(run: dict[str, Any] | None) -> RenderableType:
 
 
 def _inspect_fragments_view(fragments: list[dict[str, Any]]) -> RenderableType:
-    table = _table("fragments", "fragment", "params", "versions", "count", "latest epoch", "quorum", "age",
-                   "payloads", "pending", "merged, not collected")
+    table = _table("fragments", "fragment", "params", "versions", "count", "keyframe", "latest epoch", "quorum",
+                   "age", "payloads", "pending", "merged, not collected")
     rows = []
     for f in fragments:
         latest = f["latest"] or {}
         span = "-" if f["oldest_version"] is None else f"{f['oldest_version']}..{f['newest_version']}"
         rows.append((str(f["fragment"]), fmt_num(f["num_params"]), span, str(f["num_versions"]),
-                     fmt_num(latest.get("epoch")), fmt_num(latest.get("quorum_size")), fmt_age(latest.get("age_s")),
+                     fmt_num(f.get("newest_keyframe")), fmt_num(latest.get("epoch")), fmt_num(latest.get("quorum_size")), fmt_age(latest.get("age_s")),
                      f"{f['num_payloads']} / {fmt_bytes(f['payload_bytes'])}", str(f["num_pending"]),
                      str(f["num_merged_uncollected"])))
     return _cut(table, rows, 10)

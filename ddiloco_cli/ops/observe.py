@@ -237,6 +237,9 @@ def _inspect_fragment(scan: "_Scan", p: int, *, qkeys: set[str], referenced: set
         "oldest_version": versions[0] if versions else None,
         "newest_version": versions[-1] if versions else None,
         "num_versions": len(versions),
+        # where a reader without a value starts: the newest version with a full payload
+        "newest_keyframe": max((v for v, m in manifests.items() if any(e["kind"] == "full" for e in m["payloads"])),
+                               default=None),
         "payload_bytes": sum(i.size for i in payloads),
         "num_payloads": len(payloads),
         "latest": None,

@@ -130,6 +130,7 @@ def test_inspect_json_has_sections(built):
     assert report["run"]["run_id"] == built.run["run_id"]
     f0, f1 = report["fragments"]
     assert (f0["oldest_version"], f0["newest_version"], f0["num_versions"]) == (0, 3, 4)
+    assert f0["newest_keyframe"] == 2  # keyframe_every 2: a reader without a value starts there
     assert f0["latest"]["quorum_size"] == 1 and f0["latest"]["epoch"] == built.syncer.epoch.epoch
     assert f0["num_pending"] == 1 and f0["pending"] == {LEARNER: 1}, pending_key
     assert f0["num_merged_uncollected"] == 3 and f1["num_pending"] == 0
