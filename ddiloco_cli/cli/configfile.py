@@ -51,6 +51,20 @@ def _tomllib() -> Any:
     return tomllib
 
 
+# What a setting left unset becomes, for those whose default depends on other settings
+DEPENDENT_DEFAULTS = {
+    "publish_codec": "the run's codec; lockstep: none", "merge": "rda; lockstep: mean",
+    "keep_overlap_progress": "true; lockstep: false", "outer_lr_scaling": "participation; lockstep: none",
+    "codec_block": "64 for int4, 256 for int8, 4096 for sparse",
+    "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
+    "codec_density": "0.02 for sparse", "publish_density": "2 x --codec-density",
+    "keyframe_every": "8; 64 with sparse published deltas",
+    "keyframe_rule": "size with sparse published deltas, every otherwise",
+    "error_feedback_decay": "0.9 for sparse, 1 otherwise", "max_tokens_per_step": "none: no bound",
+    "alpha": "0.3; lockstep: 0", "outer_lr": "0.7; sparse: 1", "outer_momentum": "0.9; sparse: 0",
+}
+
+
 def default_config_toml() -> str:
     """The defaults as a TOML config file for ``init --config``, grouped by panel."""
     lines = ["# ddiloco init --config FILE: every key is a flag of `ddiloco init`; flags given on",
@@ -63,13 +77,7 @@ def default_config_toml() -> str:
                 continue
             value = defaults[f.name].default
             if value is None:
-                note = {"publish_codec": "the run's codec; lockstep: none", "merge": "rda; lockstep: mean",
-                        "keep_overlap_progress": "true; lockstep: false",
-                        "outer_lr_scaling": "participation; lockstep: none", "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
-                        "codec_density": "0.02 for sparse", "publish_density": "2 x --codec-density",
-                        "error_feedback_decay": "0.9 for sparse, 1 otherwise",
-                        "alpha": "0.3; lockstep: 0", "outer_lr": "0.7; sparse: 1", "outer_momentum": "0.9; sparse: 0",
-                        }.get(f.name, "64 for int4, 256 for int8, 4096 for sparse")
+                note = DEPENDENT_DEFAULTS[f.name]  # every setting whose default depends on others has a line
                 lines.append(f"# {flag(f)} =   (default: {note})")
             else:
                 lines.append(f"{flag(f)} = {_toml_value(value)}")

@@ -110,6 +110,9 @@ def test_config_file_with_flag_overrides(tmp_path):
     assert result.exit_code == 0
     defaults.write_text(result.output)
     assert RunConfig.from_flags(load_config_file(str(defaults))).differences(RunConfig()) == []
+    # a setting whose default depends on others is a comment saying what it becomes (its own words)
+    assert "# keyframe-rule =   (default: size with sparse published deltas, every otherwise)" in result.output
+    assert "# max-tokens-per-step =   (default: none: no bound)" in result.output
 
     cfg = tmp_path / "run.toml"
     cfg.write_text('fragments = 2\nsync-every = 4\noverlap_steps = 1\ncodec = "int8"\ninner-lr = 0.002\n'
