@@ -42,6 +42,7 @@ import argparse
 import cProfile
 import io
 import json
+import math
 import os
 import pstats
 import resource
@@ -562,6 +563,12 @@ def main() -> None:
         r["fraction_of_reference"] = r["param_contribs_per_cpu_s"] / reference[r["m"]]
         print(f"{r['codec']:5s} M={r['m']}: reference {reference[r['m']]:.3g} p-c/CPU-s; syncer "
               f"{r['param_contribs_per_cpu_s']:.3g} = {r['fraction_of_reference']:.2f} of it")
+    print("\nProjected syncer cores (sync --fragments processes, one core each) for a 1B-parameter model and 16 "
+          "learners, P = H = 24, 1 s steps: 16 x 1e9 / 24 parameter-contributions a second at the rate measured "
+          "with M contributions a merge")
+    for r in results:
+        r["cores_1b_16_learners"] = 16 / r["m_max_1b_h24_1s"] if r["m_max_1b_h24_1s"] > 0 else math.inf
+        print(f"{r['codec']:5s} M={r['m']}: {r['cores_1b_16_learners']:.1f} cores")
     target = 2e8
     int4 = [r for r in results if r["codec"] == "int4"]
     if int4:

@@ -37,7 +37,7 @@ def test_bench_syncer_smoke(tmp_path):
     assert [r["codec_qmax"] for r in rep["results"]] == [3, 3, None, None]  # the run's default bound, as learners send
     for r in rep["results"]:
         assert r["param_contribs_per_cpu_s"] > 0 and r["param_contribs_per_s"] > 0
-        assert r["m_max_1b_h24_1s"] > 0
+        assert r["m_max_1b_h24_1s"] > 0 and r["cores_1b_16_learners"] == 16 / r["m_max_1b_h24_1s"]
         assert {"intake", "update", "commit", "io", "other"} <= set(r["split_s_per_merge"])
         assert r["split_s_per_merge"]["update"] > 0
         assert {"decode", "norm", "sha256", "merge", "publish", "io", "other"} <= set(r["cpu_split_s_per_merge"])
