@@ -16,6 +16,7 @@ from ddiloco_cli.cli.configfile import default_config_toml, load_config_file
 from ddiloco_cli.protocol.runconfig import RunConfig, flag, hyperparameters, setting_key
 from ddiloco_cli.store import open_store
 
+from support import REPO
 from support.built_run import invoke
 
 SMALL = ["--fragments", "2", "--sync-every", "4", "--overlap-steps", "1"]
@@ -287,3 +288,14 @@ def test_init_says_what_a_learner_moves_per_cycle(tmp_path):
     sparse = traffic_per_cycle(codec="sparse", publish_codec="sparse", codec_qmax=None, codec_density=0.04,
                                publish_density=0.08, num_params=10**9, sync_every=24)
     assert (sparse["up_b_per_param"], sparse["down_b_per_param"]) == pytest.approx((0.060, 0.094))  # 2x the measured densities
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples" / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_the_example_configs_make_runs(tmp_path, path):
+    """Every `init --config` example in examples/configs makes a run with the settings it names."""
+    result = invoke("init", str(tmp_path / "run"), "--config", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    made = RunConfig.from_record(json.loads(result.output))
+    assert made.differences(RunConfig.from_flags(load_config_file(str(path)))) == []
+    if path.name == "thin-link.toml":  # what that example is for
+        assert made.codec == "sparse" and made.keyframe_rule == "size" and made.overlap_steps == 8
