@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from benchlib import Launcher, fmt_table, load_text, start_moto, write_result  # noqa: E402
 from netem import Direction, LinkProxy  # noqa: E402
 
-from ddiloco_cli.learner.sendpath import BOOTSTRAP_THREADS  # noqa: E402
+from ddiloco_cli.learner.sendpath import read_newest  # noqa: E402
 from ddiloco_cli.numerics import codec  # noqa: E402
 from ddiloco_cli.ops.runinit import RunSpec, init_run  # noqa: E402
 from ddiloco_cli.protocol import layout, ledger, records  # noqa: E402
@@ -92,20 +92,10 @@ class OneAtATime(StoreWrapper):
 
 def bootstrap(store, *, run_id: str, plan) -> tuple[float, dict[int, dict[str, torch.Tensor]], int]:
     """(seconds, {fragment: value}, bytes) of reading the newest version of every fragment as a
-    starting learner does (``SendPath._bootstrap``: concurrently unless the store says otherwise)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    starting learner does (``sendpath.read_newest``: concurrently unless the store says otherwise)."""
     readers = {p: FragmentReader(store, run_id=run_id, plan=plan, fragment=p) for p in range(plan.num_fragments)}
-
-    def latest(p: int):
-        return readers[p].read(ledger.latest_version(store, p))
-
     t0 = time.perf_counter()
-    if getattr(store, "concurrent_reads", True):
-        with ThreadPoolExecutor(max_workers=min(plan.num_fragments, BOOTSTRAP_THREADS)) as pool:
-            values = dict(enumerate(pool.map(latest, range(plan.num_fragments))))
-    else:
-        values = {p: latest(p) for p in range(plan.num_fragments)}
+    values = {p: value for p, (_, value) in enumerate(read_newest(store, readers))}
     return time.perf_counter() - t0, values, sum(r.bytes_down for r in readers.values())
 
 

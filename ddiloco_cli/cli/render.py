@@ -88,13 +88,11 @@ def _stack(parts: list[RenderableType]) -> Group:
 
 
 # ------------------------------------------------------------------------ status
-def traffic_line(run: dict[str, Any], *, num_params: int) -> str:
-    """One line for `init`: about what a learner of this run moves per cycle, and the link that
-    carries it at 1 s per step (``runfigures.traffic_per_cycle``)."""
+def traffic_line(c: Any, *, num_params: int) -> str:
+    """One line for `init`: about what a learner of a run of config ``c`` (a ``RunConfig``)
+    moves per cycle, and the link that carries it at 1 s per step (``runfigures.traffic_per_cycle``)."""
     from ddiloco_cli.ops.runfigures import traffic_per_cycle
-    from ddiloco_cli.protocol.runconfig import RunConfig
 
-    c = RunConfig.from_record(run)
     t = traffic_per_cycle(codec=c.codec, publish_codec=c.publish_codec, codec_qmax=c.codec_qmax,
                           codec_density=c.codec_density, publish_density=c.publish_density,
                           num_params=num_params, sync_every=c.sync_every)

@@ -78,7 +78,7 @@ def init(
         console.print(f"[green]created run {run['run_id']}[/] at {url}: P={spec.num_fragments} H={spec.sync_every} "
                       f"tau={spec.overlap_steps} K={spec.quorum} codec={spec.codec} mode={spec.mode}",
                       highlight=False, soft_wrap=True)
-        console.print(traffic_line(run, num_params=ledger.read_plan(store, run_id=run["run_id"]).total_numel()),
+        console.print(traffic_line(spec, num_params=ledger.read_plan(store, run_id=run["run_id"]).total_numel()),
                       highlight=False, soft_wrap=True)
         if admin is not None:
             console.print(f"signatures required (admin key {admin.path}): admit each learner with "

@@ -15,6 +15,8 @@ from ddiloco_cli.errors import DdilocoError
 from ddiloco_cli.learner.schedule import aligned_offset
 from ddiloco_cli.learner.session import running_phases
 from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol.published import FragmentReader, reads_concurrently
+from ddiloco_cli.store.base import Store
 
 log = logging.getLogger("ddiloco_cli.learner.sync")  # the learner's lines keep their logger name
 
@@ -22,6 +24,24 @@ Tensors = dict[str, torch.Tensor]
 
 
 BOOTSTRAP_THREADS = 8  # fragments a starting learner reads at once
+
+
+def read_newest(store: Store, readers: dict[int, FragmentReader]) -> list[tuple[int, Tensors]]:
+    """(the newest committed version, its published value) of fragments 0.. of ``readers``, read
+    concurrently (each by its own reader) unless the store asks for one read at a time: on a
+    distant bucket a joining learner waits for the slowest fragment's chain of round trips, not
+    for the sum of them."""
+    def newest(p: int) -> tuple[int, Tensors]:
+        v = ledger.latest_version(store, p)
+        if v is None:
+            raise DdilocoError(f"fragment {p} has no committed version at {store.url}")
+        return v, readers[p].read(v)
+
+    if reads_concurrently(store) and len(readers) > 1:
+        with ThreadPoolExecutor(max_workers=min(len(readers), BOOTSTRAP_THREADS),
+                                thread_name_prefix="ddiloco-bootstrap") as pool:
+            return list(pool.map(newest, range(len(readers))))
+    return [newest(p) for p in range(len(readers))]
 
 
 class SendPath:
@@ -57,27 +77,13 @@ class SendPath:
             log.info("schedule offset %d: in phase with %d running learner(s)", offset, len(phases))
         return offset
 
-    def _read_latest(self, p: int) -> tuple[int, Tensors]:
-        """The latest committed version of fragment p and its published value."""
-        v = ledger.latest_version(self.store, p)
-        if v is None:
-            raise DdilocoError(f"fragment {p} has no committed version at {self.store.url}")
-        return v, self.readers[p].read(v)
-
     def _bootstrap(self) -> None:
-        """Load the latest committed version of every fragment into the model. The fragments
-        are read concurrently (each by its own reader): on a distant bucket a joining learner
-        waits for the slowest fragment's chain of round trips, not for the sum of them."""
+        """Load the latest committed version of every fragment into the model (``read_newest``)."""
         P = self.plan.num_fragments
         latest: list[tuple[int, Tensors]] = [(-1, {})] * P
         if self.island.io:
             before = sum(r.bytes_down for r in self.readers.values())
-            if getattr(self.store, "concurrent_reads", True) and P > 1:
-                with ThreadPoolExecutor(max_workers=min(P, BOOTSTRAP_THREADS),
-                                        thread_name_prefix="ddiloco-bootstrap") as pool:
-                    latest = list(pool.map(self._read_latest, range(P)))
-            else:
-                latest = [self._read_latest(p) for p in range(P)]
+            latest = read_newest(self.store, self.readers)
             self.stats.bytes_down += sum(r.bytes_down for r in self.readers.values()) - before
         for p in range(P):
             v, value = self.island.broadcast(self.plan, p, *latest[p])

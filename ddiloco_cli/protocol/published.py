@@ -171,6 +171,12 @@ def _cheapest_start(ms: list[dict[str, Any]]) -> int | None:
 
 
 COLD_BATCH = 8  # manifests a cold read fetches at once, walking back to a keyframe
+
+
+def reads_concurrently(store: Store) -> bool:
+    """Whether reads of ``store`` may be made several at a time: a store may ask for them one at
+    a time, in order (``concurrent_reads = False``: the simulation's, whose reads take virtual time)."""
+    return bool(getattr(store, "concurrent_reads", True))
 MANIFESTS_CACHED = 64  # a reader's cache of recent manifests
 
 
@@ -204,8 +210,7 @@ class FragmentReader:
         self.numel = plan.fragment_numel(fragment)
         self.bytes_down = 0
         self._manifests: dict[int, dict[str, Any]] = {}
-        # a store may ask for its reads one at a time, in order (the simulation's: virtual time)
-        self.concurrent = bool(getattr(store, "concurrent_reads", True))
+        self.concurrent = reads_concurrently(store)
 
     def manifest(self, version: int) -> dict[str, Any]:
         """A committed manifest (immutable, so cached: a few recent ones)."""

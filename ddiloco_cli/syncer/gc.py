@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError
 from ddiloco_cli.protocol import layout, ledger
 from ddiloco_cli.protocol.fragments import FragmentPlan
+from ddiloco_cli.protocol.published import keyframe_chain
 from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.store.base import NotFound, ObjectInfo, Store
 from ddiloco_cli.syncer.replay import decode_checkpoint, replay_base_floor, staleness_floor
@@ -48,10 +49,10 @@ class GCReport:
 
 
 _VALID_CHECKPOINTS: set[tuple[str, str]] = set()  # (store url, key): checked once per process
-# (store url, run id, fragment, version): whether its manifest names a full payload (manifests are
-# create-only, so read once per process; bounded)
-_IS_KEYFRAME: dict[tuple[str, str, int, int], bool] = {}
-_IS_KEYFRAME_MAX = 1 << 16
+# (store url, run id, fragment, version): its manifest's payload entries (manifests are create-only,
+# so read once per process; bounded)
+_PAYLOADS: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+_PAYLOADS_MAX = 1 << 16
 
 
 def _checkpoint_ok(store: Store, key: str, *, run_id: str, plan: FragmentPlan, fragment: int) -> bool:
@@ -167,22 +168,23 @@ class _Collector:
         if config.keyframe_rule != "size":
             return lambda v: v - v % config.keyframe_every
 
+        def payloads_of(u: int) -> dict[str, Any]:
+            key = (self.store.url, self.run_id, p, u)
+            if key not in _PAYLOADS:
+                if len(_PAYLOADS) >= _PAYLOADS_MAX:
+                    _PAYLOADS.clear()
+                _PAYLOADS[key] = ledger.read_manifest(self.store, p, u, run_id=self.run_id)["payloads"]
+            return {"fragment": p, "payloads": _PAYLOADS[key]}
+
         def floor(v: int) -> int:
-            for u in range(v, versions[0], -1):
-                key = (self.store.url, self.run_id, p, u)
-                if key not in _IS_KEYFRAME:
-                    try:
-                        m = ledger.read_manifest(self.store, p, u, run_id=self.run_id)
-                    except (NotFound, ProtocolError) as exc:
-                        log.warning("gc: fragment %d version %d unreadable (%s); keeping the versions below it",
-                                    p, u, exc)
-                        break
-                    if len(_IS_KEYFRAME) >= _IS_KEYFRAME_MAX:
-                        _IS_KEYFRAME.clear()
-                    _IS_KEYFRAME[key] = any(e["kind"] == "full" for e in m["payloads"])
-                if _IS_KEYFRAME[key]:
-                    return u
-            return versions[0]
+            if v <= versions[0]:
+                return versions[0]
+            try:
+                return keyframe_chain(payloads_of, v).keyframe
+            except (NotFound, ProtocolError) as exc:
+                log.warning("gc: fragment %d has no readable keyframe chain at or below version %d (%s); keeping "
+                            "every version from %d", p, v, exc, versions[0])
+                return versions[0]
         return floor
 
     def _retained(self, p: int, versions: list[int], *, keep: int,

@@ -283,8 +283,9 @@ def test_init_says_what_a_learner_moves_per_cycle(tmp_path):
     t = traffic_per_cycle(codec="int4", publish_codec="int4", codec_qmax=3, codec_density=None, publish_density=None,
                           num_params=10**9, sync_every=24)
     assert t["mbps_at_1s"] == pytest.approx(0.348e9 * 8 / 24 / 1e6)
-    assert "--codec sparse" in traffic_line(run, num_params=10**9)  # 116 Mbps at 1 s per step
-    assert "--codec sparse" not in traffic_line(run, num_params=10**8)
+    config = RunConfig.from_record(run)
+    assert "--codec sparse" in traffic_line(config, num_params=10**9)  # 116 Mbps at 1 s per step
+    assert "--codec sparse" not in traffic_line(config, num_params=10**8)
     sparse = traffic_per_cycle(codec="sparse", publish_codec="sparse", codec_qmax=None, codec_density=0.04,
                                publish_density=0.08, num_params=10**9, sync_every=24)
     assert (sparse["up_b_per_param"], sparse["down_b_per_param"]) == pytest.approx((0.060, 0.094))  # 2x the measured densities

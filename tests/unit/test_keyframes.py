@@ -17,17 +17,13 @@ import torch
 from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.ops.observe import verify_run
 from ddiloco_cli.protocol import layout, ledger, records
-from ddiloco_cli.protocol.published import FragmentReader, KeyframeChain, keyframe_chain, keyframe_due
+from ddiloco_cli.protocol.published import FragmentReader, KeyframeChain, keyframe_chain, keyframe_due, payload_sizes
 from ddiloco_cli.protocol.runconfig import RunConfig, SPARSE_KEYFRAME_EVERY
 from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import StoreWrapper
 from ddiloco_cli.syncer.gc import collect_garbage
 
 from support.runs import assert_same_state, beat, drive, live_syncer, make_run, manifests
-
-
-def _sizes(m: dict) -> dict[str, int]:
-    return {e["kind"]: e["size"] for e in m["payloads"]}
 
 
 @pytest.mark.parametrize("rule", ["every", "size"])
@@ -73,8 +69,24 @@ def test_defaults_new_runs_and_old_records():
     assert RunConfig.from_record(record).keyframe_rule == "every"
 
 
+def _sized_run(store, *, rounds: int, **settings):
+    """A run whose int4 published deltas follow the size rule (cap 1000: never reached), with
+    ``rounds`` versions of both fragments from learners a and b; returns its live syncer."""
+    make_run(store, codec="none", publish_codec="int4", keyframe_rule="size", keyframe_every=1000, **settings)
+    live = live_syncer(store)
+    _drive_more(store, live, rounds=rounds)
+    return live
+
+
+def _drive_more(store, syncer, *, rounds: int) -> None:
+    beat(store, "a")
+    beat(store, "b")
+    syncer._refresh_learners()
+    drive(store, syncer, rounds=rounds)
+
+
 def _keyframes(store, p: int) -> list[int]:
-    return [m["version"] for m in manifests(store, p) if "full" in _sizes(m)]
+    return [m["version"] for m in manifests(store, p) if "full" in payload_sizes(m["payloads"])]
 
 
 def test_a_syncer_writes_keyframes_by_size_and_a_restart_and_gc_follow(tmp_path):
@@ -85,17 +97,12 @@ def test_a_syncer_writes_keyframes_by_size_and_a_restart_and_gc_follow(tmp_path)
     readable."""
     root = tmp_path / "run"
     store = open_store(str(root))
-    make_run(store, codec="none", publish_codec="int4", keyframe_rule="size", keyframe_every=1000,
-             checkpoint_every=3, retain_versions=2, max_staleness=1)
-    beat(store, "a")
-    beat(store, "b")
-    live = live_syncer(store)
-    drive(store, live, rounds=12)
+    live = _sized_run(store, rounds=12, checkpoint_every=3, retain_versions=2, max_staleness=1)
     for p in (0, 1):
         ms = manifests(store, p)
         chain = None
         for m in ms:
-            v, sizes = m["version"], _sizes(m)
+            v, sizes = m["version"], payload_sizes(m["payloads"])
             if v > 0:
                 want = keyframe_due(v, publish_codec="int4", keyframe_every=1000, rule="size", chain=chain)
                 assert ("full" in sizes) == want, (p, v, chain, sizes)
@@ -112,10 +119,7 @@ def test_a_syncer_writes_keyframes_by_size_and_a_restart_and_gc_follow(tmp_path)
     assert_same_state(live, again)
     assert all(again.states[p].chain == live.states[p].chain for p in (0, 1))
     for store_, s in ((store, live), (other, again)):
-        beat(store_, "a")
-        beat(store_, "b")
-        s._refresh_learners()
-        drive(store_, s, rounds=4)
+        _drive_more(store_, s, rounds=4)
     for p in (0, 1):
         assert _keyframes(store, p) == _keyframes(other, p)
         got = [{e["kind"]: st.get(e["key"]) for e in ledger.read_manifest(st, p, 16)["payloads"]} for st in (store, other)]
@@ -170,10 +174,7 @@ def test_a_cold_read_fetches_its_chain_concurrently_with_the_same_result(tmp_pat
     round trip per batch), and the value, the bytes counted and the errors are those of one read
     at a time (a store with ``concurrent_reads = False``, like the simulation's)."""
     store = open_store(str(tmp_path / "run"))
-    make_run(store, codec="none", publish_codec="int4", keyframe_rule="size", keyframe_every=1000)
-    beat(store, "a")
-    beat(store, "b")
-    drive(store, live_syncer(store), rounds=10)
+    _sized_run(store, rounds=10)
     run = ledger.read_run(store)
     plan = ledger.read_plan(store, run_id=run["run_id"])
     for p in (0, 1):
