@@ -13,6 +13,7 @@ the real outer gradient.
     .venv/bin/python scripts/bench_codec.py --numel 4000000 --json /tmp/codec.json   # CPU/CI-sized
     .venv/bin/python scripts/bench_codec.py --codecs int4 --blocks 64,128,256 --numel 4000000
     .venv/bin/python scripts/bench_codec.py --codecs int4,sparse --numel 4000000 --density 0.02
+    .venv/bin/python scripts/bench_codec.py --codecs int4,sparse --numel 4000000 --chunks 1024,4096
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ def main() -> None:
     ap.add_argument("--blocks", default=None,
                     help="comma-separated block sizes for the block codecs (int8, int4); default: each codec's own")
     ap.add_argument("--density", type=float, default=None, help="sparse: values sent per chunk (default 0.02)")
+    ap.add_argument("--chunks", default=None,
+                    help="comma-separated chunk sizes for sparse; default: the codec's own")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -189,6 +192,8 @@ def main() -> None:
         blocks = [DEFAULT_BLOCK_SIZE.get(codec)]
         if args.blocks and codec in ("int8", "int4"):
             blocks = [int(b) for b in args.blocks.split(",")]
+        if args.chunks and codec == "sparse":
+            blocks = [int(b) for b in args.chunks.split(",")]
         for block in blocks:
             density = args.density if codec == "sparse" else None
             row = {"codec": codec, "block_size": block, **({"density": density or 0.02} if codec == "sparse" else {})}

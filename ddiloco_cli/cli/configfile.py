@@ -55,13 +55,13 @@ def _tomllib() -> Any:
 DEPENDENT_DEFAULTS = {
     "publish_codec": "the run's codec; lockstep: none", "merge": "rda; lockstep: mean",
     "keep_overlap_progress": "true; lockstep: false", "outer_lr_scaling": "participation; lockstep: none",
-    "codec_block": "64 for int4, 256 for int8, 4096 for sparse",
+    "codec_block": "64 for int4, 256 for int8, 1024 for sparse",
     "codec_qmax": "3 for int4, 127 for int8 (the codec's largest: 7, 127)",
     "codec_density": "0.02 for sparse", "publish_density": "2 x --codec-density",
     "keyframe_every": "8; 64 with sparse published deltas",
     "keyframe_rule": "size with sparse published deltas, every otherwise",
     "error_feedback_decay": "0.9 for sparse, 1 otherwise", "max_tokens_per_step": "none: no bound",
-    "alpha": "0.3; lockstep: 0", "outer_lr": "0.7; sparse: 1", "outer_momentum": "0.9; sparse: 0",
+    "alpha": "0.3; lockstep: 0", "outer_lr": "0.7; sparse: 1.5", "outer_momentum": "0.9; sparse: 0",
 }
 
 

@@ -42,7 +42,7 @@ def _decode(data: bytes, **kw):
 def test_roundtrip_sends_the_largest_k_of_each_chunk_and_the_residual_is_the_rest():
     torch.manual_seed(0)
     x = torch.randn(3 * 4096 + 1000)
-    data, residual = codec.encode_with_residual({"w": x}, codec="sparse", density=0.02)
+    data, residual = codec.encode_with_residual({"w": x}, codec="sparse", block_size=4096, density=0.02)
     out, _ = _decode(data)
     d = out["w"]
     k = sparse.topk(0.02, 4096)
@@ -87,11 +87,11 @@ def test_mostly_zero_chunks_send_their_nonzeros_then_their_earliest_zeros():
     x = torch.zeros(2 * 4096)
     x[[5, 700, 4096 + 3]] = torch.tensor([1.0, -3.0, 2.0])
     x[4096 + 4000] = 2.0 * (1 + 2**-20)  # a near-tie: the earlier position wins
-    out, _ = _decode(codec.encode_tensors({"w": x}, codec="sparse", density=1 / 4096), keep_codes=True)
+    out, _ = _decode(codec.encode_tensors({"w": x}, codec="sparse", block_size=4096, density=1 / 4096), keep_codes=True)
     assert out.sources["w"].index.tolist() == [700, 4096 + 3]
-    out, _ = _decode(codec.encode_tensors({"w": x}, codec="sparse", density=2 / 4096), keep_codes=True)
+    out, _ = _decode(codec.encode_tensors({"w": x}, codec="sparse", block_size=4096, density=2 / 4096), keep_codes=True)
     assert out.sources["w"].index.tolist() == [5, 700, 4096 + 3, 4096 + 4000]
-    out, _ = _decode(codec.encode_tensors({"w": x}, codec="sparse", density=4 / 4096), keep_codes=True)
+    out, _ = _decode(codec.encode_tensors({"w": x}, codec="sparse", block_size=4096, density=4 / 4096), keep_codes=True)
     assert out.sources["w"].index.tolist() == [0, 1, 5, 700, 4096, 4097, 4096 + 3, 4096 + 4000]
 
 

@@ -99,4 +99,4 @@ def test_intake_refuses_a_contribution_denser_than_the_run():
     s.poll_contributions()
     reasons = [r for _, r in quarantined]
     assert len(reasons) == 2, reasons
-    assert "topk 2048, but the run's is 82" in reasons[0] and "block size 2048, but the run's is 4096" in reasons[1]
+    assert "topk 512, but the run's is 20" in reasons[0] and "block size 2048, but the run's is 1024" in reasons[1]
