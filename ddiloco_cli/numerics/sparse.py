@@ -89,8 +89,8 @@ def _top_positions(rows: np.ndarray, k: int) -> np.ndarray:
     column). Every key of a row is then distinct, so exactly k are at or above the k-th largest,
     and numpy's selection keeps its speed (it slows down 30x on long runs of equal values, such
     as the zeros of a merge of sparse gradients). Magnitudes within a relative 2**(b - 23) of
-    each other (0.05% for chunks of 4096, 0.012% for the default 1024) count as equal and go to the earlier column: zeros
-    and exact ties too. A few rows at a time, in reused buffers that stay in cache."""
+    each other (0.012% for chunks of 1024, 0.05% for 4096) count as equal and go to the earlier
+    column: zeros and exact ties too. A few rows at a time, in reused buffers that stay in cache."""
     nrows, width = rows.shape
     if k == width:
         return np.arange(nrows * width, dtype=np.int64).reshape(nrows, width)
