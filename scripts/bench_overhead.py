@@ -103,9 +103,14 @@ def _marks(marks: dict, stamps: list, *, skip: int, steps: int) -> None:
                                                                 "faults": thread_faults(), "vm_hwm_kb": vm_hwm_kb()}
 
 
-def plain_worker(steps: int, out: str, *, task: str = "mid", threads: int = 1, skip: int = 0) -> None:
+def plain_worker(steps: int, out: str, *, task: str = "mid", threads: int = 1, skip: int = 0,
+                 tune: bool = False) -> None:
     """The plain loop: same task, model, optimizer, lr warmup, clip, batch and seed as
-    the learner; no ddiloco import beyond the task."""
+    the learner; no ddiloco import beyond the task (and, with ``tune``, the allocator's thresholds)."""
+    if tune:
+        from ddiloco_cli.learner import allocator
+
+        allocator.tune()
     torch.set_num_threads(threads)
     torch.manual_seed(SEED)
     _, the_task, batch_size = TASKS[task]
@@ -226,12 +231,14 @@ def _prefix(cpu: int | str | None, nice: int = 0) -> list[str]:
 
 def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | str | None,
             profile_dir: str | None = None, timers: bool = False, task: str = "mid", threads: int = 1,
-            wrap: str | None = None) -> dict:
+            wrap: str | None = None, tune_plain: bool = False) -> dict:
     out = os.path.join(workdir, f"{arm}-{rep}.json")
     # --wrap: a profiler's command line before the worker's (``{arm}``, ``{rep}``: this process's)
     pre = shlex.split(wrap.format(arm=arm, rep=rep)) if wrap else []  # outside taskset: the profiler unpinned
     cmd = [*pre, *_prefix(cpu), sys.executable, THIS, "--worker", arm, "--steps", str(steps), "--out", out,
            "--skip", str(skip), "--task", task, "--threads", str(threads)]
+    if arm == "plain" and tune_plain:
+        cmd += ["--tune-plain"]
     if arm == "ddiloco":
         cmd += ["--url", url, "--learner-id", f"bench-{rep}"]
         if profile_dir:
@@ -298,7 +305,7 @@ def step_time_comparison(args, workdir: str) -> dict:
             for arm in order:
                 records.append(run_arm(arm, url=url, rep=rep, steps=args.steps, skip=args.skip, workdir=workdir,
                                        cpu=cpu_l, profile_dir=args.profile, timers=args.timers, task=args.task,
-                                       threads=args.threads, wrap=args.wrap))
+                                       threads=args.threads, wrap=args.wrap, tune_plain=args.tune_plain))
         syncer_hwm = vm_hwm_kb(syncer.pid)
     finally:
         syncer.terminate()
@@ -485,6 +492,10 @@ def main() -> None:
     ap.add_argument("--task", choices=sorted(TASKS), default="mid", help="mid: the 3.2M-param GPT; tiny: the 0.2M one")
     ap.add_argument("--threads", type=int, choices=(1, 2), default=1,
                     help="torch threads of both arms (2: the learners on both CPUs)")
+    ap.add_argument("--tune-plain", action="store_true",
+                    help="the plain loop sets the allocator thresholds `ddiloco learn` sets (ddiloco_cli.learner."
+                         "allocator): the comparison without the allocator's part (DDILOCO_MALLOC_TUNING=0 in the "
+                         "environment: both arms with glibc's defaults)")
     ap.add_argument("--wrap", default=None, metavar="CMD",
                     help="a command line to run each arm's process under, e.g. 'py-spy record --gil --native -r 250 "
                          "-f raw -o /tmp/p/{arm}-{rep}.txt --' ({arm}, {rep}: that process's)")
@@ -504,7 +515,8 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker == "plain":
-        return plain_worker(args.steps, args.out, task=args.task, threads=args.threads, skip=args.skip)
+        return plain_worker(args.steps, args.out, task=args.task, threads=args.threads, skip=args.skip,
+                            tune=args.tune_plain)
     if args.worker == "ddiloco":
         return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile,
                               timers=args.timers, skip=args.skip, task=args.task, threads=args.threads)
@@ -529,8 +541,16 @@ def main() -> None:
         print(f"task {args.task}: {n / 1e6:.2f}M params, batch {batch_size} x {the_task.config.block_size} tokens; "
               f"{args.threads} torch thread(s); P = H = 24, int4; {args.reps} A/B rounds x {args.steps} steps "
               f"(first {args.skip} skipped); pinned: {args.pin}; load {os.getloadavg()[0]:.2f}", flush=True)
+        from ddiloco_cli.learner import allocator
+
+        tuned, why = allocator.wanted()
+        alloc = ("allocator thresholds as `ddiloco learn` sets them in the ddiloco arm" + (
+            " and in the plain loop (--tune-plain)" if args.tune_plain else ", glibc's defaults in the plain loop")
+            if tuned else f"glibc's allocator as the environment sets it in both arms ({why})")
+        print(alloc, flush=True)
         res = step_time_comparison(args, workdir)
         res["model_numel"] = n
+        res["allocator"] = alloc
         if not args.skip_syncer_memory:
             res["syncer_memory"] = syncer_memory(args, workdir)
     finally:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.learner import progress
+from ddiloco_cli.learner import allocator, progress
 from ddiloco_cli.learner.island import move_model, resolve_device
 from ddiloco_cli.learner.sync import DiLoCoSync, SyncOptions, check_learner_id
 from ddiloco_cli.protocol import layout, ledger
@@ -167,6 +167,7 @@ class Learner:
 
     def __init__(self, store: Store, *, options: LearnerOptions, on_progress: Callable[[dict], None] | None = None):
         options.check()
+        allocator.tune()  # before the model and its optimizer allocate (docs/learner.md, "The allocator")
         check_learner_id(options.learner_id)
         self.store, self.opts, self.on_progress = store, options, on_progress
         record = ledger.read_run(store)
