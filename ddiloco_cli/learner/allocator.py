@@ -4,8 +4,8 @@ With glibc's defaults a block of 128 KiB or more is mapped fresh from the kernel
 when freed (the threshold then rises with what was freed, up to 32 MiB), and the heap's free top
 is handed back above twice that threshold. A training step allocates and frees the same large
 activations every step; the learner's fragment-sized buffers (gathers, deltas, increments)
-between them move the thresholds and the heap's top, and the step then faults its memory in
-again: 885 minor page faults a step on the training thread against the plain loop's 340, and
+between them most likely move the thresholds and the heap's top (inferred), and the step then
+faults its memory in again: 885 minor page faults a step on the training thread against the plain loop's 340, and
 +5.6% wall time per step, in `bench_overhead.py` (docs/results.md, "Learner overhead"). With
 both thresholds fixed, blocks below 32 MiB stay in the process's heap and are reused: 1 fault a
 step, and the A/B reads +0.7%.
