@@ -20,10 +20,10 @@ nothing is done.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def wanted(environ: os._Environ[str] | dict[str, str] = os.environ) -> tuple[bool, str]:
+def wanted(environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
     """Whether to tune, and why not when not."""
     if environ.get(ENV_OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
         return False, f"{ENV_OPT_OUT}={environ[ENV_OPT_OUT]}"
@@ -58,7 +58,7 @@ def wanted(environ: os._Environ[str] | dict[str, str] = os.environ) -> tuple[boo
     return True, ""
 
 
-def tune(environ: os._Environ[str] | dict[str, str] = os.environ, *, libc: ctypes.CDLL | None = None) -> bool:
+def tune(environ: Mapping[str, str] = os.environ, *, libc: ctypes.CDLL | None = None) -> bool:
     """Fix glibc's mmap and trim thresholds for this process (once; later calls return the first
     call's answer). Returns whether they were set."""
     global _done

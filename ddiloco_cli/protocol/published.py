@@ -177,6 +177,8 @@ def reads_concurrently(store: Store) -> bool:
     """Whether reads of ``store`` may be made several at a time: a store may ask for them one at
     a time, in order (``concurrent_reads = False``: the simulation's, whose reads take virtual time)."""
     return bool(getattr(store, "concurrent_reads", True))
+
+
 MANIFESTS_CACHED = 64  # a reader's cache of recent manifests
 
 
