@@ -95,6 +95,49 @@ def test_mostly_zero_chunks_send_their_nonzeros_then_their_earliest_zeros():
     assert out.sources["w"].index.tolist() == [0, 1, 5, 700, 4096, 4097, 4096 + 3, 4096 + 4000]
 
 
+def _rows_of(kind: str, rng: np.random.Generator, nrows: int, width: int) -> np.ndarray:
+    x = (rng.standard_normal((nrows, width)) * rng.random((nrows, 1)) * 10.0 ** rng.integers(-30, 5)).astype(np.float32)
+    if kind == "sparse":  # fewer nonzeros than k in some rows: the screen lets everything through
+        x[rng.random(x.shape) < 0.985] = 0
+    elif kind == "half-zero":  # zero rows beside dense ones, in one block
+        x[::2] = 0
+    elif kind == "zero-tail":  # the zero rows after the first block: the screen stops early
+        x[nrows // 3 :] = 0
+    elif kind == "ties":  # few distinct magnitudes: ties at the threshold
+        x = np.round(x / np.abs(x).max(axis=1, keepdims=True) * 3).astype(np.float32)
+    elif kind == "non-finite":
+        x[rng.random(x.shape) < 0.004] = np.nan
+        x[rng.random(x.shape) < 0.004] = -np.inf
+        x[0, :7] = np.array([0x7FFFFFFF, -1, 0x7F800001, 1, 0, 0x00000001, 0x80000001], dtype=np.int64).astype(np.int32).view(np.float32)
+    elif kind == "subnormal":
+        x *= np.float32(1e-39)
+    return x
+
+
+@pytest.mark.parametrize("kind", ["normal", "sparse", "half-zero", "zero-tail", "ties", "non-finite", "subnormal"])
+@pytest.mark.parametrize("width,k", [(1024, 20), (4096, 82), (1536, 20), (512, 3), (1024, 32)])
+def test_the_candidate_screen_selects_what_one_partition_per_row_selects(kind, width, k):
+    """The selection's screen (group maxima, then a partition of the candidates only) is an
+    optimisation: its positions and values are the plain per-row partition's, on every input."""
+    assert sparse._screen_groups(width, k) > 0  # these sizes take the screen
+    rng = np.random.default_rng(hash((kind, width, k)) % 2**32)
+    rows = _rows_of(kind, rng, (3 << 18) // width + 5, width)  # several blocks and a short one
+    pos, val = sparse._select(rows, k)
+    want = sparse._partition_rows(rows, k)
+    assert pos.dtype == np.int64 and np.array_equal(pos, want)
+    assert np.array_equal(val.view(np.int32), rows.reshape(-1)[want].view(np.int32))
+    assert np.all(np.diff(pos, axis=1) > 0) and np.all(pos // width == np.arange(rows.shape[0])[:, None])
+
+
+def test_the_defaults_take_the_screen_and_the_rest_the_partition():
+    assert sparse._screen_groups(1024, sparse.topk(0.02, 1024)) == 128
+    assert sparse._screen_groups(4096, sparse.topk(0.02, 4096)) == 512
+    assert sparse._screen_groups(1024, 40) == 0  # a published delta at twice the density: groups of 4
+    assert sparse._screen_groups(1000, 20) == 0  # no power-of-two group count divides it
+    x = np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32)
+    assert np.array_equal(sparse._select(x, 20)[0], sparse._partition_rows(x, 20))
+
+
 def test_small_tensors_are_sent_at_about_the_density():
     k = sparse.topk(0.02, 4096)
     assert sparse.sent_count(128, 4096, k) == 3 and sparse.sent_count(4096 + 1, 4096, k) == k + 1
