@@ -150,25 +150,31 @@ def measure_sizes(codec: str, block_size: int | None, before, grad, *, density: 
     }
 
 
-def measure_throughput(codec: str, block_size: int | None, grad, *, numel: int, repeats: int,
-                       density: float | None = None) -> dict:
+def measure_throughput(configs: list[tuple[str, int | None, float | None]], grad, *, numel: int,
+                       repeats: int) -> list[dict]:
+    """Encode and decode throughput of each (codec, block, density), best of ``repeats``; the
+    configurations take turns within each repeat, so a slow spell of the host falls on all of
+    them and the ratios between them hold."""
     flat = torch.cat([v.flatten() for v in grad.values()])
     x = {"x": flat.repeat(-(-numel // flat.numel()))[:numel].contiguous()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    enc_s = [float("inf")] * len(configs)
+    dec_s = [float("inf")] * len(configs)
     try:
-        enc_s = dec_s = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            data = encode_tensors(x, codec=codec, block_size=block_size, density=density)
-            t1 = time.perf_counter()
-            decode_tensors(data, max_numel=numel)
-            t2 = time.perf_counter()
-            enc_s, dec_s = min(enc_s, t1 - t0), min(dec_s, t2 - t1)
+            for i, (codec, block_size, density) in enumerate(configs):
+                t0 = time.perf_counter()
+                data = encode_tensors(x, codec=codec, block_size=block_size, density=density)
+                t1 = time.perf_counter()
+                decode_tensors(data, max_numel=numel)
+                t2 = time.perf_counter()
+                enc_s[i], dec_s[i] = min(enc_s[i], t1 - t0), min(dec_s[i], t2 - t1)
     finally:
         torch.set_num_threads(threads)
     mb = 4 * numel / 1e6
-    return {"encode_MBps": mb / enc_s, "decode_MBps": mb / dec_s, "roundtrip_MBps": mb / (enc_s + dec_s)}
+    return [{"encode_MBps": mb / e, "decode_MBps": mb / d, "roundtrip_MBps": mb / (e + d)}
+            for e, d in zip(enc_s, dec_s)]
 
 
 def main() -> None:
@@ -187,31 +193,38 @@ def main() -> None:
     args = ap.parse_args()
 
     before, grad, info = real_outer_gradient(sync_every=args.sync_every, warmup_steps=args.warmup_steps)
-    rows = []
+    configs = []
     for codec in args.codecs.split(","):
         blocks = [DEFAULT_BLOCK_SIZE.get(codec)]
         if args.blocks and codec in ("int8", "int4"):
             blocks = [int(b) for b in args.blocks.split(",")]
         if args.chunks and codec == "sparse":
             blocks = [int(b) for b in args.chunks.split(",")]
-        for block in blocks:
-            density = args.density if codec == "sparse" else None
-            row = {"codec": codec, "block_size": block, **({"density": density or 0.02} if codec == "sparse" else {})}
-            row.update(measure_sizes(codec, block, before, grad, density=density))
-            row.update(measure_throughput(codec, block, grad, numel=args.numel, repeats=args.repeats, density=density))
-            rows.append(row)
+        configs += [(codec, block, args.density if codec == "sparse" else None) for block in blocks]
+    rows = []
+    for codec, block, density in configs:
+        row = {"codec": codec, "block_size": block, **({"density": density or 0.02} if codec == "sparse" else {})}
+        row.update(measure_sizes(codec, block, before, grad, density=density))
+        rows.append(row)
+    for row, speed in zip(rows, measure_throughput(configs, grad, numel=args.numel, repeats=args.repeats)):
+        row.update(speed)
+    # encode time per value against int4 at its default block (the learner's default codec)
+    base = next((r for r in rows if r["codec"] == "int4" and r["block_size"] == DEFAULT_BLOCK_SIZE["int4"]), None)
+    for r in rows:
+        r["encode_time_vs_int4"] = base["encode_MBps"] / r["encode_MBps"] if base else None
 
     print(f"outer gradient: {info['num_params']:,} params, H={info['sync_every']} AdamW steps after "
           f"{info['warmup_steps']} warmup, text {info['text']} (loss {info['loss_after_sync_window']})")
-    print(f"throughput: {args.numel:,} fp32 values, 1 thread, best of {args.repeats}")
+    print(f"throughput: {args.numel:,} fp32 values, 1 thread, best of {args.repeats} (codecs in turn)")
     hdr = f"{'codec':<6}{'block':>6}{'up B/param':>12}{'up rel.err':>12}{'down B/param':>14}" \
-          f"{'down rel.err':>14}{'enc MB/s':>10}{'dec MB/s':>10}{'enc+dec MB/s':>14}"
+          f"{'down rel.err':>14}{'enc MB/s':>10}{'dec MB/s':>10}{'enc+dec MB/s':>14}{'enc time/int4':>15}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(f"{r['codec']:<6}{str(r['block_size'] or '-'):>6}{r['up_bytes_per_param']:>12.4f}"
               f"{r['up_rel_error']:>12.4%}{r['down_bytes_per_param']:>14.4f}{r['down_rel_error']:>14.4%}"
-              f"{r['encode_MBps']:>10.0f}{r['decode_MBps']:>10.0f}{r['roundtrip_MBps']:>14.0f}")
+              f"{r['encode_MBps']:>10.0f}{r['decode_MBps']:>10.0f}{r['roundtrip_MBps']:>14.0f}"
+              + (f"{r['encode_time_vs_int4']:>14.2f}x" if r["encode_time_vs_int4"] else f"{'-':>15}"))
     if args.json:
         args.json.write_text(json.dumps({"info": info, "numel": args.numel, "rows": rows}, indent=1) + "\n")
 

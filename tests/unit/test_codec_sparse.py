@@ -115,7 +115,7 @@ def _rows_of(kind: str, rng: np.random.Generator, nrows: int, width: int) -> np.
 
 
 @pytest.mark.parametrize("kind", ["normal", "sparse", "half-zero", "zero-tail", "ties", "non-finite", "subnormal"])
-@pytest.mark.parametrize("width,k", [(1024, 20), (4096, 82), (1536, 20), (512, 3), (1024, 32)])
+@pytest.mark.parametrize("width,k", [(1024, 20), (4096, 82), (1536, 20), (512, 3), (1024, 40), (256, 16)])
 def test_the_candidate_screen_selects_what_one_partition_per_row_selects(kind, width, k):
     """The selection's screen (group maxima, then a partition of the candidates only) is an
     optimisation: its positions and values are the plain per-row partition's, on every input."""
@@ -132,7 +132,8 @@ def test_the_candidate_screen_selects_what_one_partition_per_row_selects(kind, w
 def test_the_defaults_take_the_screen_and_the_rest_the_partition():
     assert sparse._screen_groups(1024, sparse.topk(0.02, 1024)) == 128
     assert sparse._screen_groups(4096, sparse.topk(0.02, 4096)) == 512
-    assert sparse._screen_groups(1024, 40) == 0  # a published delta at twice the density: groups of 4
+    assert sparse._screen_groups(1024, 40) == 256  # a published delta at twice the density: groups of 4
+    assert sparse._screen_groups(1024, 65) == 0  # groups of 2
     assert sparse._screen_groups(1000, 20) == 0  # no power-of-two group count divides it
     x = np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32)
     assert np.array_equal(sparse._select(x, 20)[0], sparse._partition_rows(x, 20))
