@@ -85,6 +85,21 @@ def test_bench_overhead_smoke(tmp_path):
     assert dd["main_involuntary_switches"] >= 0 and dd["main_voluntary_switches"] >= 0
 
 
+def test_bench_learner_memory_smoke(tmp_path):
+    out = tmp_path / "mem.json"
+    text = _run("bench_learner_memory.py", "--steps", "3", "--reps", "1", "--variants",
+                "tuned,untuned:DDILOCO_MALLOC_TUNING=0", "--json", str(out), timeout_s=180)
+    rep = json.loads(out.read_text())
+    assert set(rep["arms"]) == {"plain", "tuned", "untuned"} and "peak MB" in text
+    assert rep["arms"]["untuned"]["env"] == {"DDILOCO_MALLOC_TUNING": "0"}
+    for arm in rep["arms"].values():
+        (run,) = arm["runs"]
+        assert run["peak_mb"] > 100 and set(run["peak_by_step"]) == {"1", "3"}
+        if not math.isnan(arm["in_use_mb"]):  # glibc >= 2.33: the heap's own accounting
+            assert 0 < arm["in_use_mb"] <= arm["heap_mb"] and arm["free_mb"] >= 0
+    assert rep["arms"]["plain"]["ratio"] == 1.0
+
+
 def test_bench_store_smoke(tmp_path):
     out = tmp_path / "store.json"
     text = _run("bench_store.py", "--puts", "2", "--sizes", "1024", "--latency-ms", "5", "--json", str(out))
