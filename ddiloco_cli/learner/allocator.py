@@ -12,9 +12,9 @@ step, and the A/B reads +0.7%.
 
 ``tune()`` fixes them once (``mallopt``) unless the user chose otherwise: ``MALLOC_MMAP_THRESHOLD_``
 or ``MALLOC_TRIM_THRESHOLD_`` set in the environment (glibc read them at start), or
-``DDILOCO_MALLOC_TUNING=0``. Memory: the heap keeps what it freed, about 10 MB more at peak
-on the 3.2M-parameter GPT (1.130x the plain loop's peak against 1.117x). Not glibc (macOS, musl):
-nothing is done.
+``DDILOCO_MALLOC_TUNING=0``. Memory: the heap keeps what it freed; ``release_free()`` hands it
+back once, after the learner's start-up read (docs/learner.md, "The allocator"). Not glibc (macOS,
+musl): nothing is done.
 """
 
 from __future__ import annotations
@@ -81,10 +81,25 @@ def tune(environ: Mapping[str, str] = os.environ, *, libc: ctypes.CDLL | None = 
         return _done
 
 
+def release_free(environ: Mapping[str, str] = os.environ, *, libc: ctypes.CDLL | None = None) -> bool:
+    """Hand the free pages of every heap back to the kernel (glibc's ``malloc_trim(0)``); returns
+    whether it ran. For the end of a start-up: the cold read's threads leave their arenas holding
+    what they fetched (about 4 MB each, the threads gone), which the fixed trim threshold would
+    otherwise keep for the whole run. Not during training: the step would fault its memory in
+    again. Nothing with ``DDILOCO_MALLOC_TUNING=0`` or when the C library is not glibc."""
+    if environ.get(ENV_OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    libc = libc if libc is not None else _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
 def _reset_for_tests() -> None:
     global _done
     with _lock:
         _done = None
 
 
-__all__ = ["tune", "wanted", "ENV_OPT_OUT", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
+__all__ = ["tune", "wanted", "release_free", "ENV_OPT_OUT", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]

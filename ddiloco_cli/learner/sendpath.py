@@ -100,14 +100,14 @@ class SendPath:
             return theta
         base_version, base_value = self.base[p]
         delta = dict(zip(theta, torch._foreach_sub([base_value[k] for k in theta], list(theta.values()))))
-        with self._residual_lock:
+        with self._residual_lock:  # held while read: the upload thread updates a residual in place
             residual = self._residual.get(p)
-        if residual is not None:  # the part of the last contribution the codec did not carry [L6]
-            decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
-            if decay == 1.0:
-                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
-            else:
-                torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
+            if residual is not None:  # the part of the last contribution the codec did not carry [L6]
+                decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
+                if decay == 1.0:
+                    torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+                else:
+                    torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
         c_steps, c_tokens = self.counters.snapshot(p)
         header = records.make(
             "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
@@ -119,6 +119,13 @@ class SendPath:
 
     def _keep_residual(self, fragment: int, residual: Tensors) -> None:
         """Upload thread: the residual of fragment's newest uploaded contribution replaces the last
-        one (that contribution carried the last one in its delta)."""
+        one (that contribution carried the last one in its delta). Copied into the fragment's
+        first one, which lives for the whole session: a new block a fragment every H steps,
+        freed H steps later among the thread's short-lived ones, grew the thread's heap by
+        fragmentation (docs/results.md, "Learner overhead")."""
         with self._residual_lock:
-            self._residual[fragment] = residual
+            kept = self._residual.get(fragment)
+            if kept is None or kept.keys() != residual.keys():
+                self._residual[fragment] = residual
+            else:
+                torch._foreach_copy_(list(kept.values()), [residual[k] for k in kept])

@@ -78,3 +78,33 @@ def test_tune_sets_both_thresholds_once():
                          (allocator.M_TRIM_THRESHOLD, allocator.TRIM_THRESHOLD)]
     finally:
         allocator._reset_for_tests()
+
+
+# a fresh tuned process: 64 MiB of 1 MiB blocks freed stay in the heap (the trim threshold keeps
+# them); release_free() hands their pages back, as the learner does once its start-up read is done
+RELEASE = r"""
+import json
+from ddiloco_cli.learner import allocator
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+allocator.tune()
+blocks = [b"x" * (1 << 20) for _ in range(64)]
+full = rss_mb()
+del blocks
+kept = rss_mb()
+released = allocator.release_free()
+print(json.dumps({"full": full, "kept": kept, "after": rss_mb(), "released": released}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_release_free_hands_the_heaps_kept_pages_back():
+    env = {k: v for k, v in os.environ.items() if k not in allocator.GLIBC_ENV and k != allocator.ENV_OPT_OUT}
+    out = subprocess.run([sys.executable, "-c", RELEASE], env=env, capture_output=True, text=True, check=True,
+                         timeout=120)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["released"] is True
+    assert got["kept"] > got["full"] - 16  # freed, but kept by the heap
+    assert got["kept"] - got["after"] > 48  # most of the 64 MiB back to the kernel
+    assert allocator.release_free({allocator.ENV_OPT_OUT: "0"}) is False

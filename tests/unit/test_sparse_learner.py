@@ -72,7 +72,32 @@ def test_the_accumulator_decays_and_keeps_what_was_not_sent():
         assert 0 < sum(int((t != 0).sum()) for t in sent.values()) <= 0.08 * numel  # sparse
 
 
-def test_the_default_decay_is_0_95_and_a_new_session_starts_from_zero():
+def test_each_fragment_keeps_its_residual_in_one_buffer_for_the_session():
+    """The upload thread copies a new residual into the fragment's first one (a new block a send,
+    freed H steps later among the thread's short-lived ones, fragmented its heap); the values are
+    the newest residual's (the test above checks what they add to the next contribution)."""
+    store = _run(error_feedback_decay=0.5)
+    torch.manual_seed(2)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="b") as sync:
+        buffers = []
+        for i in range(3):
+            with torch.no_grad():
+                for t in model.parameters():
+                    t.add_(torch.randn_like(t) * 0.01)
+            sync.step(num_tokens=1)
+            sync.step(num_tokens=1)
+            while sync.stats.num_contributions < i + 1:
+                time.sleep(0.01)
+            with sync._residual_lock:
+                kept = sync._residual[0]
+                buffers.append({k: (v.data_ptr(), v.clone()) for k, v in kept.items()})
+    assert [{k: p for k, (p, _) in b.items()} for b in buffers] == [{k: p for k, (p, _) in buffers[0].items()}] * 3
+    # the values change from send to send: the buffer holds the newest residual, not the first
+    assert any(not torch.equal(buffers[0][k][1], buffers[2][k][1]) for k in buffers[0])
+
+
+def test_the_default_decay_is_0_9_and_a_new_session_starts_from_zero():
     store = _run()
     run = ledger.read_run(store)
     assert run["error_feedback_decay"] == 0.9
