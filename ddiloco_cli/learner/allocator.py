@@ -48,9 +48,13 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
+def _opted_out(environ: Mapping[str, str]) -> bool:
+    return environ.get(ENV_OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def wanted(environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
     """Whether to tune, and why not when not."""
-    if environ.get(ENV_OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
+    if _opted_out(environ):
         return False, f"{ENV_OPT_OUT}={environ[ENV_OPT_OUT]}"
     chosen = [name for name in GLIBC_ENV if name in environ]
     if chosen:
@@ -87,7 +91,7 @@ def release_free(environ: Mapping[str, str] = os.environ, *, libc: ctypes.CDLL |
     what they fetched (about 4 MB each, the threads gone), which the fixed trim threshold would
     otherwise keep for the whole run. Not during training: the step would fault its memory in
     again. Nothing with ``DDILOCO_MALLOC_TUNING=0`` or when the C library is not glibc."""
-    if environ.get(ENV_OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
+    if _opted_out(environ):
         return False
     libc = libc if libc is not None else _glibc()
     if libc is None or not hasattr(libc, "malloc_trim"):
