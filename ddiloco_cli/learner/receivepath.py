@@ -112,12 +112,27 @@ class ReceivePath:
             local = self.island.gather(self.plan, p, self.params)
             new = receive_rule(local, value, flight.theta, alpha=self.alpha, keep_progress=self.keep_progress)
             self.island.scatter(self.plan, p, self.params, new)
-        self.base[p] = (version, value)
+        self._rebase(p, version, value)
         # the next contribution covers exactly the steps since this send (or since now)
         self.counters.reset(p, since=flight.counters if self.keep_progress else None)
         self.stats.versions[p] = version
         self._note_lag(self.stats.step - (flight.receive_step - self.tau))
         return True
+
+    def _rebase(self, p: int, version: int, value: Tensors) -> None:
+        """The base of p becomes ``value`` at ``version``: copied into the base's own tensors,
+        which live for the session (a received value is a new block of the receiver thread's
+        every H steps; kept as the base, each freed H steps later among that thread's
+        short-lived ones, they grew its heap by fragmentation: docs/results.md, "Learner
+        overhead"). Nothing else holds the old base here: the receiver reads a base only while
+        p is wanted and not ready, and the version just taken ended that."""
+        kept = self.base.get(p)
+        if kept is None or kept[1] is value or kept[1].keys() != value.keys() or any(
+                kept[1][k].shape != value[k].shape for k in value):
+            self.base[p] = (version, value)
+            return
+        torch._foreach_copy_(list(kept[1].values()), [value[k] for k in kept[1]])
+        self.base[p] = (version, kept[1])
 
     def _note_lag(self, lag: int) -> None:
         """Keep a receive's send -> receive lag (steps) for the heartbeat and `status`; warn once a

@@ -614,6 +614,29 @@ def test_a_decoupled_learner_takes_the_version_that_merged_its_contribution_L8(o
             assert sync.base[0][0] == 1 and 0 not in sync.in_flight
 
 
+def test_the_base_is_updated_in_its_own_tensors_on_every_receive():
+    """A received version is copied into the base's tensors, which live for the session (kept as
+    the base, the receiver's new blocks fragmented its heap: docs/results.md, "Learner
+    overhead"); the values are the version's, bit for bit."""
+    store = _run(num_fragments=1, sync_every=8, overlap_steps=1)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="r") as sync:
+        storage = {k: v.data_ptr() for k, v in sync.base[0][1].items()}
+        value = sync.base[0][1]
+        for _ in range(8):  # fragment 0 is sent at step 8; its version is taken at step 9
+            sync.step(num_tokens=1)
+        for version in (1, 2):
+            value = _publish(store, version=version, prev=value, high_water={"r": sync.in_flight[0].seq})
+            _until_ready(sync, version)
+            assert sync.step(num_tokens=1) == [0]
+            got_version, got = sync.base[0]
+            assert got_version == version
+            assert {k: v.data_ptr() for k, v in got.items()} == storage
+            assert all(torch.equal(got[k], value[k]) for k in value)
+            for _ in range(7):  # steps 10-16: the next send at step 16, taken at 17
+                sync.step(num_tokens=1)
+
+
 class _Later(StoreWrapper):
     """The store's clock ``by_s`` ahead: every object it holds looks that much older."""
 
