@@ -132,7 +132,7 @@ def _select(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     row with too many candidates (mostly equal magnitudes, zeros, so t is 0) goes to the plain
     per-row partition. The result is the set the plain partition selects, at about a third of
     its cost: the group maxima are one cheap pass (torch's reduction over the middle axis;
-    numpy's is 4x slower) and the partition sees about 1/30 of the values. The candidates'
+    numpy's is 4x slower) and the partition sees about 1/40 of the values. The candidates'
     values are taken while their rows are in cache."""
     nrows, width = rows.shape
     groups = _screen_groups(width, k)
