@@ -77,29 +77,16 @@ def worker(arm: str, url: str, steps: int, out: str) -> None:
     def record() -> None:
         series.append({**_status(), **mallinfo()})
 
-    spec, task, batch_size = bo.TASKS["mid"]
     if arm == "plain":
-        torch.manual_seed(bo.SEED)
-        model = task.build_model()
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=bo.INNER_LR, betas=(0.9, 0.95), weight_decay=0.1)
-        batches = task.batches(shard=0, num_shards=1, seed=12345, batch_size=batch_size)
-        for step in range(steps):
-            for group in optimizer.param_groups:
-                group["lr"] = bo.INNER_LR * min(1.0, (step + 1) / bo.WARMUP)
-            loss = task.loss(model, next(batches))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            float(loss.detach())
-            record()
+        bo.plain_loop(steps, on_step=record)
+        series.pop(0)  # the one before the first step
     else:
         from ddiloco_cli.learner import Learner, LearnerOptions
         from ddiloco_cli.store import open_store
 
         learner = Learner(open_store(url), options=LearnerOptions(learner_id="mem", steps=steps, log_every=10**9,
-                                                                  task=spec), on_progress=lambda _: record())
+                                                                  task=bo.TASKS["mid"][0]),
+                          on_progress=lambda _: record())
         learner.train()
     with open(out, "w") as f:
         json.dump(series, f)
@@ -108,14 +95,9 @@ def worker(arm: str, url: str, steps: int, out: str) -> None:
 def run_arm(arm: str, env: dict[str, str], steps: int, workdir: str, name: str) -> list[dict]:
     import benchlib
     import bench_overhead as bo
-    from ddiloco_cli.ops.runinit import RunSpec, init_run
-    from ddiloco_cli.store import open_store
 
     url = os.path.join(workdir, f"run-{name}")
-    spec, _, batch_size = bo.TASKS["mid"]
-    init_run(open_store(url), RunSpec(task=spec, num_fragments=24, sync_every=24, overlap_steps=2, quorum=1,
-                                      codec="int4", inner_lr=bo.INNER_LR, warmup_steps=bo.WARMUP,
-                                      lr_schedule="constant", total_steps=0, batch_size=batch_size, seed=bo.SEED))
+    bo.init_bench_run(url)
     launcher = benchlib.Launcher(workdir, cwd=REPO)
     try:
         if arm != "plain":

@@ -112,13 +112,27 @@ def plain_worker(steps: int, out: str, *, task: str = "mid", threads: int = 1, s
 
         allocator.tune()
     torch.set_num_threads(threads)
+    stamps, marks = [], {}
+
+    def on_step() -> None:  # also once before the first step
+        stamps.append(_stamp())
+        _marks(marks, stamps, skip=skip, steps=steps)
+
+    numel = plain_loop(steps, task=task, on_step=on_step)
+    _write(out, arm="plain", stamps=stamps, numel=numel, marks=marks)
+
+
+def plain_loop(steps: int, *, task: str = "mid", on_step: Callable[[], None]) -> int:
+    """The plain loop: same task, model, optimizer, lr warmup, clip, batch and seed as the
+    learner; ``on_step`` once before the first step and after every step. Returns the model's
+    trained parameter count."""
     torch.manual_seed(SEED)
     _, the_task, batch_size = TASKS[task]
     model = the_task.build_model()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=INNER_LR, betas=(0.9, 0.95), weight_decay=0.1)
     batches = the_task.batches(shard=0, num_shards=1, seed=12345, batch_size=batch_size)
-    stamps, marks = [_stamp()], {}
+    on_step()
     for step in range(steps):
         lr = INNER_LR * (step + 1) / WARMUP if step < WARMUP else INNER_LR
         for group in optimizer.param_groups:
@@ -130,9 +144,19 @@ def plain_worker(steps: int, out: str, *, task: str = "mid", threads: int = 1, s
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         float(loss.detach())
-        stamps.append(_stamp())
-        _marks(marks, stamps, skip=skip, steps=steps)
-    _write(out, arm="plain", stamps=stamps, numel=sum(p.numel() for p in params), marks=marks)
+        on_step()
+    return sum(p.numel() for p in params)
+
+
+def init_bench_run(url: str, task: str = "mid") -> None:
+    """The learner arm's run: P = H = 24, tau 2, K 1, int4, the plain loop's lr, warmup, batch, seed."""
+    from ddiloco_cli.ops.runinit import RunSpec, init_run
+    from ddiloco_cli.store import open_store
+
+    spec, _, batch_size = TASKS[task]
+    init_run(open_store(url), RunSpec(task=spec, num_fragments=24, sync_every=24, overlap_steps=2, quorum=1,
+                                      codec="int4", inner_lr=INNER_LR, warmup_steps=WARMUP, lr_schedule="constant",
+                                      total_steps=0, batch_size=batch_size, seed=SEED))
 
 
 def _timed(spent: dict, name: str, fn: Callable) -> Callable:
@@ -286,14 +310,8 @@ def _steady_switches(rec: dict, n: int) -> dict[str, float]:
 
 
 def step_time_comparison(args, workdir: str) -> dict:
-    from ddiloco_cli.ops.runinit import RunSpec, init_run
-    from ddiloco_cli.store import open_store
-
     url = os.path.join(workdir, "run")
-    spec, _, batch_size = TASKS[args.task]
-    init_run(open_store(url), RunSpec(task=spec, num_fragments=24, sync_every=24, overlap_steps=2, quorum=1,
-                                      codec="int4", inner_lr=INNER_LR, warmup_steps=WARMUP, lr_schedule="constant",
-                                      total_steps=0, batch_size=batch_size, seed=SEED))
+    init_bench_run(url, args.task)
     # the learners on CPU 0 (both CPUs with 2 torch threads), the syncer on CPU 1 at nice +10
     cpu_l, cpu_s = (("0" if args.threads == 1 else "0,1"), 1) if args.pin else (None, None)
     launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from ddiloco_cli.learner.receiver import InFlight, Ready, receive_rule
+from ddiloco_cli.learner.sendpath import copied_into
 
 log = logging.getLogger("ddiloco_cli.learner.sync")  # the learner's lines keep their logger name
 
@@ -120,19 +121,10 @@ class ReceivePath:
         return True
 
     def _rebase(self, p: int, version: int, value: Tensors) -> None:
-        """The base of p becomes ``value`` at ``version``: copied into the base's own tensors,
-        which live for the session (a received value is a new block of the receiver thread's
-        every H steps; kept as the base, each freed H steps later among that thread's
-        short-lived ones, they grew its heap by fragmentation: docs/results.md, "Learner
-        overhead"). Nothing else holds the old base here: the receiver reads a base only while
-        p is wanted and not ready, and the version just taken ended that."""
-        kept = self.base.get(p)
-        if kept is None or kept[1] is value or kept[1].keys() != value.keys() or any(
-                kept[1][k].shape != value[k].shape for k in value):
-            self.base[p] = (version, value)
-            return
-        torch._foreach_copy_(list(kept[1].values()), [value[k] for k in kept[1]])
-        self.base[p] = (version, kept[1])
+        """The base of p becomes ``value`` at ``version``, copied into the base's tensors
+        (``copied_into``). Nothing else holds the old base here: the receiver reads a base only
+        while p is wanted and not ready, and the version just taken ended that."""
+        self.base[p] = (version, copied_into(self.base[p][1] if p in self.base else None, value))
 
     def _note_lag(self, lag: int) -> None:
         """Keep a receive's send -> receive lag (steps) for the heartbeat and `status`; warn once a

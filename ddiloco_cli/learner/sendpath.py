@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.learner import allocator
 from ddiloco_cli.learner.schedule import aligned_offset
 from ddiloco_cli.learner.session import running_phases
 from ddiloco_cli.protocol import layout, ledger, records, signing
@@ -24,6 +25,17 @@ Tensors = dict[str, torch.Tensor]
 
 
 BOOTSTRAP_THREADS = 8  # fragments a starting learner reads at once
+
+
+def copied_into(kept: Tensors | None, new: Tensors) -> Tensors:
+    """``new``'s values in ``kept``'s tensors (copied in; returns ``kept``), or ``new`` itself
+    when there are none yet: a fragment's base and residual live in one set of tensors for the
+    session (a new block every H steps, freed H steps later among a worker thread's short-lived
+    ones, grew that thread's heap by fragmentation: docs/results.md, "Learner overhead")."""
+    if kept is None or kept is new or kept.keys() != new.keys():
+        return new
+    torch._foreach_copy_(list(kept.values()), [new[k] for k in kept])
+    return kept
 
 
 def read_newest(store: Store, readers: dict[int, FragmentReader]) -> list[tuple[int, Tensors]]:
@@ -90,6 +102,8 @@ class SendPath:
             self.island.scatter(self.plan, p, self.params, value)
             self.base[p] = (v, value)
             self.stats.versions[p] = v
+        if self.opts.threads:  # a learner process (a driver without threads, the simulation, runs many)
+            allocator.release_free()  # what the cold read's threads fetched, before the first step
 
     def _send(self, p: int, seq: int, step: int) -> Tensors:
         """Queue the outer gradient delta = Theta_base - theta of fragment p; returns
@@ -124,8 +138,4 @@ class SendPath:
         freed H steps later among the thread's short-lived ones, grew the thread's heap by
         fragmentation (docs/results.md, "Learner overhead")."""
         with self._residual_lock:
-            kept = self._residual.get(fragment)
-            if kept is None or kept.keys() != residual.keys():
-                self._residual[fragment] = residual
-            else:
-                torch._foreach_copy_(list(kept.values()), [residual[k] for k in kept])
+            self._residual[fragment] = copied_into(self._residual.get(fragment), residual)

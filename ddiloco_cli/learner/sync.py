@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import UsageError
-from ddiloco_cli.learner import allocator, progress
+from ddiloco_cli.learner import progress
 from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner.receivepath import ReceivePath
 from ddiloco_cli.learner.receiver import InFlight, Receiver
@@ -192,8 +192,6 @@ class DiLoCoSync(SendPath, ReceivePath):
         self.readers = {p: FragmentReader(self.store, run_id=self.run_id, plan=self.plan, fragment=p, trust=trust)
                         for p in range(self.plan.num_fragments)}
         self._bootstrap()
-        if self.opts.threads:  # a learner process (a driver without threads, the simulation, runs many)
-            allocator.release_free()  # what the cold read's threads fetched, before the first step
         if not self.lockstep and self.opts.align_schedule:  # lock-step learners share one schedule
             self.schedule_offset = self.island.agree([self._aligned_offset(trust) if io else 0])[0]
         if io:
