@@ -185,6 +185,24 @@ def test_a_valid_hand_made_frame_decodes():
     assert int((d != 0).sum()) == 8
 
 
+def test_a_short_last_chunk_decodes_from_its_own_start():
+    # 40 values in chunks of 16, k 4: two full chunks send 4 each, the last (8 long) ceil(4 * 8 / 16) = 2
+    gaps = [0, 0, 5, 7, 1, 0, 0, 0, 2, 4]
+    out, _ = _decode(_payload({"w": ([40], _frame([0x3F80] * 3, [3] * 10, gaps))}))
+    assert torch.nonzero(out["w"]).reshape(-1).tolist() == [0, 1, 7, 15, 17, 18, 19, 20, 34, 39]
+    gaps[-1] = 5  # 2, 8: one past the last chunk's end (40), though inside a full chunk's width
+    with pytest.raises(InvalidPayloadError, match="outside its chunk"):
+        _decode(_payload({"w": ([40], _frame([0x3F80] * 3, [3] * 10, gaps))}))
+
+
+def test_gaps_whose_running_sum_would_wrap_32_bits_are_refused():
+    # k = chunk = 2^16 gaps of 2^16 - 1: the running sum reaches 2^32 (wraps a 32-bit integer)
+    n = k = 1 << 16
+    raw = _frame([0x3F80], [0] * k, [0xFFFF] * k)
+    with pytest.raises(InvalidPayloadError, match="outside its chunk"):
+        _decode(_payload({"w": ([n], raw)}, chunk=n, topk=k))
+
+
 @pytest.mark.parametrize("frame, match", [
     (([0x3F80, 0x3F80], [0] * 8, [0, 0, 0, 13, 0, 0, 0, 0]), "outside its chunk"),  # 0, 1, 2, 16 > 15
     (([0x3F80, 0x3F80], [0] * 8, [0xFFFF, 0, 0, 0, 0, 0, 0, 0]), "outside its chunk"),

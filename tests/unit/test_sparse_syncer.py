@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +38,26 @@ def test_sparse_contributions_merge_like_their_dense_values_on_the_union_of_supp
     assert bool((got["w"].reshape(-1)[~union] == 0).all()) and int(union.sum()) < 2000 * 0.16
     again = merge_outer_gradients(grads[::-1], weights[::-1], method=method)
     assert all(torch.equal(got[k], again[k]) for k in got)  # the canonical order: bit for bit
+
+
+def test_a_merge_of_sparse_contributions_adds_each_sent_value_once_in_the_canonical_order():
+    # over several of the merge's ranges (65536 values each): the whole-vector sum gives every
+    # value the operations the range-by-range sum gives it, bit for bit
+    g = torch.Generator().manual_seed(1)
+    n = 3 * 65536 + 1000
+    grads = [_sparse({"w": torch.randn(n, generator=g) * 10.0 ** (i - 2)}, density=0.3) for i in range(5)]
+    weights = [3.0, 1.0, 2.5, 0.5, 4.0]
+    got = merge_outer_gradients(grads, weights, method="mean")["w"]
+    want = np.zeros(n, dtype=np.float32)
+    total = sum(weights)
+    for first, i in enumerate(sorted(range(5), key=lambda i: weights[i])):  # the canonical order: by weight
+        st = grads[i].sources["w"]
+        term = st.value * np.float32(weights[i] / total)
+        if first == 0:
+            want[st.index] = term
+        else:
+            want[st.index] = want[st.index] + term
+    assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
 
 
 def _sparse_run(learners=("a", "b"), **overrides):
