@@ -30,7 +30,7 @@ import torch
 
 from ddiloco_cli.simtrain.arms import run_dp, run_sync
 from ddiloco_cli.simtrain.report import _decoupled, add_times_to_loss, duration
-from ddiloco_cli.simtrain.scenario import MERGE_PARAMS_PER_S, Scenario
+from ddiloco_cli.simtrain.scenario import Scenario
 from ddiloco_cli.simtrain.world import World
 
 # the run defaults of each codec; sparse-thin: published deltas at the uploads' density (half the
@@ -41,7 +41,7 @@ CODEC_RUNS = {"int4": {}, "sparse": {"codec": "sparse"}, "sparse-thin": {"codec"
 def base_scenario(args: argparse.Namespace, seed: int) -> Scenario:
     return Scenario(learners=args.learners, seed=seed, steps_per_learner=args.steps, dp_steps=args.dp_steps,
                     step_s=args.step_s, up_mbps=args.mbps, down_mbps=args.mbps, eval_points=args.eval_points,
-                    eval_batches=16, arms=("decoupled",), merge_params_per_s=args.syncer_shards * MERGE_PARAMS_PER_S)
+                    eval_batches=16, arms=("decoupled",), syncer_cores=args.syncer_shards)
 
 
 def run_job(job: tuple) -> dict:

@@ -20,8 +20,14 @@ from ddiloco_cli.errors import UsageError
 from ddiloco_cli.protocol.runconfig import RunConfig
 
 SPEEDS = ("constant", "two", "lognormal")
-# bench_syncer.py's figure: the outer update merges about 2.2e8 parameter x contributions per second
-MERGE_PARAMS_PER_S = 2.2e8
+# One syncer core's cost of a merge of M contributions to a fragment of n parameters, fitted to
+# ``python scripts/bench_syncer.py --codecs int4,sparse --ms 4,16,64`` (two runs, 2.1M-parameter
+# fragment; docs/simulation.md "Merge compute"): n / VERSION_PARAMS_PER_S for what a version costs
+# whatever M (the outer step, the published delta, keyframes, manifest) plus n * M /
+# MERGE_PARAMS_PER_S[codec] for what each contribution costs (download, decode, norm, merge). The
+# other codecs take int4's figure.
+VERSION_PARAMS_PER_S = 1.1e8
+MERGE_PARAMS_PER_S = {"int4": 4.7e8, "sparse": 1.7e9}
 
 # the run settings bench_convergence.py uses (decoupled arm); a scenario's [run] table overrides them
 RUN_DEFAULTS: dict[str, Any] = dict(
@@ -58,7 +64,11 @@ class Scenario:
     syncer_gbps: float = 10.0
     syncer_rtt_ms: float = 1.0
     intake_parallel: int = 4  # contribution downloads the syncer keeps in flight
-    merge_params_per_s: float = MERGE_PARAMS_PER_S
+    # one core's rates (None: the run's codec's figures above); a syncer of ``syncer_cores``
+    # processes (sync --fragments, one core each) merges that many fragments at once
+    merge_params_per_s: float | None = None
+    version_params_per_s: float | None = None
+    syncer_cores: int = 1
     # faults
     mtbf_s: float = 0.0  # per learner, mean time between preemptions (0: none)
     downtime_s: float = 60.0  # a preempted learner is back after this long
@@ -92,6 +102,9 @@ class Scenario:
             raise UsageError(f"learner_id_format = {self.learner_id_format!r} gives equal ids: use {{i}}")
         if self.dp_steps < 0 or self.model_params < 0:
             raise UsageError("dp_steps and model_params must be >= 0")
+        if self.syncer_cores < 1 or any(r is not None and r <= 0 for r in (self.merge_params_per_s,
+                                                                            self.version_params_per_s)):
+            raise UsageError("syncer_cores must be >= 1 and the syncer's rates > 0")
         bad = [a for a in self.arms if a not in ("decoupled", "sync", "dp")]
         if bad or "decoupled" not in self.arms:
             raise UsageError(f"arms {list(self.arms)}: a subset of decoupled, sync, dp with decoupled")
@@ -106,6 +119,14 @@ class Scenario:
         if unknown:
             raise UsageError(f"[run] table: unknown RunConfig fields {unknown}")
         return RunConfig(**fields)
+
+    def merge_cost_s(self, numel: int, contributions: int) -> float:
+        """The syncer's compute for one merge of ``contributions`` to a fragment of ``numel``
+        parameters (at the simulated size: the caller scales it to ``model_params``)."""
+        codec = self.run_config().codec
+        per_contribution = self.merge_params_per_s or MERGE_PARAMS_PER_S.get(codec, MERGE_PARAMS_PER_S["int4"])
+        per_version = self.version_params_per_s or VERSION_PARAMS_PER_S
+        return numel * (1.0 / per_version + contributions / per_contribution) / self.syncer_cores
 
     # ------------------------------------------------------------ per learner
     def learner_ids(self) -> list[str]:

@@ -5,8 +5,9 @@ window, token weights, RDA, outer step, publish with error feedback, ledger), on
 Its connection overlaps the GETs of contributions ``intake_parallel`` deep, as the
 syncer's decode pool keeps them in flight (modelled in the store: the syncer decodes
 inline here, ``decode_threads=1``). A merge's compute is charged before its first
-write: parameters x contributions / ``merge_params_per_s`` (bench_syncer's figure), not
-the host's time, so the result does not depend on the host. An outage drops the
+write: ``Scenario.merge_cost_s`` (a part per version and a part per contribution, fitted to
+bench_syncer's figures for the run's codec), not the host's time, so the result does not
+depend on the host. An outage drops the
 syncer; a new one claims the next epoch when it comes back (looking again every half
 lease while the old epoch's lease runs) and restores from the ledger.
 """
@@ -20,18 +21,19 @@ from ddiloco_cli.simtrain.loop import Timer, TurnClock
 from ddiloco_cli.syncer.core import FragmentState, Syncer, SyncerOptions
 
 if TYPE_CHECKING:
+    from ddiloco_cli.simtrain.scenario import Scenario
     from ddiloco_cli.simtrain.world import World
 
 
 class CostedSyncer(Syncer):
     """``Syncer`` whose commits charge the modelled merge compute to the simulated store."""
 
-    merge_params_per_s: float = 2.2e8
     merge_s: float = 0.0
+    scenario: "Scenario"  # its merge_cost_s prices a merge
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
         sim_store: SimStore = self.sim_store
-        cost_s = (self.plan.fragment_numel(state.fragment) * len(state.contributions()) / self.merge_params_per_s
+        cost_s = (self.scenario.merge_cost_s(self.plan.fragment_numel(state.fragment), len(state.contributions()))
                   * sim_store.bucket.payload_scale)
         sim_store.charge_before_next_write(cost_s)
         sim_store.in_commit = True
@@ -71,7 +73,7 @@ class SimSyncer:
                                 gc=False, clock=self.clock, decode_threads=1)
         syncer = CostedSyncer(self.store, options=options)
         syncer.sim_store = self.store
-        syncer.merge_params_per_s = self.world.scenario.merge_params_per_s
+        syncer.scenario = self.world.scenario
         if not syncer.acquire(wait=False):  # the old epoch's lease runs: look again in half a lease
             self._end_turn(syncer.config.lease_s / 2, then=self.start)
             return

@@ -200,6 +200,32 @@ def test_time_to_data_parallels_loss_at_a_larger_models_size():
         assert len(sync["curve_steps"]) >= 2
 
 
+def test_a_merge_costs_a_part_per_version_and_a_part_per_contribution_at_its_codecs_rates():
+    from ddiloco_cli.protocol import ledger
+    from ddiloco_cli.simtrain.scenario import MERGE_PARAMS_PER_S, VERSION_PARAMS_PER_S
+    from ddiloco_cli.simtrain.world import World
+
+    n = 2_000_000
+    int4, sparse = _tiny(), _tiny(run={"codec": "sparse", "sync_every": 8, "overlap_steps": 4, "num_fragments": 2})
+    assert int4.merge_cost_s(n, 4) == pytest.approx(n / VERSION_PARAMS_PER_S + 4 * n / MERGE_PARAMS_PER_S["int4"])
+    assert sparse.merge_cost_s(n, 4) == pytest.approx(n / VERSION_PARAMS_PER_S + 4 * n / MERGE_PARAMS_PER_S["sparse"])
+    assert sparse.merge_cost_s(n, 16) < int4.merge_cost_s(n, 16) / 2  # sparse contributions cost less each
+    assert _tiny(syncer_cores=4).merge_cost_s(n, 4) == pytest.approx(int4.merge_cost_s(n, 4) / 4)
+    assert _tiny(merge_params_per_s=1e6, version_params_per_s=1e7).merge_cost_s(n, 3) == pytest.approx(n / 1e7 + 3 * n / 1e6)
+    with pytest.raises(UsageError, match="syncer_cores"):
+        _tiny(syncer_cores=0).check()
+    # the simulated syncer is charged exactly that for each merge it commits (slow rates: seconds)
+    sc = _tiny(merge_params_per_s=1e6, version_params_per_s=1e7)
+    world = World(sc)
+    world.run()
+    want = 0.0
+    for p in range(world.plan.num_fragments):
+        for v in range(1, (ledger.latest_version(world.admin, p) or 0) + 1):
+            used = sum(1 for e in ledger.read_manifest(world.admin, p, v, run_id=world.run_id)["contributions"] if e.get("used"))
+            want += sc.merge_cost_s(world.plan.fragment_numel(p), used)
+    assert want > 1.0 and sum(s.total_merge_s() for s in world.syncers) == pytest.approx(want)
+
+
 def test_on_a_link_too_thin_for_a_cycle_the_learners_still_take_new_versions():
     """At 3e8 parameters over 100 Mbps a fragment's download outlasts a cycle (8 steps of
     0.5 s): every version arrives after the fragment's next send. The learners take them
