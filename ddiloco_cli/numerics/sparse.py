@@ -336,10 +336,15 @@ def _bad(where: str, msg: str) -> InvalidPayloadError:
     return InvalidPayloadError(f"{where}: {msg}")
 
 
-# byte -> the multiples of the scale its four 2-bit codes mean, the first code in the low bits:
-# four fp32 as one 16-byte item, so a lookup is one ``take`` of whole items (10x faster than
-# indexing a (256, 4) table)
-_VALUES_OF_BYTE = np.ascontiguousarray(_CODE_VALUE[(np.arange(256)[:, None] >> (2 * np.arange(4))) & 3]).view("V16")[:, 0]
+def _values_of_byte() -> np.ndarray:
+    """byte -> the multiples of the scale its four 2-bit codes mean, the first code in the low
+    bits: four fp32 as one 16-byte item, so a lookup is one ``take`` of whole items (10x faster
+    than indexing a (256, 4) table)."""
+    table = _CODE_VALUE[(np.arange(256)[:, None] >> (2 * np.arange(4))) & 3]
+    return np.ascontiguousarray(table).view("V16")[:, 0]
+
+
+_VALUES_OF_BYTE = _values_of_byte()
 
 
 def _multiples(body: np.ndarray, count: int, where: str) -> np.ndarray:

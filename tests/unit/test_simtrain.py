@@ -211,18 +211,19 @@ def test_a_merge_costs_a_part_per_version_and_a_part_per_contribution_at_its_cod
     assert sparse.merge_cost_s(n, 4) == pytest.approx(n / VERSION_PARAMS_PER_S + 4 * n / MERGE_PARAMS_PER_S["sparse"])
     assert sparse.merge_cost_s(n, 16) < int4.merge_cost_s(n, 16) / 2  # sparse contributions cost less each
     assert _tiny(syncer_cores=4).merge_cost_s(n, 4) == pytest.approx(int4.merge_cost_s(n, 4) / 4)
-    assert _tiny(merge_params_per_s=1e6, version_params_per_s=1e7).merge_cost_s(n, 3) == pytest.approx(n / 1e7 + 3 * n / 1e6)
+    slow = _tiny(merge_params_per_s=1e6, version_params_per_s=1e7)
+    assert slow.merge_cost_s(n, 3) == pytest.approx(n / 1e7 + 3 * n / 1e6)
     with pytest.raises(UsageError, match="syncer_cores"):
         _tiny(syncer_cores=0).check()
     # the simulated syncer is charged exactly that for each merge it commits (slow rates: seconds)
-    sc = _tiny(merge_params_per_s=1e6, version_params_per_s=1e7)
+    sc = slow
     world = World(sc)
     world.run()
     want = 0.0
     for p in range(world.plan.num_fragments):
         for v in range(1, (ledger.latest_version(world.admin, p) or 0) + 1):
-            used = sum(1 for e in ledger.read_manifest(world.admin, p, v, run_id=world.run_id)["contributions"] if e.get("used"))
-            want += sc.merge_cost_s(world.plan.fragment_numel(p), used)
+            entries = ledger.read_manifest(world.admin, p, v, run_id=world.run_id)["contributions"]
+            want += sc.merge_cost_s(world.plan.fragment_numel(p), sum(1 for e in entries if e.get("used")))
     assert want > 1.0 and sum(s.total_merge_s() for s in world.syncers) == pytest.approx(want)
 
 
