@@ -25,14 +25,14 @@ class ReceivePath:
 
     _lag_warned = False  # the late-receive warning is given once a session
 
-    def _add_to_params(self, p: int, increment: Tensors) -> None:
+    def _add_to_params(self, p: int, increment: Tensors, alpha: float) -> None:
         """Add ``(1 - alpha) * increment`` (fp32, keyed by slice key) to fragment p of the model in
         place: no copy of the fragment out and back as ``receive_rule`` needs (with progress kept,
         alpha * theta + (1 - alpha) * (Theta_new + theta - theta_at_send) is that sum)."""
         views = [s.view_of(self.params[s.name]) for s in self.plan.fragments[p]]
         adds = [increment[s.key].to(v.device) for s, v in zip(self.plan.fragments[p], views)]
         with torch.no_grad():
-            torch._foreach_add_(views, adds, alpha=1.0 - self.alpha)  # alpha 0: x + 1 * y == x + y exactly
+            torch._foreach_add_(views, adds, alpha=1.0 - alpha)  # alpha 0: x + 1 * y == x + y exactly
 
     def alert_every_s(self) -> float:
         """The least time between two stall alerts: the time 2*H steps take, at least
@@ -101,17 +101,20 @@ class ReceivePath:
                 not self.await_own or flight.held is None or self.stats.step < self._last_step(flight)):
             return False  # nothing to take (what _take would find): no lock, no agreement among ranks
         got = self._take(p, flight) if self.island.io else None
-        version = self.island.agree([got.version if got is not None else -1])[0]
+        # a version without this learner's contribution in flight ([L8]'s held one) takes held_alpha
+        held = got is not None and not self.lockstep and not self._accounts_for(got, flight)
+        version, held = self.island.agree([got.version if got is not None else -1, held])
         if version < 0:
             return False
+        alpha = self.held_alpha if held else self.alpha
         version, value = self.island.broadcast(self.plan, p, version, got.value if got is not None else {})
         if self._in_place and got.increment is not None and got.subtracted is flight.theta:
-            self._add_to_params(p, got.increment)
-        elif self.alpha == 0.0 and not self.keep_progress:
+            self._add_to_params(p, got.increment, alpha)
+        elif alpha == 0.0 and not self.keep_progress:
             self.island.scatter(self.plan, p, self.params, value)
         else:
             local = self.island.gather(self.plan, p, self.params)
-            new = receive_rule(local, value, flight.theta, alpha=self.alpha, keep_progress=self.keep_progress)
+            new = receive_rule(local, value, flight.theta, alpha=alpha, keep_progress=self.keep_progress)
             self.island.scatter(self.plan, p, self.params, new)
         self._rebase(p, version, value)
         # the next contribution covers exactly the steps since this send (or since now)

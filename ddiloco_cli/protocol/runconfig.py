@@ -148,6 +148,11 @@ class RunConfig:
     alpha: float | None = _f(None, "alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True,
                              metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*(global + "
                                                "progress) (default: 0.3; lockstep: 0)")
+    held_alpha: float | None = _f(None, "held-alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True,
+                                  metavar="X", help="alpha for a version taken without the learner's own last "
+                                                    "contribution of the fragment (held back until the step before "
+                                                    "its next send, [L8]; on links too thin for a cycle that is "
+                                                    "every receive). Default: alpha")
     keep_overlap_progress: bool | None = _f(None, "keep-overlap-progress", _M, kind=bool, optional=True,
                                             off="discard-overlap-progress",
                                             help="On receive, keep the steps trained since the send (theta <- "
@@ -310,6 +315,11 @@ class RunConfig:
         return codec.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
 
     # ----------------------------------------------------------- run.json
+    @property
+    def held_alpha_or_alpha(self) -> float:
+        """The learners' alpha for a held version ([L8]): held_alpha, absent or null meaning alpha."""
+        return self.alpha if self.held_alpha is None else self.held_alpha
+
     def to_record(self, *, run_id: str, created_s: float | None = None) -> dict[str, Any]:
         """The run.json record of this config for run ``run_id``."""
         body: dict[str, Any] = {}

@@ -135,7 +135,7 @@ def test_in_place_receive_is_the_receive_rule_with_alpha(alpha):
                 t.add_(torch.randn(t.shape, generator=gen) * 0.01)
         local = {k: t.clone() for k, t in sync.island.gather(sync.plan, p, sync.params).items()}
         new_global = {k: at_send[k] + torch.randn(at_send[k].shape, generator=gen) * 0.1 for k in keys}
-        sync._add_to_params(p, {k: new_global[k] - at_send[k] for k in keys})
+        sync._add_to_params(p, {k: new_global[k] - at_send[k] for k in keys}, alpha)
         got = sync.island.gather(sync.plan, p, sync.params)
         want = receive_rule(local, new_global, at_send, alpha=alpha, keep_progress=True)
         for k in keys:
@@ -612,6 +612,36 @@ def test_a_decoupled_learner_takes_the_version_that_merged_its_contribution_L8(o
                 assert sync.step(num_tokens=1) == [], step
             assert sync.step(num_tokens=1) == [0]  # step 15 = t + H - 1
             assert sync.base[0][0] == 1 and 0 not in sync.in_flight
+
+
+@pytest.mark.parametrize("held_alpha", [None, 0.8])
+def test_a_held_version_is_mixed_in_with_held_alpha_and_the_own_one_with_alpha(held_alpha):
+    """A version taken without the learner's contribution in flight ([L8]: held back, taken at the
+    step before the next send) is folded in with ``held_alpha`` (absent: alpha); one that merged
+    it with alpha. No training between: theta <- a * theta + (1 - a) * new, each published
+    version 0.5 above the one before."""
+    store = _run(num_fragments=1, sync_every=8, overlap_steps=1, alpha=0.3, held_alpha=held_alpha)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="w") as sync:
+        for _ in range(8):
+            sync.step(num_tokens=1)
+        start = {k: t.clone() for k, t in sync.island.gather(sync.plan, 0, sync.params).items()}
+        v1 = _publish(store, version=1, prev=sync.base[0][1], high_water={"other": 3})
+        _until_ready(sync, 1)
+        for step in range(9, 15):
+            assert sync.step(num_tokens=1) == [], step
+        assert sync.step(num_tokens=1) == [0] and sync.base[0][0] == 1  # step 15: the held version
+        a = 0.3 if held_alpha is None else held_alpha
+        for k, t in sync.island.gather(sync.plan, 0, sync.params).items():
+            torch.testing.assert_close(t, start[k] + 0.5 * (1 - a))
+        sync.step(num_tokens=1)  # step 16: the next send; then a version that merged it
+        seq = sync.in_flight[0].seq
+        mid = {k: t.clone() for k, t in sync.island.gather(sync.plan, 0, sync.params).items()}
+        _publish(store, version=2, prev=v1, high_water={"other": 3, "w": seq})
+        _until_ready(sync, 2)
+        assert sync.step(num_tokens=1) == [0] and sync.base[0][0] == 2  # step 17: its own, with alpha
+        for k, t in sync.island.gather(sync.plan, 0, sync.params).items():
+            torch.testing.assert_close(t, 0.3 * mid[k] + 0.7 * (v1[k] + 0.5))
 
 
 def test_the_base_is_updated_in_its_own_tensors_on_every_receive():
