@@ -60,8 +60,8 @@ DEPENDENT_DEFAULTS = {
     "codec_density": "0.02 for sparse", "publish_density": "2 x --codec-density",
     "keyframe_every": "8; 64 with sparse published deltas",
     "keyframe_rule": "size with sparse published deltas, every otherwise",
-    "error_feedback_decay": "0.9 for sparse, 1 otherwise", "max_tokens_per_step": "none: no bound", "held_alpha": "alpha",
-    "alpha": "0.3; lockstep: 0", "outer_lr": "0.7; sparse: 1.5", "outer_momentum": "0.9; sparse: 0",
+    "error_feedback_decay": "0.9 for sparse, 1 otherwise", "max_tokens_per_step": "none: no bound",
+    "alpha": "0.3; lockstep: 0", "held_alpha": "alpha", "outer_lr": "0.7; sparse: 1.5", "outer_momentum": "0.9; sparse: 0",
 }
 
 

@@ -107,7 +107,7 @@ class DiLoCoSync(SendPath, ReceivePath):
         self.island = Island(next(iter(self.params.values())).device)
         self.lockstep = self.config.mode == "lockstep"
         self.H, self.tau = self.config.sync_every, self.config.overlap_steps
-        self.alpha, self.held_alpha = self.config.alpha, self.config.held_alpha_or_alpha
+        self.alpha, self.held_alpha = self.config.alpha, self.config.held_alpha  # held_alpha None: alpha
         # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
         self.keep_progress = self.config.keep_overlap_progress and self.tau > 0 and not self.lockstep
         # [L8] take the version that merged this learner's contribution, not one merged without it

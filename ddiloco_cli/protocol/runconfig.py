@@ -148,11 +148,8 @@ class RunConfig:
     alpha: float | None = _f(None, "alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True,
                              metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*(global + "
                                                "progress) (default: 0.3; lockstep: 0)")
-    held_alpha: float | None = _f(None, "held-alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True,
-                                  metavar="X", help="alpha for a version taken without the learner's own last "
-                                                    "contribution of the fragment (held back until the step before "
-                                                    "its next send, [L8]; on links too thin for a cycle that is "
-                                                    "every receive). Default: alpha")
+    held_alpha: float | None = _f(None, "held-alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True, metavar="X",
+                                  help="alpha for a version lacking the learner's last contribution ([L8]; default: alpha)")
     keep_overlap_progress: bool | None = _f(None, "keep-overlap-progress", _M, kind=bool, optional=True,
                                             off="discard-overlap-progress",
                                             help="On receive, keep the steps trained since the send (theta <- "
@@ -255,11 +252,10 @@ class RunConfig:
             object.__setattr__(self, "codec_density", codec.SPARSE_DEFAULT_DENSITY)
         if self.publish_density is None and self.codec_density is not None:  # a new run's (from_record: old rule)
             object.__setattr__(self, "publish_density", min(1.0, codec.SPARSE_PUBLISH_FACTOR * self.codec_density))
-        sparse_published = self.publish_codec == "sparse"
         if self.keyframe_rule is None:  # a new run's (from_record: "every", the rule before 0.2.4)
-            object.__setattr__(self, "keyframe_rule", "size" if sparse_published else "every")
+            object.__setattr__(self, "keyframe_rule", "size" if self.publish_codec == "sparse" else "every")
         if self.keyframe_every is None:  # a sparse delta is ~1/60 of a keyframe: the size rule decides
-            object.__setattr__(self, "keyframe_every", SPARSE_KEYFRAME_EVERY if sparse_published else 8)
+            object.__setattr__(self, "keyframe_every", SPARSE_KEYFRAME_EVERY if self.publish_codec == "sparse" else 8)
         if self.error_feedback_decay is None:  # SparseLoCo's decayed accumulator; 1: plain error feedback
             object.__setattr__(self, "error_feedback_decay", 0.9 if self.codec == "sparse" else 1.0)
         for name, value in CODEC_OUTER_DEFAULTS["sparse" if self.codec == "sparse" else None].items():
@@ -315,11 +311,6 @@ class RunConfig:
         return codec.topk(self.codec_density, self.codec_block) if self.codec == "sparse" else None
 
     # ----------------------------------------------------------- run.json
-    @property
-    def held_alpha_or_alpha(self) -> float:
-        """The learners' alpha for a held version ([L8]): held_alpha, absent or null meaning alpha."""
-        return self.alpha if self.held_alpha is None else self.held_alpha
-
     def to_record(self, *, run_id: str, created_s: float | None = None) -> dict[str, Any]:
         """The run.json record of this config for run ``run_id``."""
         body: dict[str, Any] = {}

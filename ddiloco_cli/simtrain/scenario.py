@@ -120,10 +120,11 @@ class Scenario:
             raise UsageError(f"[run] table: unknown RunConfig fields {unknown}")
         return RunConfig(**fields)
 
-    def merge_cost_s(self, numel: int, contributions: int) -> float:
+    def merge_cost_s(self, numel: int, contributions: int, *, codec: str | None = None) -> float:
         """The syncer's compute for one merge of ``contributions`` to a fragment of ``numel``
-        parameters (at the simulated size: the caller scales it to ``model_params``)."""
-        codec = self.run_config().codec
+        parameters (at the simulated size: the caller scales it to ``model_params``), for
+        ``codec`` (None: the [run] table's, from a RunConfig built for it)."""
+        codec = codec or self.run_config().codec
         per_contribution = self.merge_params_per_s or MERGE_PARAMS_PER_S.get(codec, MERGE_PARAMS_PER_S["int4"])
         per_version = self.version_params_per_s or VERSION_PARAMS_PER_S
         return numel * (1.0 / per_version + contributions / per_contribution) / self.syncer_cores

@@ -33,8 +33,8 @@ class CostedSyncer(Syncer):
 
     def commit(self, state: FragmentState, *, grace_s: float) -> bool:
         sim_store: SimStore = self.sim_store
-        cost_s = (self.scenario.merge_cost_s(self.plan.fragment_numel(state.fragment), len(state.contributions()))
-                  * sim_store.bucket.payload_scale)
+        cost_s = (self.scenario.merge_cost_s(self.plan.fragment_numel(state.fragment), len(state.contributions()),
+                                             codec=self.config.codec) * sim_store.bucket.payload_scale)
         sim_store.charge_before_next_write(cost_s)
         sim_store.in_commit = True
         try:
