@@ -107,6 +107,7 @@ class ReceivePath:
         if version < 0:
             return False
         alpha = self.held_alpha if held and self.held_alpha is not None else self.alpha
+        self.stats.num_held += held
         version, value = self.island.broadcast(self.plan, p, version, got.value if got is not None else {})
         if self._in_place and got.increment is not None and got.subtracted is flight.theta:
             self._add_to_params(p, got.increment, alpha)

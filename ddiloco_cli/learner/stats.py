@@ -19,6 +19,7 @@ class LearnerStats:
     num_contributions: int = 0
     blocked_s: float = 0.0
     num_refused: int = 0  # own contributions the syncer's ledger refused
+    num_held: int = 0  # receives that took a version lacking the contribution in flight ([L8]: held_alpha)
     versions: dict[int, int] = field(default_factory=dict)
     state: str = "running"
     lags: deque = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))  # send -> receive, in steps

@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -51,6 +51,77 @@ def encode_contribution(delta: Tensors, header: dict[str, Any], *, codec_name: s
     return data, left_out
 
 
+class UploadQueue:
+    """The uploader's bounded queue, oldest first, that hands out one fragment's
+    contributions one at a time: ``get`` skips an item whose fragment another worker is
+    still uploading until ``done`` releases it. So a learner's contributions of a fragment
+    land in seq order (PROTOCOL [L4]); the syncer never takes in a seq at or below its
+    learner's high-water mark, so a later one landing first would leave the earlier one out
+    of the ledger. Fragments of their own still upload side by side."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self.items: deque = deque()
+        self.busy: set[int] = set()  # fragments a worker is uploading now
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def put(self, item: tuple[str, Tensors, dict[str, Any]]) -> None:
+        """Append ``item``, waiting while ``maxsize`` items are queued."""
+        with self.cond:
+            while len(self.items) >= self.maxsize:
+                self.cond.wait()
+            self.items.append(item)
+            self.cond.notify_all()
+
+    def replace(self, item: tuple[str, Tensors, dict[str, Any]]) -> bool:
+        """Put ``item`` in the place of a queued one of the same fragment and base version
+        (PROTOCOL [L4]); False when there is none."""
+        header = item[2]
+        with self.cond:
+            for i, (_, _, queued) in enumerate(self.items):
+                if queued["fragment"] == header["fragment"] and queued["base_version"] == header["base_version"]:
+                    self.items[i] = item
+                    return True
+        return False
+
+    def get(self, *, block: bool = True) -> tuple[str, Tensors, dict[str, Any]] | None:
+        """The oldest queued item whose fragment no worker is uploading, marked busy until
+        ``done``. None once closed and empty, or (``block`` False) when none can go now."""
+        with self.cond:
+            while True:
+                for i, item in enumerate(self.items):
+                    fragment = int(item[2]["fragment"])
+                    if fragment not in self.busy:
+                        del self.items[i]
+                        self.busy.add(fragment)
+                        self.cond.notify_all()  # a put waiting for room
+                        return item
+                if not block or (self.closed and not self.items):
+                    return None
+                self.cond.wait()
+
+    def done(self, fragment: int) -> None:
+        """The upload of ``fragment``'s item from ``get`` is over (created or given up)."""
+        with self.cond:
+            self.busy.discard(fragment)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """``get`` returns None once the queued items are all taken."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def empty(self) -> bool:
+        with self.cond:
+            return not self.items
+
+    def full(self) -> bool:
+        with self.cond:
+            return len(self.items) >= self.maxsize
+
+
 class Uploader:
     """Encodes and uploads contributions from a bounded queue with ``num_workers``
     threads (several PUTs in flight hide round trips on long links), retrying under
@@ -76,7 +147,7 @@ class Uploader:
         # error feedback: called with (fragment, what the encoded payload does not carry) once it is uploaded
         self.on_residual = on_residual
         self.newest_wins = newest_wins
-        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.queue = UploadQueue(maxsize)
         self.lock = threading.Lock()
         self.failed = 0
         self.replaced = 0
@@ -90,36 +161,21 @@ class Uploader:
     def submit(self, key: str, delta: Tensors, header: dict[str, Any]) -> float:
         """Queue an upload; returns seconds spent blocked because the queue was full."""
         item = (key, delta, header)
-        if self.newest_wins:
-            with self.queue.mutex:  # the queue's own lock: replace in place, nobody sees a gap
-                for i, queued in enumerate(self.queue.queue):
-                    if (queued is not None and queued[2]["fragment"] == header["fragment"]
-                            and queued[2]["base_version"] == header["base_version"]):
-                        self.queue.queue[i] = item
-                        self.replaced += 1
-                        return 0.0
+        if self.newest_wins and self.queue.replace(item):
+            self.replaced += 1
+            return 0.0
         t0 = self.clock()
         self.queue.put(item)
         return self.clock() - t0
 
     def _run(self) -> None:
-        while True:
-            item = self.queue.get()
-            try:
-                if item is None:
-                    return
-                self._upload(*item)
-            finally:
-                self.queue.task_done()
+        while (item := self.queue.get()) is not None:
+            self._upload(*item)
 
     def take_next(self) -> tuple[str, Tensors, dict[str, Any]] | None:
-        """The oldest queued (key, delta, header), or None when the queue is empty (driver mode)."""
-        try:
-            item = self.queue.get_nowait()
-        except queue.Empty:
-            return None
-        self.queue.task_done()
-        return item
+        """The oldest queued (key, delta, header) whose fragment is not being uploaded, or
+        None (driver mode); ``finish`` releases its fragment."""
+        return self.queue.get(block=False)
 
     def encode(self, key: str, delta: Tensors, header: dict[str, Any]) -> tuple[bytes, Tensors | None]:
         """The contribution's bytes, and what they leave out of ``delta`` (error feedback)."""
@@ -128,11 +184,26 @@ class Uploader:
                                    qmax=self.qmax, density=self.density)
 
     def _upload(self, key: str, delta: Tensors, header: dict[str, Any]) -> None:
-        data, residual = self.encode(key, delta, header)
+        """Encode and upload an item from ``queue.get``; a failure is counted and logged, and
+        the fragment is released either way (a worker outlives one contribution's failure)."""
+        try:
+            data, residual = self.encode(key, delta, header)
+        except Exception:  # noqa: BLE001
+            self.failed += 1
+            log.exception("could not encode %s; the next contribution of this fragment carries its progress", key)
+            self.queue.done(int(header["fragment"]))
+            return
         self.finish(key, header, data, residual)
 
     def finish(self, key: str, header: dict[str, Any], data: bytes, residual: Tensors | None) -> None:
-        """Upload an encoded contribution (retried), then hand its residual back and count it."""
+        """Upload an encoded contribution (retried), then hand its residual back and count it;
+        then the fragment's next contribution may go."""
+        try:
+            self._finish(key, header, data, residual)
+        finally:
+            self.queue.done(int(header["fragment"]))
+
+    def _finish(self, key: str, header: dict[str, Any], data: bytes, residual: Tensors | None) -> None:
         try:  # each attempt is a whole store call (retried inside); this waits out a longer outage
             created = retrying(lambda: self.store.put_if_absent(key, data), what=f"upload of {key}",
                                policy=OUTAGE_POLICY)
@@ -155,7 +226,6 @@ class Uploader:
             while (item := self.take_next()) is not None:
                 self._upload(*item)
             return
-        for _ in self.threads:
-            self.queue.put(None)
+        self.queue.close()
         for t in self.threads:
             t.join()

@@ -50,6 +50,7 @@ class LearnerReport:
     bytes_up: int = 0
     bytes_down: int = 0
     blocked_s: float = 0.0
+    held: int = 0  # receives that took a version lacking the learner's contribution in flight ([L8])
     finished_s: float | None = None
 
 
@@ -104,7 +105,7 @@ class SimLearner:
         self.session = 0  # bumped by every start and crash: stale arrivals are dropped
         self.blocked_since: float | None = None
         self.finished = False
-        self._last_stats = (0, 0)
+        self._last_stats = (0, 0, 0)
 
     def connect(self, clock: TurnClock, part: str) -> SimStore:
         return SimStore(self.world.bucket, clock, self.link, name=f"{self.learner_id}/{part}",
@@ -147,7 +148,7 @@ class SimLearner:
         self.batches, self.data_state = resumable_batches(w.task, shard=0, num_shards=1, seed=seed,
                                                           batch_size=config.batch_size, resume=sync.resume_state)
         self.drawn = 0
-        self._last_stats = (sync.stats.bytes_up, sync.stats.bytes_down)
+        self._last_stats = (sync.stats.bytes_up, sync.stats.bytes_down, sync.stats.num_held)
         start_t = self.clock.monotonic()
         self.clock.spent = 0.0
         self.beat_timer.arm(start_t + config.heartbeat_s, earlier_only=False)
@@ -234,7 +235,8 @@ class SimLearner:
         self.report.steps = s.step
         self.report.bytes_up += s.bytes_up - self._last_stats[0]
         self.report.bytes_down += s.bytes_down - self._last_stats[1]
-        self._last_stats = (s.bytes_up, s.bytes_down)
+        self.report.held += s.num_held - self._last_stats[2]
+        self._last_stats = (s.bytes_up, s.bytes_down, s.num_held)
 
     # ------------------------------------------------------------ receiver and heartbeat
     def receive(self) -> None:

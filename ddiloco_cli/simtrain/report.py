@@ -53,6 +53,7 @@ def _decoupled(world: World) -> dict[str, Any]:
         "curve": [{"t_s": p.t_s, "tokens": p.tokens, "val_loss": p.val_loss} for p in world.curve],
         "ledger": merged,
         "lag_steps_p50": percentile(lags, 0.5), "lag_steps_p95": percentile(lags, 0.95),
+        "receives": len(lags), "held_receives": sum(r.held for r in reports),
         "bytes_up_per_learner": statistics.mean(ups), "bytes_down_per_learner": statistics.mean(downs),
         "goodput_tokens_per_s": world.tokens * merged["merged_token_fraction"] / max(1e-9, end_s),
         "syncer_utilisation": sum(s.busy_s for s in world.syncers) / max(1e-9, end_s),
@@ -126,7 +127,8 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"ledger: used {led['used']} superseded {led['superseded']} refused {led['refused']}, merged token "
                  f"fraction {led['merged_token_fraction']:.3f}, mean quorum {led['mean_quorum']:.2f}, versions per "
                  f"fragment per cycle {led['versions_per_fragment_per_cycle']:.2f}")
-    lines.append(f"send->receive lag p50 {dec['lag_steps_p50']} p95 {dec['lag_steps_p95']} steps; per learner up "
+    lines.append(f"send->receive lag p50 {dec['lag_steps_p50']} p95 {dec['lag_steps_p95']} steps, held versions "
+                 f"taken {dec['held_receives']} of {dec['receives']} receives; per learner up "
                  f"{dec['bytes_up_per_learner'] / 1e6:.2f} MB down {dec['bytes_down_per_learner'] / 1e6:.2f} MB; "
                  f"syncer busy {dec['syncer_utilisation']:.1%}; preemptions {dec['preemptions']}")
     if "dp" in result:

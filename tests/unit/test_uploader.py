@@ -3,6 +3,7 @@ in decoupled mode, nothing replaced in lock-step."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -50,3 +51,61 @@ def test_a_contribution_on_a_new_base_does_not_replace_one_on_the_old_base():
     up.close()
     seqs = sorted(int(i.key.rsplit("/", 1)[1].split(".")[0]) for i in store.list("contributions/"))
     assert seqs == [2, 4] and up.replaced == 2
+
+
+class _GatedStore:
+    """A store whose create of one key waits for a gate; records when each create starts and ends."""
+
+    def __init__(self, store, gated_key: str):
+        self.store, self.gated_key = store, gated_key
+        self.gate, self.events, self.lock = threading.Event(), [], threading.Lock()
+        self.other_landed = threading.Event()
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        with self.lock:
+            self.events.append(("start", key))
+        if key == self.gated_key:
+            assert self.gate.wait(timeout=120), "the test never opened the gate"
+        created = self.store.put_if_absent(key, data)
+        with self.lock:
+            self.events.append(("end", key))
+        if key != self.gated_key:
+            self.other_landed.set()
+        return created
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_one_fragments_contributions_land_in_seq_order_while_other_fragments_go_on():
+    """Across a re-base both contributions go up; the later one must not be created before the
+    earlier one (the syncer takes no seq at or below its learner's high-water mark, so a later
+    one merged first would leave the earlier one out of the ledger). Another fragment's
+    contribution uploads meanwhile."""
+    first, second, other = _item(0, 1, 0), _item(0, 2, 1), _item(1, 3, 0)
+    store = _GatedStore(open_store(f"memory://up-{uuid.uuid4().hex}"), gated_key=first[0])
+    up = Uploader(store, codec_name="none", block_size=64, maxsize=8, stats=LearnerStats(), num_workers=3)
+    for item in (first, second, other):
+        up.submit(*item)
+    up.start()
+    assert store.other_landed.wait(timeout=120), "fragment 1's contribution waited behind fragment 0's"
+    with store.lock:
+        assert ("start", second[0]) not in store.events, "fragment 0's seq 2 started before seq 1 was created"
+    store.gate.set()
+    up.close()
+    order = [key for what, key in store.events if what == "end" and key != other[0]]
+    assert order == [first[0], second[0]]
+    assert up.failed == 0 and up.queue.empty() and not up.queue.busy
+
+
+def test_a_contribution_that_cannot_be_encoded_is_counted_and_frees_its_fragment():
+    """A failure of one contribution neither kills the worker nor holds the fragment's next one."""
+    store = open_store(f"memory://up-{uuid.uuid4().hex}")
+    up = Uploader(store, codec_name="none", block_size=64, maxsize=8, stats=LearnerStats(), num_workers=1)
+    key, _, header = _item(0, 1, 0)
+    up.submit(key, {"w": "not a tensor"}, header)
+    up.submit(*_item(0, 2, 1))
+    up.start()
+    up.close()
+    assert up.failed == 1
+    assert [i.key for i in store.list("contributions/")] == [_item(0, 2, 1)[0]]
