@@ -106,7 +106,8 @@ class ReceivePath:
         version, held = self.island.agree([got.version if got is not None else -1, held])
         if version < 0:
             return False
-        alpha = self.held_alpha if held and self.held_alpha is not None else self.alpha
+        alpha = self.held_alpha if held else self.alpha
+        self.stats.num_receives += 1
         self.stats.num_held += held
         version, value = self.island.broadcast(self.plan, p, version, got.value if got is not None else {})
         if self._in_place and got.increment is not None and got.subtracted is flight.theta:

@@ -19,7 +19,9 @@ class LearnerStats:
     num_contributions: int = 0
     blocked_s: float = 0.0
     num_refused: int = 0  # own contributions the syncer's ledger refused
-    num_held: int = 0  # receives that took a version lacking the contribution in flight ([L8]: held_alpha)
+    num_receives: int = 0  # versions folded in (this session)
+    num_held: int = 0  # of those, versions lacking the contribution in flight ([L8]: held_alpha)
+    uploads_failed: int = 0  # contributions given up (this session): not encodable, or the store's retries ran out
     versions: dict[int, int] = field(default_factory=dict)
     state: str = "running"
     lags: deque = field(default_factory=lambda: deque(maxlen=LAG_WINDOW))  # send -> receive, in steps

@@ -107,7 +107,7 @@ class DiLoCoSync(SendPath, ReceivePath):
         self.island = Island(next(iter(self.params.values())).device)
         self.lockstep = self.config.mode == "lockstep"
         self.H, self.tau = self.config.sync_every, self.config.overlap_steps
-        self.alpha, self.held_alpha = self.config.alpha, self.config.held_alpha  # held_alpha None: alpha
+        self.alpha, self.held_alpha = self.config.alpha, self.config.held_alpha
         # lock-step is Streaming DiLoCo: a learner restarts each fragment from the merged version
         self.keep_progress = self.config.keep_overlap_progress and self.tau > 0 and not self.lockstep
         # [L8] take the version that merged this learner's contribution, not one merged without it
@@ -319,12 +319,11 @@ class DiLoCoSync(SendPath, ReceivePath):
         return records.make(
             "learner_heartbeat", run_id=self.run_id, learner_id=self.learner_id, state=s.state, step=s.step,
             tokens=s.tokens, step_time_s=s.step_time_s, loss=s.loss, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
-            num_contributions=s.num_contributions, blocked_s=s.blocked_s,
-            versions={str(p): v for p, v in s.versions.items()}, device=str(self.island.device),
-            session=self.session, host=host, pid=pid, started_s=self.started_s,
-            first_started_s=self.first_started_s,
-            time_s=self.clock.time(), schedule_offset=self.schedule_offset, **self._lag_fields(),
-            **self.heartbeat_fields,
+            num_contributions=s.num_contributions, blocked_s=s.blocked_s, uploads_failed=s.uploads_failed,
+            receives=s.num_receives, held_receives=s.num_held, versions={str(p): v for p, v in s.versions.items()},
+            device=str(self.island.device), session=self.session, host=host, pid=pid, started_s=self.started_s,
+            first_started_s=self.first_started_s, time_s=self.clock.time(), schedule_offset=self.schedule_offset,
+            **self._lag_fields(), **self.heartbeat_fields,
         )
 
     def _lag_fields(self) -> dict[str, int]:

@@ -149,7 +149,6 @@ class Uploader:
         self.newest_wins = newest_wins
         self.queue = UploadQueue(maxsize)
         self.lock = threading.Lock()
-        self.failed = 0
         self.replaced = 0
         self.threads = [threading.Thread(target=self._run, name=f"ddiloco-uploader-{i}", daemon=True)
                         for i in range(num_workers if threads else 0)]
@@ -189,7 +188,7 @@ class Uploader:
         try:
             data, residual = self.encode(key, delta, header)
         except Exception:  # noqa: BLE001
-            self.failed += 1
+            self._count_failure()
             log.exception("could not encode %s; the next contribution of this fragment carries its progress", key)
             self.queue.done(int(header["fragment"]))
             return
@@ -208,7 +207,7 @@ class Uploader:
             created = retrying(lambda: self.store.put_if_absent(key, data), what=f"upload of {key}",
                                policy=OUTAGE_POLICY)
         except Exception as exc:  # noqa: BLE001 - an upload must never stop the learner
-            self.failed += 1
+            self._count_failure()
             log.error("giving up on %s (%s): the next contribution of this fragment carries its progress", key, exc)
             return
         if not created:
@@ -219,6 +218,11 @@ class Uploader:
         with self.lock:
             self.stats.bytes_up += len(data)
             self.stats.num_contributions += 1
+
+    def _count_failure(self) -> None:
+        """One contribution given up: counted in the heartbeat (``uploads_failed``) for `status`."""
+        with self.lock:
+            self.stats.uploads_failed += 1
 
     def close(self) -> None:
         """Finish every queued upload, then stop (without threads: upload them here, in turn)."""

@@ -17,7 +17,8 @@ from typing import Any
 
 from ddiloco_cli.errors import ProtocolError
 from ddiloco_cli.ops.metrics import latest_global_eval
-from ddiloco_cli.ops.runfigures import PILE_UP, alerts, blocked_learners, bytes_moved, goodput, late_receives
+from ddiloco_cli.ops.runfigures import (PILE_UP, alerts, blocked_learners, bytes_moved, failed_uploads, goodput,
+                                        held_versions, late_receives)
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.fragments import FragmentPlan
 from ddiloco_cli.protocol.runconfig import RunConfig
@@ -342,7 +343,8 @@ def run_status(store: Store) -> dict[str, Any]:
         "goodput": goodput(learners, run_age_s=now_s - training_start_s),
         "bytes": bytes_moved(learners, num_params=plan.total_numel()),
         "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
-        "notes": late_receives(learners, tau=run.overlap_steps) + blocked_learners(learners, codec=run.codec),
+        "notes": (late_receives(learners, tau=run.overlap_steps) + blocked_learners(learners, codec=run.codec)
+                  + held_versions(learners, held_alpha=run.held_alpha) + failed_uploads(learners)),
         "global_eval": latest_global_eval(store, infos=infos),  # from `sync --eval-every`
         "errors": scan.errors,
     }
@@ -411,6 +413,8 @@ def _learner_row(rec: dict[str, Any], age: float, run: RunConfig, *, newest: dic
         "bytes_up": int(rec.get("bytes_up", 0)), "bytes_down": int(rec.get("bytes_down", 0)),
         "blocked_s": float(rec.get("blocked_s", 0.0)), "heartbeat_age_s": age,
         "lag_p50": rec.get("lag_p50"), "lag_p95": rec.get("lag_p95"),  # bounded ints: the schema checked them
+        "receives": rec.get("receives"), "held_receives": rec.get("held_receives"),
+        "uploads_failed": rec.get("uploads_failed"),
     }
 
 

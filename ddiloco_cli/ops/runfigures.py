@@ -151,4 +151,36 @@ def blocked_learners(learners: list[dict[str, Any]], *, codec: str) -> list[str]
     return out
 
 
-__all__ = ["BLOCKED_NOTE", "MEASURED_B_PER_PARAM", "PILE_UP", "traffic_per_cycle", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]
+HELD_NOTE = 0.5  # a live learner for which more than this share of receives were held versions gets a note
+HELD_NOTE_AFTER = 8  # ... once it has folded in at least this many
+
+
+def held_versions(learners: list[dict[str, Any]], *, held_alpha: float) -> list[str]:
+    """One line per live learner for which most versions folded in lacked its contribution in
+    flight ([L8]'s held version, taken at the step before the fragment's next send): the merge
+    of its contributions does not come back within a cycle, because its link cannot carry a
+    cycle or the syncer is behind. It re-bases every cycle on a version a cycle old; the
+    simulated M = 16 int4 run over 100 Mbps was there (docs/sparse.md)."""
+    out = []
+    for r in learners:
+        n, held = r.get("receives"), r.get("held_receives")
+        if not r["alive"] or not n or n < HELD_NOTE_AFTER or held is None or held <= HELD_NOTE * n:
+            continue
+        out.append(f"learner {r['learner_id']}: {held} of its {n} receives were versions without its contribution "
+                   f"in flight (mixed in with held_alpha = {held_alpha:g}): its merges do not come back within a "
+                   "cycle; if it is also blocked on the bucket, send fewer bytes per cycle (`--codec sparse`, a "
+                   "longer --sync-every), else run more syncer processes (`sync --fragments`) or poll faster")
+    return out
+
+
+def failed_uploads(learners: list[dict[str, Any]]) -> list[str]:
+    """One line per learner whose session gave contributions up (not encodable, or the store's
+    retries ran out: created nowhere, so in no ledger): their steps reach the global model only
+    through a later contribution of the fragment on the same base. Its log names each one."""
+    return [f"learner {r['learner_id']}: gave up {r['uploads_failed']} contribution(s) this session (the store's "
+            "retries ran out, or one could not be encoded; its log names them): their progress reaches the global "
+            "model only through its next contribution of the fragment on the same base; check the bucket's health"
+            for r in learners if r.get("uploads_failed")]
+
+
+__all__ = ["BLOCKED_NOTE", "HELD_NOTE", "failed_uploads", "held_versions", "MEASURED_B_PER_PARAM", "PILE_UP", "traffic_per_cycle", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]

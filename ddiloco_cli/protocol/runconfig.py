@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -25,6 +24,8 @@ from typing import Any, Callable, Mapping
 from ddiloco_cli.errors import ProtocolError, UsageError
 from ddiloco_cli.numerics import codecnames as codec
 from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.runvalues import bad as _bad
+from ddiloco_cli.protocol.runvalues import checked
 from ddiloco_cli.store.base import Store
 
 # -- choices of the enum fields (the CLI offers exactly these) --
@@ -95,8 +96,12 @@ SPARSE_KEYFRAME_EVERY = 64  # the longest delta chain of a run with sparse publi
 # 0.3 in a decoupled run (docs/results.md "Outer loop": the learner keeps 0.3 of the gap
 # between its own fragment and the new global one, which damps the outer Nesterov step's
 # overshoot) and 0 in lockstep (torchft's default, so lockstep stays classic DiLoCo at M = 1).
+# held_alpha, the alpha of a version lacking the learner's contribution in flight ([L8]), is 0.5
+# since 0.2.8 (docs/sparse.md "With the syncer's cost per codec": on a link too thin for a cycle
+# every receive is one, and 0.3 made int4 at M = 16 oscillate); lockstep never takes one.
 MODE_DEFAULTS_FREE: tuple[tuple[str, Any, Any], ...] = (
     ("alpha", 0.3, 0.0),
+    ("held_alpha", 0.5, 0.0),
 )
 
 
@@ -149,7 +154,7 @@ class RunConfig:
                              metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*(global + "
                                                "progress) (default: 0.3; lockstep: 0)")
     held_alpha: float | None = _f(None, "held-alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True, metavar="X",
-                                  help="alpha for a version lacking the learner's last contribution ([L8]; default: alpha)")
+                                  help="alpha for a version lacking the learner's last contribution ([L8]; default 0.5)")
     keep_overlap_progress: bool | None = _f(None, "keep-overlap-progress", _M, kind=bool, optional=True,
                                             off="discard-overlap-progress",
                                             help="On receive, keep the steps trained since the send (theta <- "
@@ -240,7 +245,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         for f in hyperparameters():
-            object.__setattr__(self, f.name, _checked(f, getattr(self, f.name)))
+            object.__setattr__(self, f.name, checked(f, getattr(self, f.name)))
         # defaults that depend on other fields, filled in once so every reader sees the same value
         self._mode_defaults()
         if self.codec_block is None:
@@ -340,11 +345,7 @@ class RunConfig:
                 source = source.get(part, {}) if isinstance(source, Mapping) else {}
             if isinstance(source, Mapping) and path[-1] in source:
                 values[f.name] = source[path[-1]]
-        if "codec_qmax" not in values:  # a run.json from before the setting: the codec's whole range (PROTOCOL)
-            values["codec_qmax"] = codec.QMAX.get(values.get("codec", cls.codec))
-        if values.get("publish_density") is None and values.get("codec_density") is not None:
-            values["publish_density"] = values["codec_density"]  # absent or null: the uploads' density (PROTOCOL)
-        values.setdefault("keyframe_rule", "every")  # absent: a run from before the size rule (PROTOCOL)
+        _absent_means(values, default_codec=cls.codec)
         for f in hyperparameters():
             rest.pop(_json_key(f).split(".")[0], None)
         for meta in ("format", "protocol_version", "protocol_minor", "features", "nonce"):
@@ -373,6 +374,18 @@ class RunConfig:
                 raise UsageError(f"unknown setting {key!r}; `ddiloco init --print-config` lists them")
             kwargs[f.name] = value
         return cls(**kwargs)
+
+
+def _absent_means(values: dict[str, Any], *, default_codec: str) -> None:
+    """Fill in the settings a run.json from before them lacks (or gives as null) with what
+    they meant then (PROTOCOL.md, the run.json table)."""
+    if "codec_qmax" not in values:  # the codec's whole range
+        values["codec_qmax"] = codec.QMAX.get(values.get("codec", default_codec))
+    if values.get("publish_density") is None and values.get("codec_density") is not None:
+        values["publish_density"] = values["codec_density"]  # the uploads' density
+    values.setdefault("keyframe_rule", "every")  # a run from before the size rule
+    if values.get("held_alpha") is None:  # before 0.2.8: alpha (always in run.json)
+        values["held_alpha"] = values.get("alpha")
 
 
 def _refuse_retired(record: Mapping[str, Any], *, where: str) -> None:
@@ -404,68 +417,6 @@ def setting_key(f: dataclasses.Field) -> str:
 
 def _json_key(f: dataclasses.Field) -> str:
     return f.metadata["json_key"] or f.name
-
-
-def _bad(flag_name: str, why: str) -> UsageError:
-    return UsageError(f"--{flag_name}: {why}")
-
-
-def _checked(f: dataclasses.Field, value: Any) -> Any:
-    """``value`` converted to the field's kind, or UsageError saying what is allowed."""
-    m = f.metadata
-    name, kind = m["flag"], m["kind"]
-    if value is None and m["optional"]:
-        return None
-    if isinstance(value, Enum):
-        value = value.value
-    if kind is tuple:
-        if isinstance(value, str):
-            value = value.split(",")
-        if not isinstance(value, (list, tuple)) or len(value) != 2:
-            raise _bad(name, "give two comma-separated numbers, e.g. 0.9,0.95")
-        return tuple(_number(name, x, m) for x in value)
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise _bad(name, f"must be true or false, got {value!r}")
-        return value
-    if kind is str:
-        if not isinstance(value, str) or not value:
-            raise _bad(name, f"must be a non-empty string, got {value!r}")
-        choices = m["choices"]
-        if choices is not None and value not in {c.value for c in choices}:
-            raise _bad(name, f"use one of {', '.join(c.value for c in choices)}; got {value!r}")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad(name, f"must be an integer, got {value!r}")
-        _in_range(name, value, m)
-        return value
-    return _number(name, value, m)
-
-
-def _number(name: str, value: Any, m: Mapping[str, Any]) -> float:
-    if isinstance(value, bool):
-        raise _bad(name, f"must be a number, got {value!r}")
-    try:
-        x = float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise _bad(name, f"must be a number, got {value!r}") from None
-    if not math.isfinite(x):
-        raise _bad(name, f"must be a finite number, got {value!r}")
-    _in_range(name, x, m)
-    return x
-
-
-def _in_range(name: str, x: float, m: Mapping[str, Any]) -> None:
-    lo, hi = m["lo"], m["hi"]
-    low_ok = lo is None or (x > lo if m["lo_open"] else x >= lo)
-    high_ok = hi is None or (x < hi if m["hi_open"] else x <= hi)
-    if not (low_ok and high_ok):
-        if hi is None:
-            want = f"> {lo:g}" if m["lo_open"] else f">= {lo:g}"
-        else:
-            want = f"in {'(' if m['lo_open'] else '['}{lo:g}, {hi:g}{')' if m['hi_open'] else ']'}"
-        raise _bad(name, f"must be {want}, got {x:g}")
 
 
 # ----------------------------------------------------------------- reading

@@ -74,6 +74,25 @@ def test_sparse_published_deltas_default_to_twice_the_upload_density_and_old_run
         assert RunConfig.from_record(record).publish_density == 0.05
 
 
+def test_held_alpha_defaults_to_a_half_in_decoupled_runs_and_old_runs_keep_alpha():
+    """A new decoupled run mixes a held version ([L8]) in with 0.5, written into run.json; a
+    lockstep run never takes one (0); a run.json without held_alpha, or with null (runs before
+    0.2.8), means the run's alpha, so those runs go on as they did; a given value is kept."""
+    assert RunConfig().held_alpha == 0.5 and RunConfig(alpha=0.1).held_alpha == 0.5
+    assert RunConfig(mode="lockstep").held_alpha == 0.0
+    assert RunConfig(held_alpha=0.8).held_alpha == 0.8
+    record = RunConfig(alpha=0.2).to_record(run_id="r")
+    assert record["held_alpha"] == 0.5 and RunConfig.from_record(record).held_alpha == 0.5
+    for old in (None, "absent"):
+        if old is None:
+            record["held_alpha"] = None
+        else:
+            del record["held_alpha"]
+        assert RunConfig.from_record(record).held_alpha == 0.2
+    with pytest.raises(UsageError, match="--held-alpha"):
+        RunConfig(held_alpha=1.5)
+
+
 @pytest.mark.parametrize("field,value", [("inner_lr", float("nan")), ("outer_lr", float("inf")), ("gc_grace_s", -5.0),
                                          ("quorum", 0), ("codec", "int3"), ("keep_overlap_progress", 1),
                                          ("codec_qmax", 8), ("codec_qmax", 0)])

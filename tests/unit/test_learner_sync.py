@@ -617,7 +617,7 @@ def test_a_decoupled_learner_takes_the_version_that_merged_its_contribution_L8(o
 @pytest.mark.parametrize("held_alpha", [None, 0.8])
 def test_a_held_version_is_mixed_in_with_held_alpha_and_the_own_one_with_alpha(held_alpha):
     """A version taken without the learner's contribution in flight ([L8]: held back, taken at the
-    step before the next send) is folded in with ``held_alpha`` (absent: alpha); one that merged
+    step before the next send) is folded in with ``held_alpha`` (unset: 0.5); one that merged
     it with alpha. No training between: theta <- a * theta + (1 - a) * new, each published
     version 0.5 above the one before."""
     store = _run(num_fragments=1, sync_every=8, overlap_steps=1, alpha=0.3, held_alpha=held_alpha)
@@ -631,7 +631,7 @@ def test_a_held_version_is_mixed_in_with_held_alpha_and_the_own_one_with_alpha(h
         for step in range(9, 15):
             assert sync.step(num_tokens=1) == [], step
         assert sync.step(num_tokens=1) == [0] and sync.base[0][0] == 1  # step 15: the held version
-        a = 0.3 if held_alpha is None else held_alpha
+        a = 0.5 if held_alpha is None else held_alpha
         for k, t in sync.island.gather(sync.plan, 0, sync.params).items():
             torch.testing.assert_close(t, start[k] + 0.5 * (1 - a))
         sync.step(num_tokens=1)  # step 16: the next send; then a version that merged it

@@ -404,7 +404,7 @@ def test_contribution_upload_retry_is_idempotent_W8(run_store):
     up._upload(key, delta, header)
     first = run_store.get(key)
     up._upload(key, delta, header)  # the retry after a lost response
-    assert run_store.get(key) == first and up.stats.num_contributions == 2 and up.failed == 0
+    assert run_store.get(key) == first and up.stats.num_contributions == 2 and up.stats.uploads_failed == 0
     other = {**header, "nonce": records.new_nonce()}
     up._upload(key, delta, other)  # same name, different writer: dropped
     assert run_store.get(key) == first

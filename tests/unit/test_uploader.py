@@ -95,7 +95,7 @@ def test_one_fragments_contributions_land_in_seq_order_while_other_fragments_go_
     up.close()
     order = [key for what, key in store.events if what == "end" and key != other[0]]
     assert order == [first[0], second[0]]
-    assert up.failed == 0 and up.queue.empty() and not up.queue.busy
+    assert up.stats.uploads_failed == 0 and up.queue.empty() and not up.queue.busy
 
 
 def test_a_contribution_that_cannot_be_encoded_is_counted_and_frees_its_fragment():
@@ -107,5 +107,5 @@ def test_a_contribution_that_cannot_be_encoded_is_counted_and_frees_its_fragment
     up.submit(*_item(0, 2, 1))
     up.start()
     up.close()
-    assert up.failed == 1
+    assert up.stats.uploads_failed == 1
     assert [i.key for i in store.list("contributions/")] == [_item(0, 2, 1)[0]]
