@@ -642,6 +642,8 @@ def test_a_held_version_is_mixed_in_with_held_alpha_and_the_own_one_with_alpha(h
         assert sync.step(num_tokens=1) == [0] and sync.base[0][0] == 2  # step 17: its own, with alpha
         for k, t in sync.island.gather(sync.plan, 0, sync.params).items():
             torch.testing.assert_close(t, 0.3 * mid[k] + 0.7 * (v1[k] + 0.5))
+        beat = sync._heartbeat_record()  # schema-checked by records.make
+        assert (beat["receives"], beat["held_receives"], beat["uploads_failed"]) == (2, 1, 0)
 
 
 def test_the_base_is_updated_in_its_own_tensors_on_every_receive():
