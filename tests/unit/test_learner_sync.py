@@ -642,7 +642,7 @@ def test_a_held_version_is_mixed_in_with_held_alpha_and_the_own_one_with_alpha(h
         assert sync.step(num_tokens=1) == [0] and sync.base[0][0] == 2  # step 17: its own, with alpha
         for k, t in sync.island.gather(sync.plan, 0, sync.params).items():
             torch.testing.assert_close(t, 0.3 * mid[k] + 0.7 * (v1[k] + 0.5))
-        beat = sync._heartbeat_record()  # schema-checked by records.make
+        beat = records.validate(sync._heartbeat_record(), "learner_heartbeat", where="heartbeat")
         assert (beat["receives"], beat["held_receives"], beat["uploads_failed"]) == (2, 1, 0)
 
 
