@@ -154,7 +154,7 @@ class RunConfig:
                              metavar="X", help="Learner-side merge: theta <- alpha*theta + (1-alpha)*(global + "
                                                "progress) (default: 0.3; lockstep: 0)")
     held_alpha: float | None = _f(None, "held-alpha", _M, kind=float, lo=0.0, hi=1.0, optional=True, metavar="X",
-                                  help="alpha for a version lacking the learner's last contribution ([L8]; default 0.5)")
+                                  help="alpha for a version without its own last contribution ([L8]; default: 0.5; lockstep: 0)")
     keep_overlap_progress: bool | None = _f(None, "keep-overlap-progress", _M, kind=bool, optional=True,
                                             off="discard-overlap-progress",
                                             help="On receive, keep the steps trained since the send (theta <- "
