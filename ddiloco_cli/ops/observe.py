@@ -344,7 +344,7 @@ def run_status(store: Store) -> dict[str, Any]:
         "bytes": bytes_moved(learners, num_params=plan.total_numel()),
         "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
         "notes": (late_receives(learners, tau=run.overlap_steps) + blocked_learners(learners, codec=run.codec)
-                  + held_versions(learners, held_alpha=run.held_alpha, codec=run.codec) + failed_uploads(learners)),
+                  + held_versions(learners, held_alpha=run.held_alpha) + failed_uploads(learners)),
         "global_eval": latest_global_eval(store, infos=infos),  # from `sync --eval-every`
         "errors": scan.errors,
     }

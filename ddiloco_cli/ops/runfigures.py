@@ -155,14 +155,12 @@ HELD_NOTE = 0.5  # a live learner for which more than this share of receives wer
 HELD_NOTE_AFTER = 8  # ... once it has folded in at least this many
 
 
-def held_versions(learners: list[dict[str, Any]], *, held_alpha: float, codec: str) -> list[str]:
+def held_versions(learners: list[dict[str, Any]], *, held_alpha: float) -> list[str]:
     """One line per live learner for which most versions folded in lacked its contribution in
     flight ([L8]'s held version, taken at the step before the fragment's next send): the merge
     of its contributions does not come back within a cycle, because its link cannot carry a
     cycle or the syncer is behind. It re-bases every cycle on a version a cycle old; the
-    simulated M = 16 int4 run over 100 Mbps was there (docs/sparse.md). A sparse run there
-    diverged in the simulation (plain descent at lr 1.5 on versions a cycle old), so its note
-    says so."""
+    simulated M = 16 int4 run over 100 Mbps was there (docs/sparse.md)."""
     out = []
     for r in learners:
         n, held = r.get("receives"), r.get("held_receives")
@@ -171,9 +169,7 @@ def held_versions(learners: list[dict[str, Any]], *, held_alpha: float, codec: s
         out.append(f"learner {r['learner_id']}: {held} of its {n} receives were versions without its contribution "
                    f"in flight (mixed in with held_alpha = {held_alpha:g}): its merges do not come back within a "
                    "cycle; if it is also blocked on the bucket, send fewer bytes per cycle (`--codec sparse`, a "
-                   "longer --sync-every), else run more syncer processes (`sync --fragments`) or poll faster"
-                   + ("; a sparse run diverged in simulation in this regime: watch its loss (docs/sparse.md, "
-                      "\"Versions a cycle late\")" if codec == "sparse" else ""))
+                   "longer --sync-every), else run more syncer processes (`sync --fragments`) or poll faster")
     return out
 
 

@@ -12,7 +12,8 @@ checks their sha256 against the manifest, as a guard).
 The update (PROTOCOL.md "Merge semantics"):
 
 1. the outer gradient of each contribution (``contribution_gradient``), measured against
-   the current value: ``g_m = current - theta_m = (current - base_m) + delta_m``;
+   the current value: ``g_m = current - theta_m = (current - base_m) + delta_m`` (a sparse
+   one: its sent values, ``delta_m``);
 2. merge (token-weighted RDA, or mean) with each weight times its staleness discount;
 3. one outer Nesterov step on the *raw* (unquantised) value;
 4. publish ``Q(raw_new - published)``: the new published value is
@@ -30,6 +31,8 @@ import torch
 from ddiloco_cli.errors import InvalidPayloadError
 from ddiloco_cli.numerics.merge import all_finite, is_embedding_key, merge_outer_gradients
 from ddiloco_cli.numerics.outer import OuterOptimizer
+from ddiloco_cli.numerics.quantized import sources
+from ddiloco_cli.numerics.sparse import SparseTensor
 from ddiloco_cli.protocol.published import EncodedVersion, encode_version
 from ddiloco_cli.protocol.typed_records import LedgerEntry, Manifest
 
@@ -58,11 +61,22 @@ def contribution_gradient(delta: Tensors, *, base: Tensors | None = None, curren
     (``base`` and ``current``: the published values of its base version and of the version it
     merges into). A contribution on an older base pulls the fragment towards the learner's
     model, not past it: what the others merged since its base is not counted twice. ``base``
-    None: the base is the current version and the gradient is the delta itself, bit for bit."""
-    if base is not None:
+    None: the base is the current version and the gradient is the delta itself, bit for bit.
+
+    A sparse contribution (``SparseTensor`` sources) is its sent values whatever its base
+    (PROTOCOL [M6]): it carries 2% of the learner's progress and says nothing of the rest, so
+    ``base - delta`` is no estimate of the learner's model; measured against the current value
+    it would pull every unsent coordinate back to the stale base, and a sparse run whose
+    versions came back a cycle late diverged that way (docs/sparse.md, "Versions a cycle late")."""
+    if base is not None and not is_sparse(delta):
         assert current is not None
         return {k: (current[k] - base[k]) + t for k, t in delta.items()}
     return delta
+
+
+def is_sparse(delta: Tensors) -> bool:
+    """Whether a decoded contribution is in the sparse codec (its sources are ``SparseTensor``)."""
+    return any(isinstance(t, SparseTensor) for t in sources(delta).values())
 
 
 def merge_gradients(grads: Sequence[Tensors], weights: Sequence[float], *, method: str) -> Tensors:
@@ -200,10 +214,12 @@ def apply_decision(previous: FragmentValue, decision: Decision, *, rules: ApplyR
     assert decision.version == previous.version + 1, (decision.version, previous.version)
     if not any(w > 0 for w in decision.weights):
         return hold(previous, decision, rules=rules)
-    grads = [contribution_gradient(clipped(inputs.delta(e), e.clip), current=previous.published,
-                                   base=inputs.base(int(e.base_version)) if e.base_version != previous.version
-                                   else None)
-             for e in decision.used]
+    deltas = [inputs.delta(e) for e in decision.used]
+    # a sparse contribution is its sent values whatever its base (``contribution_gradient``), clipped or not
+    grads = [contribution_gradient(clipped(d, e.clip), current=previous.published,
+                                   base=inputs.base(int(e.base_version))
+                                   if e.base_version != previous.version and not is_sparse(d) else None)
+             for e, d in zip(decision.used, deltas)]
     return outer_update(previous, fragment=decision.fragment, grads=grads, weights=decision.weights,
                         lr=decision.lr, method=rules.merge, publish_codec=rules.publish_codec,
                         block_size=rules.block_size, keyframe=decision.keyframe, cycle=decision.cycle,

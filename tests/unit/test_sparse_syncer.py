@@ -121,3 +121,19 @@ def test_intake_refuses_a_contribution_denser_than_the_run():
     reasons = [r for _, r in quarantined]
     assert len(reasons) == 2, reasons
     assert "topk 512, but the run's is 20" in reasons[0] and "block size 2048, but the run's is 1024" in reasons[1]
+
+
+def test_a_sparse_contribution_on_an_older_base_is_its_sent_values_M6():
+    """[M6]: a dense contribution on an older base is measured against the current value,
+    (current - base) + delta; a sparse one is its sent values whatever its base. Measured against
+    the current value, its unsent coordinates (zeros: no information) would pull the fragment
+    back to the stale base, which made a sparse run with versions a cycle late diverge."""
+    from ddiloco_cli.numerics.sparse import SparseTensor
+    from ddiloco_cli.syncer.update import contribution_gradient
+
+    base, current = {"w": torch.zeros(8)}, {"w": torch.full((8,), 2.0)}
+    sparse = {"w": SparseTensor(shape=(8,), index=np.array([1, 5]), value=np.array([0.5, -1.0], dtype=np.float32))}
+    assert contribution_gradient(sparse, base=base, current=current)["w"] is sparse["w"]
+    dense = {"w": torch.ones(8)}
+    assert torch.equal(contribution_gradient(dense, base=base, current=current)["w"], torch.full((8,), 3.0))
+    assert contribution_gradient(dense)["w"] is dense["w"]  # on the current base: the delta, bit for bit
