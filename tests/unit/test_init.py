@@ -56,6 +56,18 @@ def test_codec_qmax_defaults_to_3_for_int4_and_binds_only_its_own_codec():
             RunConfig(**bad)
 
 
+def _read_as_before(record: dict, key: str) -> list[RunConfig]:
+    """``record`` read back with ``key`` null, then absent: a run.json from before the setting."""
+    out = []
+    for old in (None, "absent"):
+        if old is None:
+            record[key] = None
+        else:
+            del record[key]
+        out.append(RunConfig.from_record(record))
+    return out
+
+
 def test_sparse_published_deltas_default_to_twice_the_upload_density_and_old_runs_keep_theirs():
     """A new sparse run publishes at 2 x --codec-density (at most 1), written into run.json; a
     run.json without publish_density, or with null, means the uploads' density (PROTOCOL), so
@@ -66,12 +78,7 @@ def test_sparse_published_deltas_default_to_twice_the_upload_density_and_old_run
     assert RunConfig(codec="int4").publish_density is None
     record = RunConfig(codec="sparse", codec_density=0.05).to_record(run_id="r")
     assert record["publish_density"] == 0.1 and RunConfig.from_record(record).publish_density == 0.1
-    for old in (None, "absent"):
-        if old is None:
-            record["publish_density"] = None
-        else:
-            del record["publish_density"]
-        assert RunConfig.from_record(record).publish_density == 0.05
+    assert [c.publish_density for c in _read_as_before(record, "publish_density")] == [0.05, 0.05]
 
 
 def test_held_alpha_defaults_to_a_half_in_decoupled_runs_and_old_runs_keep_alpha():
@@ -83,12 +90,7 @@ def test_held_alpha_defaults_to_a_half_in_decoupled_runs_and_old_runs_keep_alpha
     assert RunConfig(held_alpha=0.8).held_alpha == 0.8
     record = RunConfig(alpha=0.2).to_record(run_id="r")
     assert record["held_alpha"] == 0.5 and RunConfig.from_record(record).held_alpha == 0.5
-    for old in (None, "absent"):
-        if old is None:
-            record["held_alpha"] = None
-        else:
-            del record["held_alpha"]
-        assert RunConfig.from_record(record).held_alpha == 0.2
+    assert [c.held_alpha for c in _read_as_before(record, "held_alpha")] == [0.2, 0.2]
     with pytest.raises(UsageError, match="--held-alpha"):
         RunConfig(held_alpha=1.5)
 
