@@ -43,6 +43,16 @@ def is_tensor_payload(key: str) -> bool:
     return key.endswith(".safetensors")
 
 
+def header_bytes(data: bytes) -> int:
+    """The bytes of a tensor payload's safetensors header (its 8-byte length and JSON): a few
+    hundred bytes per tensor whatever the tensor's size, so they do not grow with the model.
+    0 where the length does not fit the data (not a payload: all of it scales)."""
+    if len(data) < 8:
+        return 0
+    n = 8 + int.from_bytes(data[:8], "little")
+    return n if n <= len(data) else 0
+
+
 def scales_with_model(key: str) -> bool:
     """Whether the transfer time of ``key`` grows with the model (``SimBucket.payload_scale``):
     the tensor payloads. The run's
@@ -156,7 +166,9 @@ class SimStore:
 
     # ------------------------------------------------------------ costs
     def _request(self, *, up: int = 0, down: int = 0, overlapped: bool = False, scale: float = 1.0,
-                 payload: bool = False) -> None:
+                 fixed: int = 0, payload: bool = False) -> None:
+        """Charge one request: its latency, and its bytes over the link, of which all but
+        ``fixed`` (a payload's header) take ``scale`` times as long."""
         if self.free:
             return
         self.num_requests += 1
@@ -166,7 +178,7 @@ class SimStore:
             latency += self._rng.random() * self.link.jitter_s
         if overlapped:
             latency /= self.parallel
-        transfer = scale * (up / self.link.up_bps + down / self.link.down_bps)
+        transfer = (fixed + scale * (up + down - fixed)) / (self.link.up_bps if up else self.link.down_bps)
         wire = self.wire if payload and transfer > 0 else None
         wait, direction = 0.0, "up" if up else "down"
         if wire is not None:  # behind the payloads already on the shared link
@@ -177,11 +189,14 @@ class SimStore:
         self.bytes_up += up
         self.bytes_down += down
 
-    def _payload(self, key: str) -> dict:
-        """A request's keywords for ``key``: its transfer-time scale, and whether it is a tensor
+    def _payload(self, key: str, data: bytes) -> dict:
+        """A request's keywords for ``key`` holding ``data``: its transfer-time scale (the
+        header at 1: a larger model's payload has a header of about this size, and its
+        tensor data ``payload_scale`` times as many bytes), and whether it is a tensor
         payload (which queues on a shared link)."""
-        return dict(scale=self.bucket.payload_scale if scales_with_model(key) else 1.0,
-                    payload=is_tensor_payload(key))
+        if not scales_with_model(key) or self.bucket.payload_scale == 1.0:
+            return dict(payload=is_tensor_payload(key))
+        return dict(scale=self.bucket.payload_scale, fixed=header_bytes(data), payload=True)
 
     def charge_before_next_write(self, seconds: float) -> None:
         """Compute time that precedes this turn's next write (the syncer's merge: its cost
@@ -204,7 +219,7 @@ class SimStore:
         self._pay_pending()
         data = bytes(data)
         existing = self.bucket.peek(key)
-        self._request(up=charged_bytes(key, data), **self._payload(key))
+        self._request(up=charged_bytes(key, data), **self._payload(key, data))
         if existing is not None:
             return existing == data
         self.bucket.write(key, data, self.clock.monotonic())
@@ -215,7 +230,7 @@ class SimStore:
         check_key(key)
         self._crash_point(key, "before")
         self._pay_pending()
-        self._request(up=charged_bytes(key, data), **self._payload(key))
+        self._request(up=charged_bytes(key, data), **self._payload(key, data))
         self.bucket.write(key, bytes(data), self.clock.monotonic())
         self._crash_point(key, "after")
 
@@ -229,7 +244,7 @@ class SimStore:
         if max_bytes is not None and len(data) > max_bytes:
             self._request()
             raise ObjectTooLargeError(key, size=len(data), max_bytes=max_bytes)
-        self._request(down=charged_bytes(key, data), **self._payload(key),
+        self._request(down=charged_bytes(key, data), **self._payload(key, data),
                       overlapped=self.parallel > 1 and key.startswith(layout.CONTRIBUTION_ROOT))
         return data
 

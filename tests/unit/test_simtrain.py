@@ -5,6 +5,7 @@ tiny whole run against the real syncer and learner code."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.protocol import layout
@@ -82,6 +83,35 @@ def test_parallel_intake_overlaps_the_latency_of_contribution_gets_only():
     clock.begin()
     store.get("fragments/x")
     assert clock.spent == pytest.approx(0.4, rel=1e-3)
+
+
+def test_a_larger_models_payload_takes_its_tensor_bytes_times_the_scale_and_its_header_once():
+    """At ``model_params`` a payload's tensor data crosses the link ``payload_scale`` times as
+    slowly, its safetensors header (a few hundred bytes per tensor, whatever their size) as
+    it is: scaling the header too made the tiny GPT's sparse contributions (a third header)
+    weigh 1.5x what a large model's do."""
+    from ddiloco_cli.numerics import codec
+    from ddiloco_cli.simtrain.bucket import header_bytes
+
+    payload = codec.encode_tensors({"w": torch.randn(4096) * 1e-3}, codec="sparse", block_size=1024, density=0.02)
+    hdr = header_bytes(payload)
+    assert 8 < hdr < len(payload) and hdr == 8 + int.from_bytes(payload[:8], "little")
+    assert header_bytes(b"\xff" * 16) == 0 and header_bytes(b"abc") == 0  # not a payload: all of it scales
+    key, first = "contributions/p00000/a/00000001.safetensors", f"fragments/p00000/payloads/{layout.num(0)}-k.safetensors"
+    for scale, plain in ((1.0, True), (1000.0, False)):
+        loop, bucket = EventLoop(), SimBucket()
+        bucket.payload_scale = scale
+        store, clock = _store(bucket, loop, latency_s=0.0, bps=1e6)
+        store.put(key, payload)
+        want = len(payload) / 1e6 if plain else (hdr + 1000.0 * (len(payload) - hdr)) / 1e6
+        assert clock.spent == pytest.approx(want, rel=1e-9)
+        clock.begin()
+        store.put("other/x.json", payload)  # a record: never scaled
+        assert clock.spent == pytest.approx(len(payload) / 1e6, rel=1e-9)
+        clock.begin()
+        store.put(first, payload)  # the run's first version: built from the seed, not scaled
+        assert clock.spent == pytest.approx(len(payload) / 1e6, rel=1e-9)
+        assert store.bytes_up == 3 * len(payload)  # the counters stay the real bytes
 
 
 def test_scenario_file_flags_and_quick(tmp_path):
