@@ -169,7 +169,6 @@ class Committer:
                 ctx.stats.note_bounded(e.learner_id, f"refused: {e.reason}"[:300])
         state.pending.clear()
         state.closed.clear()
-        state.seen = {k for k in state.seen if _above_high_water(k, state.high_water)}
         state.first_pending_t = state.quorum_t = None
         state.last_quorum_size, state.last_grace_s = decision.quorum_size, decision.grace_s
         ctx.stats.num_merges += 1
@@ -183,8 +182,3 @@ class Committer:
                                      epoch=ctx.lease.epoch.epoch)
         ctx.store.put_if_absent(key, data)
         ctx.stats.bytes_out += len(data)
-
-
-def _above_high_water(key: str, high_water: dict[str, int]) -> bool:
-    parsed = layout.parse_contribution_key(key)
-    return parsed is None or parsed[2] > high_water.get(parsed[1], -1)

@@ -22,6 +22,14 @@ IDLE_POLL_FRACTION = 0.25  # an idle syncer LISTs at least every this fraction o
 UNKNOWN_PER_POLL = 32
 
 
+def late_reason(seq: int, high_water: int) -> str:
+    """Why a contribution that arrived after a later one of its learner was merged is refused:
+    no seq at or below the learner's high-water mark is merged ([W9]); a learner before 0.2.8
+    could create one fragment's contributions out of seq order ([L4])."""
+    return (f"arrived late: seq {seq} is at or below the learner's high-water mark {high_water} (a later "
+            "contribution of this fragment was merged first; its steps are in no merge)")
+
+
 class Poller:
     def __init__(self, ctx: SyncContext, restorer: Restorer, *, poll_s: float):
         self.ctx, self.restorer, self.poll_s = ctx, restorer, poll_s
@@ -52,9 +60,11 @@ class Poller:
     def take(self, state: FragmentState, infos: list[ObjectInfo]) -> None:
         """Load every new contribution above its learner's high-water mark, oldest first, into
         the pending set: the known learners' ones first, then at most UNKNOWN_PER_POLL of
-        other ids (``_order``); the rest stay unseen until the next poll."""
+        other ids (``_order``); the rest stay unseen until the next poll. A key at or below
+        the mark that was not listed before (``late``) is refused."""
         ctx = self.ctx
-        fresh = []
+        first, state.listed = not state.listed, True
+        fresh, late = [], set()
         for info in infos:
             if info.key in state.seen:
                 continue
@@ -63,10 +73,14 @@ class Poller:
                 state.seen.add(info.key)
                 ctx.intake.quarantine(info.key, verdict.reason)
                 continue
-            if seq > state.high_water.get(learner_id, -1):  # else already in the ledger
+            if seq > state.high_water.get(learner_id, -1):
                 fresh.append((seq, learner_id, info))
+            elif first:
+                state.seen.add(info.key)  # in a ledger already (or lost before this syncer read it)
             else:
-                state.seen.add(info.key)
+                fresh.append((seq, learner_id, info))
+                late.add(info.key)
+        state.seen.intersection_update(info.key for info in infos)  # keys GC deleted are forgotten
         items = self._order(fresh)
         state.seen.update(info.key for info, _, _ in items)
         loads = ctx.intake.load_all(state.fragment, items)  # later ones decode while we take these
@@ -75,7 +89,9 @@ class Poller:
                 break  # its ledger did not read back (``_future_base``): the syncer stops serving it
             with ctx.stage("intake"):
                 got = next(loads)
-            if got is not None and got.base_version > state.version:
+            if got is not None and not isinstance(got, LedgerEntry) and info.key in late:
+                got = got.entry(REFUSED, reason=late_reason(seq, state.high_water.get(learner_id, -1)))
+            elif got is not None and got.base_version > state.version:
                 got = self._future_base(state, got)
             if isinstance(got, LedgerEntry):
                 state.closed.append(got)

@@ -101,4 +101,5 @@ class Restorer:
         state.pending = {lid: kept for lid, cs in state.pending.items()
                          if (kept := [c for c in cs if c.seq > hw.get(lid, -1)])}
         state.closed = [e for e in state.closed if e.seq > hw.get(e.learner_id, -1)]
+        state.listed = False  # another writer's ledger: its keys below the marks are not late arrivals
         return True

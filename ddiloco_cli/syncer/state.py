@@ -42,7 +42,10 @@ class FragmentState:
     shares: dict[int, tuple[float, dict[str, float]]] = field(default_factory=dict)
     pending: dict[str, list[Contribution]] = field(default_factory=dict)  # per learner, seq order
     closed: list[LedgerEntry] = field(default_factory=list)  # superseded/refused entries for the next manifest
-    seen: set[str] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)  # the listed keys already handled (pruned to each LIST's)
+    # whether a LIST has been taken since this state was read from the ledger: the keys at or below
+    # the marks in that first one are in a ledger (or were lost before); a later one is a late arrival
+    listed: bool = False
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
     tips: dict[str, LedgerEntry] = field(default_factory=dict)  # per learner: its last used ledger entry
     # published values of recent versions, newest last (contributions' bases)

@@ -424,12 +424,21 @@ def test_high_water_marks_and_superseded_contributions_W9(run_store):
     by_key = {c["key"]: c for c in m["contributions"]}
     assert by_key[new]["used"] and not by_key[old]["used"] and by_key[old]["reason"] == "superseded"
     assert m["high_water"] == {"a": 7} and m["quorum_size"] == 1
-    contribution(run_store, 0, "a", 6)  # arrives late, below the mark
+    late, _, _ = contribution(run_store, 0, "a", 6)  # arrives late, below the mark: refused, never merged
     assert not step(s, 0)
-    assert s.states[0].pending == {}
+    assert s.states[0].pending == {} and [e.key for e in s.states[0].closed] == [late]
+    contribution(run_store, 0, "a", 8)
+    assert step(s, 0)
+    m = ledger.read_manifest(run_store, 0, 2)
+    by_key = {c["key"]: c for c in m["contributions"]}
+    assert not by_key[late]["used"] and by_key[late]["reason"].startswith("arrived late: seq 6 is at or below")
+    assert m["high_water"] == {"a": 8}
+    assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).problems == []
     r = restored(run_store)  # a restarted syncer takes the marks from the ledger
     r.poll_contributions()
-    assert r.states[0].pending == {}
+    assert r.states[0].pending == {} and r.states[0].closed == []  # the keys below them are in its ledger
+    step(s, 0)  # a listed key the first syncer has handled is not refused twice
+    assert s.states[0].closed == []
 
 
 # ======================================================== fencing and leases
