@@ -12,6 +12,8 @@ import torch
 from ddiloco_cli.learner.receiver import InFlight, Ready, receive_rule
 from ddiloco_cli.learner.sendpath import copied_into
 
+REASON_CHARS = 300  # the heartbeat's last_refusal (its schema's bound)
+
 log = logging.getLogger("ddiloco_cli.learner.sync")  # the learner's lines keep their logger name
 
 Tensors = dict[str, torch.Tensor]
@@ -52,6 +54,7 @@ class ReceivePath:
                 for entry in got.refused:
                     # the ledger's word: that progress is gone; receiving this version re-bases p
                     self.stats.num_refused += 1
+                    self.stats.last_refusal = f"fragment {p} seq {entry['seq']}: {entry.get('reason') or 'no reason given'}"[:REASON_CHARS]
                     log.warning("fragment %d: contribution seq %d was refused by the syncer (%s): its progress is "
                                 "not in version %d; re-basing on it", p, entry["seq"],
                                 entry.get("reason", "no reason given"), got.version)

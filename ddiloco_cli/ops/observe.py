@@ -18,7 +18,7 @@ from typing import Any
 from ddiloco_cli.errors import ProtocolError
 from ddiloco_cli.ops.metrics import latest_global_eval
 from ddiloco_cli.ops.runfigures import (PILE_UP, alerts, blocked_learners, bytes_moved, failed_uploads, goodput,
-                                        held_versions, late_receives)
+                                        held_versions, late_receives, refused_contributions)
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.fragments import FragmentPlan
 from ddiloco_cli.protocol.runconfig import RunConfig
@@ -344,7 +344,7 @@ def run_status(store: Store) -> dict[str, Any]:
         "bytes": bytes_moved(learners, num_params=plan.total_numel()),
         "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
         "notes": (late_receives(learners, tau=run.overlap_steps) + blocked_learners(learners, codec=run.codec)
-                  + held_versions(learners, held_alpha=run.held_alpha) + failed_uploads(learners)),
+                  + held_versions(learners, held_alpha=run.held_alpha) + failed_uploads(learners) + refused_contributions(learners)),
         "global_eval": latest_global_eval(store, infos=infos),  # from `sync --eval-every`
         "errors": scan.errors,
     }
@@ -415,6 +415,7 @@ def _learner_row(rec: dict[str, Any], age: float, run: RunConfig, *, newest: dic
         "lag_p50": rec.get("lag_p50"), "lag_p95": rec.get("lag_p95"),  # bounded ints: the schema checked them
         "receives": rec.get("receives"), "held_receives": rec.get("held_receives"),
         "uploads_failed": rec.get("uploads_failed"),
+        "refused": rec.get("refused"), "last_refusal": rec.get("last_refusal"),
     }
 
 

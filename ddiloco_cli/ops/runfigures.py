@@ -183,4 +183,13 @@ def failed_uploads(learners: list[dict[str, Any]]) -> list[str]:
             for r in learners if r.get("uploads_failed")]
 
 
-__all__ = ["BLOCKED_NOTE", "HELD_NOTE", "failed_uploads", "held_versions", "MEASURED_B_PER_PARAM", "PILE_UP", "traffic_per_cycle", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]
+def refused_contributions(learners: list[dict[str, Any]]) -> list[str]:
+    """One line per learner whose contributions a ledger refused this session (stale, a base
+    gone, a bound, arrived late: the ledger's reason, PROTOCOL [L5]): their progress is in no
+    merge; the learner re-based on the version that said so."""
+    return [f"learner {r['learner_id']}: {r['refused']} of its contributions were refused this session (newest: "
+            f"{r.get('last_refusal') or 'no reason recorded'}); their progress is in no merge"
+            for r in learners if r.get("refused")]
+
+
+__all__ = ["BLOCKED_NOTE", "HELD_NOTE", "failed_uploads", "held_versions", "refused_contributions", "MEASURED_B_PER_PARAM", "PILE_UP", "traffic_per_cycle", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]

@@ -279,6 +279,9 @@ def test_a_refused_contribution_is_logged_and_the_fragment_re_based(caplog):
             sync.step(num_tokens=1)
             time.sleep(0.01)
         assert sync.base[0][0] == 1 and sync.stats.num_refused == 1
+        beat = records.validate(sync._heartbeat_record(), "learner_heartbeat", where="heartbeat")
+        assert beat["refused"] == 1  # `status` notes it, with the reason
+        assert beat["last_refusal"] == "fragment 0 seq 7: stale: base 0 is 9 cycles behind (max_staleness 8)"
     assert "contribution seq 7 was refused by the syncer (stale: base 0 is 9 cycles behind" in caplog.text
     assert "its progress is not in version 1; re-basing on it" in caplog.text
 

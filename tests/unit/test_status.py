@@ -274,17 +274,21 @@ def test_held_versions_and_given_up_uploads_are_noted(built):
     """A live learner for which most receives were held versions ([L8]: its merges do not come
     back within a cycle) gets a note naming held_alpha and the remedies; a few receives, a
     minority of held ones, or a learner that left do not. A learner that gave contributions up
-    is noted whether or not it is alive: that work reached no ledger."""
+    is noted whether or not it is alive: that work reached no ledger; so is one whose
+    contributions a ledger refused, with the newest reason."""
     write_learner_heartbeat(built.store, built.run, "late", receives=40, held_receives=36)
     write_learner_heartbeat(built.store, built.run, "early", receives=4, held_receives=4)
     write_learner_heartbeat(built.store, built.run, "fine", receives=40, held_receives=3)
     write_learner_heartbeat(built.store, built.run, "gone", state="left", receives=40, held_receives=40,
                             uploads_failed=2)
+    write_learner_heartbeat(built.store, built.run, "old", refused=3, last_refusal="fragment 2 seq 9: arrived late")
     status = run_status(built.store)
-    held, failed = status["notes"]
+    held, failed, refused = status["notes"]
     assert held.startswith("learner late: 36 of its 40 receives were versions without its contribution in flight")
     assert f"held_alpha = {built.run['held_alpha']:g}" in held and "sync --fragments" in held
     assert failed.startswith("learner gone: gave up 2 contribution(s) this session")
+    assert refused.startswith("learner old: 3 of its contributions were refused this session (newest: fragment 2 "
+                              "seq 9: arrived late)")
     assert status["alerts"] == []
     rows = {r["learner_id"]: r for r in status["learners"]}
     assert (rows["fine"]["receives"], rows["fine"]["held_receives"], rows["fine"]["uploads_failed"]) == (40, 3, None)
