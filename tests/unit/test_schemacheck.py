@@ -85,6 +85,24 @@ def test_every_schema_compiles():
         schemacheck.compile_schema(records._schema(kind), formats=records._FORMAT_CHECKS)
 
 
+def test_no_schema_names_a_key_twice():
+    """A JSON object with a duplicate key keeps its last value silently: the run.json and the
+    heartbeat schemas each had one (a property written twice), caught by reading them with a
+    hook that refuses duplicates."""
+    import json
+    from importlib import resources
+
+    def refuse_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        assert not dupes, f"{kind}: {dupes} twice"
+        return dict(pairs)
+
+    for kind in records.RECORD_TYPES:
+        text = resources.files("ddiloco_cli").joinpath(f"schemas/{kind}.schema.json").read_text()
+        json.loads(text, object_pairs_hook=refuse_duplicates)
+
+
 def test_compiled_check_agrees_with_jsonschema_on_real_and_mutated_records(tmp_path):
     real = _real_records(tmp_path)
     kinds = {kind for kind, _ in real}
