@@ -169,6 +169,7 @@ class Committer:
                 ctx.stats.note_bounded(e.learner_id, f"refused: {e.reason}"[:300])
         state.pending.clear()
         state.closed.clear()
+        state.merged_since_poll = True
         state.first_pending_t = state.quorum_t = None
         state.last_quorum_size, state.last_grace_s = decision.quorum_size, decision.grace_s
         ctx.stats.num_merges += 1

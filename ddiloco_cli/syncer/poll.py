@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from ddiloco_cli.protocol import layout
 from ddiloco_cli.protocol.typed_records import LedgerEntry
 from ddiloco_cli.store.base import ObjectInfo
 from ddiloco_cli.syncer.intake import REFUSED, Contribution, add_pending
@@ -30,6 +31,11 @@ def late_reason(seq: int, high_water: int) -> str:
             "contribution of this fragment was merged first; its steps are in no merge)")
 
 
+def _above_high_water(key: str, high_water: dict[str, int]) -> bool:
+    parsed = layout.parse_contribution_key(key)
+    return parsed is None or parsed[2] > high_water.get(parsed[1], -1)
+
+
 class Poller:
     def __init__(self, ctx: SyncContext, restorer: Restorer, *, poll_s: float):
         self.ctx, self.restorer, self.poll_s = ctx, restorer, poll_s
@@ -37,12 +43,7 @@ class Poller:
     def poll(self, states: dict[int, FragmentState]) -> int:
         """One LIST of the owned fragments' contributions; takes in the new ones. Returns
         how many keys it had not seen before."""
-        fresh = 0
-        for p, infos in self.ctx.intake.list_new(sorted(states)).items():
-            state = states[p]
-            fresh += sum(1 for info in infos if info.key not in state.seen)
-            self.take(state, infos)
-        return fresh
+        return sum(self.take(states[p], infos) for p, infos in self.ctx.intake.list_new(sorted(states)).items())
 
     def next_poll_s(self, previous_s: float, *, idle: bool) -> float:
         """The pause before the next poll: ``poll_s`` while contributions arrive or wait for
@@ -57,17 +58,24 @@ class Poller:
             cap_s = min(cap_s, IDLE_POLL_FRACTION * step_time_s)
         return max(self.poll_s, min(cap_s, 2 * previous_s))
 
-    def take(self, state: FragmentState, infos: list[ObjectInfo]) -> None:
+    def take(self, state: FragmentState, infos: list[ObjectInfo]) -> int:
         """Load every new contribution above its learner's high-water mark, oldest first, into
         the pending set: the known learners' ones first, then at most UNKNOWN_PER_POLL of
         other ids (``_order``); the rest stay unseen until the next poll. A key at or below
-        the mark that was not listed before (``late``) is refused."""
+        the mark that was not listed before (``late``) is refused. Returns how many keys count
+        as new: those not seen before and, at the first LIST after a merge, the listed keys at
+        or below the marks (a merge keeps the syncer polling at ``poll_s`` for one more round,
+        as it did when ``seen`` was pruned at each commit: the same cadence, the same bits)."""
         ctx = self.ctx
         first, state.listed = not state.listed, True
-        fresh, late = [], set()
+        merged, state.merged_since_poll = state.merged_since_poll, False
+        fresh, late, new = [], set(), 0
         for info in infos:
             if info.key in state.seen:
+                if merged and not _above_high_water(info.key, state.high_water):
+                    new += 1
                 continue
+            new += 1
             verdict, learner_id, seq = ctx.judge.name(info.key, state.fragment)
             if not verdict.accepted:
                 state.seen.add(info.key)
@@ -99,6 +107,7 @@ class Poller:
                 state.closed.extend(add_pending(state.pending.setdefault(learner_id, []), got))
                 if state.first_pending_t is None:
                     state.first_pending_t = ctx.clock.monotonic()
+        return new
 
     def _order(self, fresh: list[tuple[int, str, ObjectInfo]]) -> list[tuple[ObjectInfo, str, int]]:
         """The (info, learner id, seq) to load this poll: the known learners' (a valid

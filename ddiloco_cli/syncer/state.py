@@ -46,6 +46,7 @@ class FragmentState:
     # whether a LIST has been taken since this state was read from the ledger: the keys at or below
     # the marks in that first one are in a ledger (or were lost before); a later one is a late arrival
     listed: bool = False
+    merged_since_poll: bool = False  # a version was committed since the last LIST (``Poller.take``)
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
     tips: dict[str, LedgerEntry] = field(default_factory=dict)  # per learner: its last used ledger entry
     # published values of recent versions, newest last (contributions' bases)

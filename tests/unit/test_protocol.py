@@ -434,6 +434,9 @@ def test_high_water_marks_and_superseded_contributions_W9(run_store):
     assert not by_key[late]["used"] and by_key[late]["reason"].startswith("arrived late: seq 6 is at or below")
     assert m["high_water"] == {"a": 8}
     assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).problems == []
+    # the poll after a merge counts the keys it moved below the mark as activity once (the syncer
+    # keeps polling at poll_s a round longer, as it always has), then nothing is new
+    assert s.poll_contributions() == 4 and s.poll_contributions() == 0
     r = restored(run_store)  # a restarted syncer takes the marks from the ledger
     r.poll_contributions()
     assert r.states[0].pending == {} and r.states[0].closed == []  # the keys below them are in its ledger
