@@ -212,13 +212,16 @@ def main(argv=None) -> str:
     codec = defaults.codec + (f" at density {defaults.codec_density:g}" if defaults.codec == "sparse" else "")
     bytes_text = bytes_line(results, learners=learners)
     extra = "".join(f" --{k} {v}" for k, v in (("rows", args.rows if rows != tuple(ROWS) else None),
-                                                ("run", f"'{args.run}'" if run else None)) if v)
+                                                ("run", f"'{args.run}'" if run else None),
+                                                ("base-only-above", args.base_only_above if large else None),
+                                                ("large-seeds", args.large_seeds if large else None)) if v)
     text = (table(cells, learners=learners, rows=rows) + f"\n\nDecoupled val loss / classic DiLoCo and / data-parallel at equal "
             f"tokens; mean (range) over {args.seeds} seed(s)"
             + (f" ({args.large_seeds} at M = {', '.join(map(str, large))}, base row only)" if large else "")
             + f"; tiny GPT, {args.steps} steps per learner, P = 4, H = 16, "
             f"tau = 8, {codec}, {'the run defaults' if not run else 'the run defaults with ' + args.run} (alpha "
-            f"{defaults.alpha:g}, {defaults.merge.upper() if defaults.merge == 'rda' else defaults.merge}, outer lr "
+            f"{defaults.alpha:g}, held {defaults.alpha if defaults.held_alpha is None else defaults.held_alpha:g}, "
+            f"{defaults.merge.upper() if defaults.merge == 'rda' else defaults.merge}, outer lr "
             f"{defaults.outer_lr:g}, momentum {defaults.outer_momentum:g}); links 100 Mbps / 50 ms, "
             f"store 20 ms, syncer poll 0.2 s. Refused contributions: at most {100 * refused:.1f}% of a run's. "
             + (bytes_text + " " if bytes_text else "")
