@@ -42,7 +42,8 @@ class Poller:
 
     def poll(self, states: dict[int, FragmentState]) -> int:
         """One LIST of the owned fragments' contributions; takes in the new ones. Returns
-        how many keys it had not seen before."""
+        how many keys count as new (``take``: those not seen before, and after a merge the
+        ones it moved below the marks, once)."""
         return sum(self.take(states[p], infos) for p, infos in self.ctx.intake.list_new(sorted(states)).items())
 
     def next_poll_s(self, previous_s: float, *, idle: bool) -> float:
