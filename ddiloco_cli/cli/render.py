@@ -116,7 +116,7 @@ def render_status(status: dict[str, Any]) -> RenderableType:
         f"  ETA to {status['total_steps']:,} steps {fmt_age(t['eta_s'])}   " if status["total_steps"] else "   ",
         ("goodput ", "bold"), "-" if g["goodput"] is None else f"{g['goodput']:.1%}",
         f" ({g['tokens']:,} tokens trained in {fmt_age(status['training_age_s'])}; about {g['possible_tokens']:,} "
-        "possible at the learners' latest rates)\n",
+        "possible at current rates)\n",
         ("bytes ", "bold"), f"up {fmt_bytes(b['bytes_up'])} down {fmt_bytes(b['bytes_down'])}"
         f"  vs data-parallel {fmt_bytes(b['data_parallel_bytes'])}",
         "" if b["reduction"] is None else f" ({b['reduction']:,.0f}x less)",
