@@ -61,7 +61,7 @@ DEPENDENT_DEFAULTS = {
     "keyframe_every": "8; 64 with sparse published deltas",
     "keyframe_rule": "size with sparse published deltas, every otherwise",
     "error_feedback_decay": "0.9 for sparse, 1 otherwise", "max_tokens_per_step": "none: no bound",
-    "alpha": "0.3; lockstep: 0", "held_alpha": "0.5; lockstep: 0", "outer_lr": "0.7; sparse: 1.5", "outer_momentum": "0.9; sparse: 0",
+    "alpha": "0.3; lockstep: 0", "held_alpha": "0.5; lockstep: 0", "outer_lr": "0.7; sparse: 2.5", "outer_momentum": "0.9; sparse: 0",
 }
 
 

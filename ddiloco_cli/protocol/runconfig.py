@@ -87,9 +87,9 @@ MODE_DEFAULTS: tuple[tuple[str, Any, Any], ...] = (
 # are the momentum; with Nesterov on top a sparse run diverged, docs/sparse.md).
 CODEC_OUTER_DEFAULTS: dict[str | None, dict[str, float]] = {
     None: {"outer_lr": 0.7, "outer_momentum": 0.9},
-    # plain averaged descent, the learners' accumulators being the momentum; a step of 1.5 x the
-    # merged delta since 0.2.5 (1.0 before: docs/sparse.md, "The defaults since 0.2.5")
-    "sparse": {"outer_lr": 1.5, "outer_momentum": 0.0},
+    # plain averaged descent, the learners' accumulators being the momentum; a step of 2.5 x the
+    # merged delta since 0.2.9 (1.5 in 0.2.5-0.2.8, 1.0 before: docs/sparse.md, "Outer lr 2.5")
+    "sparse": {"outer_lr": 2.5, "outer_momentum": 0.0},
 }
 SPARSE_KEYFRAME_EVERY = 64  # the longest delta chain of a run with sparse published deltas (rule size)
 # Defaults by mode that a lockstep run may change: alpha (Streaming DiLoCo's mixing factor) is
@@ -163,7 +163,7 @@ class RunConfig:
     merge: str | None = _f(None, "merge", _M, kind=str, choices=Merge, optional=True,
                            help="Radial-Directional Averaging or a token-weighted mean (default: rda; lockstep: mean)")
     outer_lr: float | None = _f(None, "outer-lr", _M, kind=float, lo=0.0, lo_open=True, optional=True,
-                                metavar="LR", help="Outer Nesterov learning rate (default: 0.7; sparse: 1.5)")
+                                metavar="LR", help="Outer Nesterov learning rate (default: 0.7; sparse: 2.5)")
     # 0: plain averaged descent, no outer momentum (sparse runs: the learners' error-feedback accumulators are the momentum)
     outer_momentum: float | None = _f(None, "outer-momentum", _M, kind=float, lo=0.0, hi=1.0, hi_open=True,
                                       optional=True, metavar="X",

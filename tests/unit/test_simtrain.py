@@ -441,7 +441,7 @@ def test_sweep_rows_subset_and_run_overrides_report_bytes_and_never_overwrite_th
     text = sweep_sim.main(["--learners", "4", "--seeds", "2", "--steps", "8", "--rows", "base",
                            "--run", '{"codec": "sparse"}', "--from-cells", str(path)])
     assert f"| {base} |" in text and f"| {two} |" not in text
-    assert "sparse at density 0.02" in text and "outer lr 1.5, momentum 0" in text
+    assert "sparse at density 0.02" in text and "outer lr 2.5, momentum 0" in text
     assert "M = 4 0.025 / 0.010" in text and "--rows base --run" in text
     with pytest.raises(SystemExit):
         sweep_sim.main(["--rows", "base", "--write-results", "--from-cells", str(path)])

@@ -117,7 +117,7 @@ def test_a_sparse_run_defaults_to_plain_averaged_descent_and_its_sync_reference_
     from ddiloco_cli.simtrain import arms
 
     sparse, int4 = RunConfig(codec="sparse"), RunConfig(codec="int4")
-    assert (sparse.outer_lr, sparse.outer_momentum) == (1.5, 0.0)
+    assert (sparse.outer_lr, sparse.outer_momentum) == (2.5, 0.0)
     assert (sparse.codec_block, sparse.codec_density, sparse.codec_topk) == (1024, 0.02, 20)
     assert (int4.outer_lr, int4.outer_momentum) == (0.7, 0.9)
     given = RunConfig(codec="sparse", outer_lr=0.5, outer_momentum=0.5)
