@@ -53,11 +53,11 @@ class ReceivePath:
             if got is not None:
                 for entry in got.refused:
                     # the ledger's word: that progress is gone; receiving this version re-bases p
+                    reason = entry.get("reason") or "no reason given"
                     self.stats.num_refused += 1
-                    self.stats.last_refusal = f"fragment {p} seq {entry['seq']}: {entry.get('reason') or 'no reason given'}"[:REASON_CHARS]
+                    self.stats.last_refusal = f"fragment {p} seq {entry['seq']}: {reason}"[:REASON_CHARS]
                     log.warning("fragment %d: contribution seq %d was refused by the syncer (%s): its progress is "
-                                "not in version %d; re-basing on it", p, entry["seq"],
-                                entry.get("reason", "no reason given"), got.version)
+                                "not in version %d; re-basing on it", p, entry["seq"], reason, got.version)
             if got is not None and self.lockstep and not self._accounts_for(got, flight):
                 receiver.want(p, (got.version, got.value), blocking=True)  # not ours yet: wait for a later one
                 got = None

@@ -19,7 +19,7 @@ class LearnerStats:
     num_contributions: int = 0
     blocked_s: float = 0.0
     num_refused: int = 0  # own contributions the syncer's ledger refused (this session)
-    last_refusal: str | None = None  # "seq N: reason" of the newest of them
+    last_refusal: str | None = None  # "fragment P seq N: reason" of the newest of them
     num_receives: int = 0  # versions folded in (this session)
     num_held: int = 0  # of those, versions lacking the contribution in flight ([L8]: held_alpha)
     uploads_failed: int = 0  # contributions given up (this session): not encodable, or the store's retries ran out
