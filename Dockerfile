@@ -30,9 +30,14 @@ RUN case "$VARIANT" in \
     esac
 
 WORKDIR /opt/ddiloco
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY ddiloco_cli ./ddiloco_cli
-RUN pip install ".[${EXTRAS}]" && python -c "import ddiloco_cli, torch; print('torch', torch.__version__)"
+# gcc only while pip builds the compiled codec kernels (ddiloco_cli/numerics/_native.c), then removed;
+# `ddiloco --version` says whether they are in use
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install ".[${EXTRAS}]" && python -c "import ddiloco_cli, torch; print('torch', torch.__version__)" \
+ && ddiloco --version \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 
 # training data and caches go to a writable home, not the image
 RUN useradd --create-home --uid 1000 ddiloco

@@ -11,7 +11,9 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 stamp=.venv/.ddiloco-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# setup.py and the C source too: an editable install compiles ddiloco_cli/numerics/_native.c in place
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || [ ddiloco_cli/numerics/_native.c -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==${DDILOCO_TORCH_VERSION:-2.13.0}"
   python -m pip install -q -e ".[test]"

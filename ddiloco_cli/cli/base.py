@@ -172,7 +172,9 @@ def _number(flag: str, *, positive: bool = False, allow_inf: bool = False):
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"ddiloco {_installed_version()}")
+        from ddiloco_cli.numerics import native  # (imports neither numpy nor torch)
+
+        typer.echo(f"ddiloco {_installed_version()}\n{native.describe()}")
         raise typer.Exit()
 
 

@@ -105,6 +105,11 @@ def learn(
                           parallel=parallel, sync=SyncOptions(min_poll_s=poll, key_path=key))
     opts.check()
     log = logging.getLogger("ddiloco")
+    from ddiloco_cli.numerics import native
+
+    if native.kernels is None:  # works, at more CPU a step beside training
+        log.info("%s: the numpy passes encode and decode instead (the same bytes, more CPU a step; "
+                 "`pip install` ddiloco where a C compiler is found to build them)", native.describe())
     store = _store(url, storage_option)
     if wait_for_run is not None:
         wait_for_run_config(store, timeout_s=wait_for_run, on_wait=lambda waited_s: log.info(

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ddiloco_cli.numerics import sparse
+from ddiloco_cli.numerics import native, sparse
 from ddiloco_cli.numerics.quantized import PER_BYTE, QABS, QMAX, Quantized, chunk_elems, num_blocks, q_values
 
 # --- quantization (vectorised, pure torch) ---------------------------------------
@@ -166,6 +166,10 @@ def _block_codes(xt: torch.Tensor, y: np.ndarray, codes: np.ndarray, *, qmax: in
     is the code. Returns each block's scale as (fp32 bits as int32, fp32). The one quantiser
     arithmetic of both encoders (``_quantize_chunk``, ``_quantize_flat``)."""
     absmax = torch.maximum(xt.amax(dim=1), xt.amin(dim=1).neg_()).numpy()  # (aminmax over a row is 10x slower)
+    # a block of zeros: torch's vectorised maximum picks +0.0 or -0.0 by the CPU's lanes; + 0.0
+    # makes it +0.0 (and leaves every other value, NaNs included), so the scale's bits are the
+    # same on every CPU and in the compiled kernel (native.py), which takes max |x|
+    absmax += np.float32(0.0)
     bits = _bf16_scale_bits_up(absmax, qmax)
     scale = bits.view(np.float32)
     inv = np.zeros_like(scale)
@@ -213,8 +217,11 @@ def _quantize_flat(tensors: list[torch.Tensor], keys: list[str], codec: str, blo
     per_byte = PER_BYTE[codec]
     body = codes_all if per_byte == 1 else np.empty(total // 2, dtype=np.uint8)
     qmax, offset = (QMAX[codec] if qmax is None else qmax), (8 if codec == "int4" else 128)
+    kernels = native.kernels  # one call over the whole buffer, the GIL released; 1: the numpy passes decide
+    done = kernels is not None and not kernels.quantize(x_all, block, qmax, offset, per_byte, scales, body,
+                                                         None if residual is None else y_all)
     step = chunk_elems(block, elems=QUANTIZE_CHUNK_ELEMS)
-    for lo in range(0, total, step):
+    for lo in range(0, 0 if done else total, step):
         hi = min(total, lo + step)
         xb = x_all[lo:hi].reshape(-1, block)
         y = y_all[lo:hi].reshape(-1, block)
@@ -333,6 +340,9 @@ def _sum_with(prev: torch.Tensor | None, raw: bytes, codec: str, shape: tuple[in
         else:
             base = _flat32(prev).numpy()
     per_byte = PER_BYTE[codec]
+    if native.kernels is not None:  # the same products and sums in one call, the GIL released
+        native.kernels.dequantize(codes, scale, n, block, QABS[codec], per_byte, base, out)
+        return torch.from_numpy(out).view(shape)
     step = chunk_elems(block, elems=_SUM_CHUNK)
     for start in range(0, n, step):
         stop = min(n, start + step)

@@ -25,6 +25,7 @@ from typing import Iterator, Mapping
 import numpy as np
 import torch
 
+from ddiloco_cli.numerics import native
 from ddiloco_cli.numerics.codecnames import QMAX  # what an encoder writes: |q| <= QMAX
 
 QABS = {"int8": 128, "int4": 8}  # what a frame can hold: the largest |q| of any byte (q + 128 = 0, q + 8 = 0)
@@ -118,6 +119,9 @@ def dequantize_chunk(scale: torch.Tensor, codes: np.ndarray, codec: str, n: int,
     """Write q * scale (fp32) into out (n values) from the bytes holding their codes: q exactly
     as fp32 from a table, then one in-place multiply per block (the same fp32 products as
     multiplying q by its scale)."""
+    if native.kernels is not None:  # the same products in one call, the GIL released
+        native.kernels.dequantize(codes, scale.numpy(), n, block, QABS[codec], PER_BYTE[codec], None, out.numpy())
+        return
     q_values(codes, codec, n, out=out.numpy())
     full = (n // block) * block
     if full:

@@ -143,6 +143,7 @@ def test_dockerfile_variants_and_entrypoint():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         assert extras <= set(tomllib.load(f)["project"]["optional-dependencies"]), extras
     assert "DDILOCO_KEY=" in text and "-o 1000" in text, "the key mount for the non-root user is documented"
+    assert "setup.py" in re.search(r"^COPY (.+) \./$", text, re.M).group(1), "the compiled kernels' build"
     for src in re.findall(r"^COPY (.+) \./", text, re.M):
         for path in src.split():
             assert os.path.exists(os.path.join(ROOT, path)), path

@@ -284,7 +284,9 @@ def test_version_flag():
     from ddiloco_cli import __version__
 
     result = invoke("--version")
-    assert result.exit_code == 0 and result.output.strip() == f"ddiloco {__version__}"
+    from ddiloco_cli.numerics import native
+
+    assert result.exit_code == 0 and result.output.splitlines() == [f"ddiloco {__version__}", native.describe()]
 
 
 def test_init_says_what_a_learner_moves_per_cycle(tmp_path):

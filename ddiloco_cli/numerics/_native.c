@@ -1,0 +1,231 @@
+/* ddiloco's optional compiled kernels: the int4/int8 block quantiser and the dequantiser, one
+ * pass each over a fragment with the GIL released.
+ *
+ * They compute what blockquant.py's numpy passes compute, bit for bit: the same IEEE fp32
+ * operations on each element in the same order (no fused multiply-add: built with
+ * -ffp-contract=off; no fast-math), so a payload and a decoded value do not depend on whether
+ * this module was built. For a NaN or Inf input, or a scale whose inverse overflows (garbage
+ * codes, whatever numpy's casts make of them), quantize() returns 1 and writes nothing the
+ * caller keeps: the caller then runs the numpy passes.
+ *
+ * The layout is the frame's (docs/codecs.md): one bf16 scale per block (absmax / qmax rounded up
+ * to bf16), codes q + offset (int4: offset 8, two a byte, low nibble first; int8: offset 128). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+#error "the kernels need fp32 arithmetic evaluated in fp32 (FLT_EVAL_METHOD 0)"
+#endif
+
+#define MAX_BF16_BITS 0x7F7F0000u /* the largest finite bf16, as fp32 bits */
+#define CHUNK_ELEMS (1 << 16)     /* codes made this many at a time, then packed while in cache */
+
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* One block of m values: its scale's fp32 bits (bf16 in the top half) and its codes; residual
+ * (when not NULL) gets x - q * scale. Returns 1 when numpy's passes must decide instead. */
+static int quantize_block(const float *x, Py_ssize_t m, float fq, float bias, int offset, uint8_t *codes,
+                          float *residual, uint32_t *scale_bits) {
+    uint32_t top = 0; /* max |x| as bits: non-negative floats order as their bits; zeros give +0.0 */
+    for (Py_ssize_t j = 0; j < m; j++) {
+        uint32_t a = bits_of(x[j]) & 0x7FFFFFFFu;
+        top = a > top ? a : top;
+    }
+    if (top > 0x7F7FFFFFu) return 1;                 /* a NaN or an Inf */
+    /* absmax / qmax rounded up to bf16 (positive: adding 0xFFFF before truncating rounds up),
+     * held at the largest finite bf16 */
+    uint32_t bits = bits_of(float_of(top) / fq);
+    if (bits > MAX_BF16_BITS) bits = MAX_BF16_BITS;
+    bits = (bits + 0xFFFFu) & ~0xFFFFu;
+    float scale = float_of(bits), inv = 0.0f;
+    if (scale > 0.0f) {
+        inv = 1.0f / scale;
+        if (bits_of(inv) >= 0x7F800000u) return 1;  /* a subnormal scale: 1 / scale overflows */
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        float y = x[j] * inv;
+        y = y + bias;                 /* >= 0.5: the conversion floors, round-half-up of x / scale */
+        codes[j] = (uint8_t)(int32_t)y;
+    }
+    if (residual) {
+        for (Py_ssize_t j = 0; j < m; j++) {
+            float q = (float)((int32_t)codes[j] - offset);
+            float d = q * scale;
+            residual[j] = x[j] - d;
+        }
+    }
+    *scale_bits = bits;
+    return 0;
+}
+
+static int quantize_all(const float *x, Py_ssize_t n, Py_ssize_t block, int qmax, int offset, int per_byte,
+                        int16_t *scales, uint8_t *body, float *residual, uint8_t *tmp) {
+    const float fq = (float)qmax, bias = (float)offset + 0.5f;
+    Py_ssize_t nb = n / block;
+    /* a chunk of whole blocks and an even count of values, so each chunk packs on its own */
+    Py_ssize_t chunk = block * (CHUNK_ELEMS / block > 0 ? CHUNK_ELEMS / block : 1);
+    if (chunk % 2) chunk += block;
+    for (Py_ssize_t lo = 0; lo < n; lo += chunk) {
+        Py_ssize_t hi = lo + chunk < n ? lo + chunk : n;
+        uint8_t *codes = per_byte == 1 ? body + lo : tmp;
+        for (Py_ssize_t b = lo / block; b < hi / block; b++) {
+            Py_ssize_t s = b * block;
+            uint32_t bits;
+            if (quantize_block(x + s, block, fq, bias, offset, codes + (s - lo), residual ? residual + s : NULL, &bits))
+                return 1;
+            scales[b] = (int16_t)(uint16_t)(bits >> 16);
+        }
+        if (per_byte == 2) {
+            uint8_t *out = body + lo / 2;
+            for (Py_ssize_t i = 0; i < (hi - lo) / 2; i++)
+                out[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+        }
+    }
+    (void)nb;
+    return 0;
+}
+
+static int check_len(const Py_buffer *buf, Py_ssize_t want, const char *what) {
+    if (buf->len < want) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, need %zd", what, buf->len, want);
+        return -1;
+    }
+    return 0;
+}
+
+static int codec_args(int per_byte, int offset, int qmax) {
+    if (!((per_byte == 2 && offset == 8 && qmax >= 1 && qmax <= 7) ||
+          (per_byte == 1 && offset == 128 && qmax >= 1 && qmax <= 127))) {
+        PyErr_SetString(PyExc_ValueError, "per_byte / offset / qmax are not int4's or int8's");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(quantize_doc,
+"quantize(x, block, qmax, offset, per_byte, scales, body, residual) -> int\n\n"
+"x: fp32, n values in whole blocks (n even for int4); scales: int16 (n / block, the bf16 of each\n"
+"scale); body: uint8 (n / per_byte codes); residual: fp32 (n, x - decoded) or None. Returns 0,\n"
+"or 1 when the numpy passes must make this payload (outputs then partly written).");
+
+static PyObject *quantize(PyObject *self, PyObject *args) {
+    Py_buffer x, scales, body, residual = {0};
+    Py_ssize_t block;
+    int qmax, offset, per_byte, status = 0;
+    PyObject *res_obj;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*niiiw*w*O", &x, &block, &qmax, &offset, &per_byte, &scales, &body, &res_obj))
+        return NULL;
+    int have_res = res_obj != Py_None;
+    if (have_res && PyObject_GetBuffer(res_obj, &residual, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        status = -1;
+        goto done;
+    }
+    Py_ssize_t n = x.len / 4;
+    if (block < 1 || x.len % 4 || n % block || (per_byte == 2 && n % 2)) {
+        PyErr_SetString(PyExc_ValueError, "x must hold whole blocks of fp32 (an even count for int4)");
+        status = -1;
+        goto done;
+    }
+    if (codec_args(per_byte, offset, qmax) || check_len(&scales, 2 * (n / block), "scales") ||
+        check_len(&body, n / per_byte, "body") || (have_res && check_len(&residual, 4 * n, "residual"))) {
+        status = -1;
+        goto done;
+    }
+    uint8_t *tmp = NULL;
+    if (per_byte == 2 && n) {
+        Py_ssize_t chunk = block * (CHUNK_ELEMS / block > 0 ? CHUNK_ELEMS / block : 1) + block;
+        tmp = malloc((size_t)(chunk < n ? chunk : n));
+        if (!tmp) {
+            PyErr_NoMemory();
+            status = -1;
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    status = quantize_all((const float *)x.buf, n, block, qmax, offset, per_byte, (int16_t *)scales.buf,
+                          (uint8_t *)body.buf, have_res ? (float *)residual.buf : NULL, tmp);
+    Py_END_ALLOW_THREADS
+    free(tmp);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&scales);
+    PyBuffer_Release(&body);
+    if (have_res && residual.obj) PyBuffer_Release(&residual);
+    if (status < 0) return NULL;
+    return PyLong_FromLong(status);
+}
+
+PyDoc_STRVAR(dequantize_doc,
+"dequantize(codes, scale, n, block, offset, per_byte, base, out) -> None\n\n"
+"out[i] = (code_i - offset) * scale[i // block] (+ base[i] when base is not None), fp32, for n\n"
+"values: the decoder's products, then the sum with a previous value.");
+
+static PyObject *dequantize(PyObject *self, PyObject *args) {
+    Py_buffer codes, scale, out, base = {0};
+    Py_ssize_t n, block;
+    int offset, per_byte, ok = 1;
+    PyObject *base_obj;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*nniiOw*", &codes, &scale, &n, &block, &offset, &per_byte, &base_obj, &out))
+        return NULL;
+    int have_base = base_obj != Py_None;
+    if (have_base && PyObject_GetBuffer(base_obj, &base, PyBUF_C_CONTIGUOUS) < 0) {
+        ok = 0;
+        goto done;
+    }
+    if (n < 0 || block < 1 || !((per_byte == 2 && offset == 8) || (per_byte == 1 && offset == 128))) {
+        PyErr_SetString(PyExc_ValueError, "bad n / block / codec");
+        ok = 0;
+        goto done;
+    }
+    Py_ssize_t nb = (n + block - 1) / block;
+    if (check_len(&codes, (n + per_byte - 1) / per_byte, "codes") || check_len(&scale, 4 * nb, "scale") ||
+        check_len(&out, 4 * n, "out") || (have_base && check_len(&base, 4 * n, "base"))) {
+        ok = 0;
+        goto done;
+    }
+    {
+        const uint8_t *c = (const uint8_t *)codes.buf;
+        const float *s = (const float *)scale.buf, *p = have_base ? (const float *)base.buf : NULL;
+        float *o = (float *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
+            float sc = s[b];
+            if (per_byte == 1) {
+                for (Py_ssize_t i = lo; i < hi; i++) o[i] = (float)((int32_t)c[i] - 128) * sc;
+            } else {
+                for (Py_ssize_t i = lo; i < hi; i++) o[i] = (float)((int32_t)((c[i >> 1] >> ((i & 1) * 4)) & 15) - 8) * sc;
+            }
+            if (p)
+                for (Py_ssize_t i = lo; i < hi; i++) o[i] = o[i] + p[i];
+        }
+        Py_END_ALLOW_THREADS
+    }
+done:
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&scale);
+    PyBuffer_Release(&out);
+    if (have_base && base.obj) PyBuffer_Release(&base);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"quantize", quantize, METH_VARARGS, quantize_doc},
+    {"dequantize", dequantize, METH_VARARGS, dequantize_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "ddiloco's optional compiled codec kernels (see numerics/native.py).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

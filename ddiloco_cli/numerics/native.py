@@ -1,0 +1,24 @@
+"""The optional compiled kernels (``_native.c``, built by ``pip install`` where a C compiler is
+found): blockquant.py calls them when they are there and runs its numpy passes when not, with
+the same bytes either way (tests/unit/test_native.py compares them). ``DDILOCO_NATIVE=0`` in the
+environment leaves them out (an A/B, or to rule them out)."""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+kernels: ModuleType | None = None
+why_not = ""
+if os.environ.get("DDILOCO_NATIVE", "1").strip() == "0":
+    why_not = "left out: DDILOCO_NATIVE=0"
+else:
+    try:
+        from ddiloco_cli.numerics import _native as kernels  # type: ignore[attr-defined, no-redef]
+    except ImportError as exc:  # not built here: the numpy passes
+        why_not = f"not built ({exc})"
+
+
+def describe() -> str:
+    """One line for `ddiloco doctor` and the benchmarks."""
+    return "compiled codec kernels: in use" if kernels is not None else f"compiled codec kernels: {why_not}"

@@ -1,0 +1,159 @@
+"""The compiled codec kernels (ddiloco_cli/numerics/_native.c) against the numpy passes they
+replace: the same payload bytes, residuals and decoded values, bit for bit, on ordinary and
+hostile inputs. scripts/test.sh sets DDILOCO_REQUIRE_NATIVE=1, so a build that lost the module
+fails here instead of silently testing numpy against itself."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from ddiloco_cli.numerics import codec, native
+from ddiloco_cli.numerics.quantized import Quantized, q_values
+
+if native.kernels is None:
+    if os.environ.get("DDILOCO_REQUIRE_NATIVE") == "1":
+        raise AssertionError(f"DDILOCO_REQUIRE_NATIVE=1 but {native.describe()}")
+    pytest.skip(native.describe(), allow_module_level=True)
+
+KERNELS = native.kernels
+
+
+def both(monkeypatch, fn):
+    """fn() with the kernels, then with the numpy passes."""
+    with_kernels = fn()
+    monkeypatch.setattr(native, "kernels", None)
+    try:
+        without = fn()
+    finally:
+        monkeypatch.setattr(native, "kernels", KERNELS)
+    return with_kernels, without
+
+
+def same_tensors(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k].contiguous().view(-1), b[k].contiguous().view(-1)
+        assert x.dtype == y.dtype == torch.float32 and x.shape == y.shape, k
+        # bit for bit: the int32 views (NaN payloads and the sign of zero included)
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32)), k
+
+
+def fragment(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(33, 17), (64,), (7,), (1,), (129, 3), (256, 8)]
+    out = {f"t{i}": torch.randn(s, generator=g) * scale for i, s in enumerate(shapes)}
+    out["t1"][:64] = 0.0  # a block of +0
+    out["t4"].view(-1)[::5] *= 1e-3  # blocks of mixed magnitudes
+    return out
+
+
+CASES = [("int4", 64, None), ("int4", 7, 3), ("int4", 33, None), ("int8", 256, None), ("int8", 5, 31)]
+
+
+@pytest.mark.parametrize("codec_name,block,qmax", CASES)
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 3e37])
+def test_payload_and_residual_equal_the_numpy_passes(monkeypatch, codec_name, block, qmax, scale):
+    for seed in range(3):
+        tensors = fragment(seed, scale)
+
+        def run():
+            return codec.encode_with_residual(tensors, codec=codec_name, block_size=block, qmax=qmax)
+
+        (p1, r1), (p2, r2) = both(monkeypatch, run)
+        assert p1 == p2
+        same_tensors(r1, r2)
+
+
+@pytest.mark.parametrize("codec_name,block,qmax", CASES)
+def test_single_whole_block_tensor_read_in_place(monkeypatch, codec_name, block, qmax):
+    t = {"w": torch.randn(block * 8)}
+    (p1, r1), (p2, r2) = both(monkeypatch, lambda: codec.encode_with_residual(t, codec=codec_name, block_size=block,
+                                                                               qmax=qmax))
+    assert p1 == p2
+    same_tensors(r1, r2)
+    assert codec.encode_tensors(t, codec=codec_name, block_size=block, qmax=qmax) == p1
+
+
+@pytest.mark.parametrize("poison", ["negzero", "nan", "inf", "subnormal_scale", "huge"])
+def test_inputs_the_kernel_leaves_to_numpy_give_numpy_bytes(monkeypatch, poison):
+    t = fragment(5)
+    w = t["t5"].view(-1)
+    if poison == "negzero":  # blocks of zeros, some -0.0: the scale is +0.0 either way
+        w[:256] = 0.0
+        w[3:200:7] = -0.0
+    elif poison == "nan":
+        w[100] = float("nan")
+    elif poison == "inf":
+        w[100] = -float("inf")
+    elif poison == "subnormal_scale":  # absmax / qmax below fp32's normals: 1 / scale overflows
+        w[:64] = 1e-44
+    else:  # the scale held at the largest bf16
+        w[:64] = 3.4e38
+    (p1, r1), (p2, r2) = both(monkeypatch, lambda: codec.encode_with_residual(t, codec="int4"))
+    assert p1 == p2
+    same_tensors(r1, r2)
+    # and the kernel says so itself, on that tensor alone
+    x = w.numpy()
+    status = KERNELS.quantize(x, 64, 7, 8, 2, np.empty(x.size // 64, np.int16), np.empty(x.size // 2, np.uint8),
+                              np.empty_like(x))
+    assert status == (0 if poison in ("huge", "negzero") else 1)
+
+
+@pytest.mark.parametrize("codec_name,block", [("int4", 64), ("int4", 7), ("int8", 256), ("int8", 5)])
+def test_decoded_values_and_published_sums_equal_the_numpy_passes(monkeypatch, codec_name, block):
+    tensors = fragment(11)
+    prev = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(3)) for k, v in tensors.items()}
+    payload = codec.encode_tensors(tensors, codec=codec_name, block_size=block)
+
+    def decoded():
+        values, _ = codec.decode_tensors(payload)
+        return {k: v.clone() for k, v in values.items()}
+
+    same_tensors(*both(monkeypatch, decoded))
+    same_tensors(*both(monkeypatch, lambda: codec.apply_published_delta(prev, payload, where="t")))
+    same_tensors(*both(monkeypatch, lambda: codec.apply_published_delta({}, payload, where="t")))
+
+    def codes_values():  # the syncer's way: the codes kept, values made on first access
+        values, _ = codec.decode_tensors(payload, keep_codes=True)
+        assert all(isinstance(q, Quantized) for q in values.sources.values())
+        return {k: values[k].clone() for k in values}
+
+    same_tensors(*both(monkeypatch, codes_values))
+
+
+def test_every_code_byte_decodes_as_the_tables_say(monkeypatch):
+    """All 256 code bytes, int4 and int8, an odd count (int4's padding nibble), scales of both
+    signs and a zero."""
+    codes = np.arange(256, dtype=np.uint8)
+    for name, per_byte, offset in (("int4", 2, 8), ("int8", 1, 128)):
+        n = 256 * per_byte - 1
+        block = 5
+        nb = -(-n // block)
+        scale = torch.tensor([(-1) ** i * 2.0 ** (i % 40 - 20) if i % 7 else 0.0 for i in range(nb)], dtype=torch.float32)
+        out = torch.empty(n)
+        KERNELS.dequantize(codes, scale.numpy(), n, block, offset, per_byte, None, out.numpy())
+        q = np.empty(n, dtype=np.float32)
+        q_values(codes[: -(-n // per_byte)], name, n, out=q)
+        expect = torch.from_numpy(q) * scale.repeat_interleave(block)[:n]
+        assert torch.equal(out.view(torch.int32), expect.view(torch.int32)), name
+
+
+def test_wrong_buffers_are_refused_not_read_past():
+    x = np.zeros(128, np.float32)
+    with pytest.raises(ValueError, match="body"):
+        KERNELS.quantize(x, 64, 7, 8, 2, np.empty(2, np.int16), np.empty(10, np.uint8), None)
+    with pytest.raises(ValueError, match="whole blocks"):
+        KERNELS.quantize(x[:100], 64, 7, 8, 2, np.empty(2, np.int16), np.empty(64, np.uint8), None)
+    with pytest.raises(ValueError, match="int4's or int8's"):
+        KERNELS.quantize(x, 64, 9, 8, 2, np.empty(2, np.int16), np.empty(64, np.uint8), None)
+    with pytest.raises(ValueError, match="codes"):
+        KERNELS.dequantize(np.zeros(3, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, None, np.empty(100, np.float32))
+    with pytest.raises(ValueError, match="base"):
+        KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, np.zeros(3, np.float32),
+                           np.empty(100, np.float32))
+    with pytest.raises(TypeError):  # a read-only output
+        KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, None, bytes(400))
