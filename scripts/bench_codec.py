@@ -14,6 +14,13 @@ the real outer gradient.
     .venv/bin/python scripts/bench_codec.py --codecs int4 --blocks 64,128,256 --numel 4000000
     .venv/bin/python scripts/bench_codec.py --codecs int4,sparse --numel 4000000 --density 0.02
     .venv/bin/python scripts/bench_codec.py --codecs int4,sparse --numel 4000000 --chunks 1024,4096
+    .venv/bin/python scripts/bench_codec.py --kernels --codecs int4,int8 --numel 4000000   # compiled vs numpy
+
+--kernels: the learner's and the syncer's calls, each with the compiled kernels
+(ddiloco_cli/numerics/_native.c) and with the numpy passes, in turns in one process: encode
+with residual (a learner's contribution), a published delta added to the previous value (a
+receiver), a contribution decoded from its codes (the syncer), on one fragment of the real
+outer gradient (its tensors as the model has them) and on --numel values.
 """
 
 from __future__ import annotations
@@ -27,12 +34,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ddiloco_cli.numerics import native
 from ddiloco_cli.numerics.codec import (
     CODECS,
     DEFAULT_BLOCK_SIZE,
+    apply_published_delta,
     decode_tensors,
     encode_published_delta,
     encode_tensors,
+    encode_with_residual,
 )
 from ddiloco_cli.numerics.outer import OuterOptimizer
 
@@ -177,6 +187,51 @@ def measure_throughput(configs: list[tuple[str, int | None, float | None]], grad
             for e, d in zip(enc_s, dec_s)]
 
 
+def measure_kernels(codec: str, tensors: dict[str, torch.Tensor], *, repeats: int) -> dict:
+    """ms per call of the learner's, the receiver's and the syncer's codec calls on ``tensors``,
+    with the compiled kernels and with the numpy passes (best of ``repeats``, in turns), and
+    whether both made the same bytes."""
+    kernels = native.kernels
+    prev = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in tensors.items()}
+    payload = encode_tensors(tensors, codec=codec)
+    calls = {
+        "encode_with_residual": lambda: encode_with_residual(tensors, codec=codec),
+        "apply_published_delta": lambda: apply_published_delta(prev, payload, where="bench"),
+        "decode_from_codes": lambda: [decode_tensors(payload, keep_codes=True)[0][k] for k in tensors],
+    }
+    best = {(name, arm): float("inf") for name in calls for arm in ("compiled", "numpy")}
+    outputs = {}
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            for arm, k in (("compiled", kernels), ("numpy", None)):
+                native.kernels = k
+                for name, call in calls.items():
+                    t0 = time.perf_counter()
+                    out = call()
+                    best[name, arm] = min(best[name, arm], time.perf_counter() - t0)
+                    outputs[name, arm] = out
+    finally:
+        native.kernels = kernels
+
+    def same(a, b) -> bool:
+        if isinstance(a, tuple):  # (payload, residual)
+            return a[0] == b[0] and same(a[1], b[1])
+        pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
+        return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in pairs)
+
+    numel = sum(t.numel() for t in tensors.values())
+    return {name: {"numel": numel, "tensors": len(tensors), "compiled_ms": 1e3 * best[name, "compiled"],
+                   "numpy_ms": 1e3 * best[name, "numpy"], "speedup": best[name, "numpy"] / best[name, "compiled"],
+                   "same_bytes": same(outputs[name, "compiled"], outputs[name, "numpy"])} for name in calls}
+
+
+def print_kernels(codec: str, label: str, result: dict) -> None:
+    for name, r in result.items():
+        print(f"{codec:<6}{label:<34}{name:<24}{r['compiled_ms']:>10.3f}{r['numpy_ms']:>10.3f}{r['speedup']:>9.2f}x"
+              f"{'yes' if r['same_bytes'] else 'NO':>7}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=100_000_000, help="values for the throughput test")
@@ -189,10 +244,31 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=None, help="sparse: values sent per chunk (default 0.02)")
     ap.add_argument("--chunks", default=None,
                     help="comma-separated chunk sizes for sparse; default: the codec's own")
+    ap.add_argument("--kernels", action="store_true",
+                    help="only the compiled kernels against the numpy passes (int4/int8 among --codecs)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
     before, grad, info = real_outer_gradient(sync_every=args.sync_every, warmup_steps=args.warmup_steps)
+    if args.kernels:
+        if native.kernels is None:
+            raise SystemExit(native.describe())
+        keys = list(grad)
+        fragment = {k: grad[k] for k in keys[len(keys) // 3 : len(keys) // 3 + 4]}  # a few tensors, as a fragment
+        flat = torch.cat([v.flatten() for v in grad.values()])
+        big = {"x": flat.repeat(-(-args.numel // flat.numel()))[: args.numel].contiguous()}
+        print(f"compiled kernels vs numpy passes, 1 thread, best of {args.repeats} (arms in turn); ms per call")
+        print(f"{'codec':<6}{'tensors':<34}{'call':<24}{'compiled':>10}{'numpy':>10}{'speedup':>10}{'same':>7}")
+        results = {}
+        for codec in [c for c in args.codecs.split(",") if c in ("int4", "int8")]:
+            for label, tensors in ((f"fragment: {len(fragment)} tensors, "
+                                    f"{sum(v.numel() for v in fragment.values()):,} values", fragment),
+                                   (f"one tensor of {args.numel:,} values", big)):
+                results[f"{codec} {label}"] = r = measure_kernels(codec, tensors, repeats=max(args.repeats, 5))
+                print_kernels(codec, label, r)
+        if args.json:
+            args.json.write_text(json.dumps({"info": info, "kernels": results}, indent=1) + "\n")
+        return
     configs = []
     for codec in args.codecs.split(","):
         blocks = [DEFAULT_BLOCK_SIZE.get(codec)]

@@ -155,5 +155,10 @@ def test_wrong_buffers_are_refused_not_read_past():
     with pytest.raises(ValueError, match="base"):
         KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, np.zeros(3, np.float32),
                            np.empty(100, np.float32))
+    out = np.zeros(100, np.float32)
+    with pytest.raises(ValueError, match="base overlaps"):  # in place: not with restrict-qualified loops
+        KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, out, out)
+    with pytest.raises(ValueError, match="x overlaps"):
+        KERNELS.quantize(x, 64, 7, 8, 2, np.empty(2, np.int16), np.empty(64, np.uint8), x)
     with pytest.raises(TypeError):  # a read-only output
         KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, None, bytes(400))
