@@ -134,6 +134,36 @@ CLONES static void dequantize_all(const uint8_t *restrict c, const float *restri
     }
 }
 
+/* acc += q * scale, in place (a merge's next term): each product rounded, then added */
+CLONES static void accumulate_all(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
+                                  int per_byte, float *restrict acc) {
+    Py_ssize_t nb = (n + block - 1) / block;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        float sc = s[b];
+        if (per_byte == 1) {
+            for (Py_ssize_t i = lo; i < hi; i++) {
+                float v = (float)((int32_t)c[i] - 128) * sc;
+                acc[i] = acc[i] + v;
+            }
+        } else if (lo % 2 == 0 && hi % 2 == 0) {
+            const uint8_t *cb = c + lo / 2;
+            float *ab = acc + lo;
+            for (Py_ssize_t k = 0; k < (hi - lo) / 2; k++) {
+                float v0 = (float)((int32_t)(cb[k] & 15) - 8) * sc;
+                float v1 = (float)((int32_t)(cb[k] >> 4) - 8) * sc;
+                ab[2 * k] = ab[2 * k] + v0;
+                ab[2 * k + 1] = ab[2 * k + 1] + v1;
+            }
+        } else {
+            for (Py_ssize_t i = lo; i < hi; i++) {
+                float v = (float)((int32_t)((c[i >> 1] >> ((i & 1) * 4)) & 15) - 8) * sc;
+                acc[i] = acc[i] + v;
+            }
+        }
+    }
+}
+
 static int check_len(const Py_buffer *buf, Py_ssize_t want, const char *what) {
     if (buf->len < want) {
         PyErr_Format(PyExc_ValueError, "%s: %zd bytes, need %zd", what, buf->len, want);
@@ -224,7 +254,8 @@ done:
 PyDoc_STRVAR(dequantize_doc,
 "dequantize(codes, scale, n, block, offset, per_byte, base, out) -> None\n\n"
 "out[i] = (code_i - offset) * scale[i // block] (+ base[i] when base is not None), fp32, for n\n"
-"values: the decoder's products, then the sum with a previous value.");
+"values: the decoder's products, then the sum with a previous value. base is out (the same\n"
+"object): out[i] += the product, in place (a merge's next term).");
 
 static PyObject *dequantize(PyObject *self, PyObject *args) {
     Py_buffer codes, scale, out, base = {0};
@@ -234,7 +265,8 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*y*nniiOw*", &codes, &scale, &n, &block, &offset, &per_byte, &base_obj, &out))
         return NULL;
-    int have_base = base_obj != Py_None;
+    int in_place = base_obj == out.obj; /* out += q * scale */
+    int have_base = base_obj != Py_None && !in_place;
     if (have_base && PyObject_GetBuffer(base_obj, &base, PyBUF_C_CONTIGUOUS) < 0) {
         ok = 0;
         goto done;
@@ -252,8 +284,11 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    dequantize_all((const uint8_t *)codes.buf, (const float *)scale.buf, n, block, per_byte,
-                   have_base ? (const float *)base.buf : NULL, (float *)out.buf);
+    if (in_place)
+        accumulate_all((const uint8_t *)codes.buf, (const float *)scale.buf, n, block, per_byte, (float *)out.buf);
+    else
+        dequantize_all((const uint8_t *)codes.buf, (const float *)scale.buf, n, block, per_byte,
+                       have_base ? (const float *)base.buf : NULL, (float *)out.buf);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&codes);

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from ddiloco_cli.errors import InvalidPayloadError, UsageError
-from ddiloco_cli.numerics.quantized import PER_BYTE, Quantized, Source, chunk_elems, q8_into, shape_of, sources
+from ddiloco_cli.numerics import native
+from ddiloco_cli.numerics.quantized import PER_BYTE, QABS, Quantized, Source, chunk_elems, q8_into, shape_of, sources
 from ddiloco_cli.numerics.sparse import SparseTensor
 
 # Below this norm of the weighted mean of unit vectors, ||sum w phi(v)|| / sum w, RDA returns
@@ -212,12 +213,39 @@ class _CodesScratch:
         self.tmp = np.empty(step // 2 + 1, dtype=np.uint16)
 
 
+class _NativeCodesTerm:
+    """``_codes_term`` by the compiled kernel (native.py): q * scale written into a range in one
+    call, or added into the sum in place (``add_into``: the same fp32 product, then the same one
+    addition as ``np.add`` of it, so the same bits), the GIL released."""
+
+    __slots__ = ("codes", "scale", "block", "per_byte", "offset")
+
+    def __init__(self, v: Quantized, scale: np.ndarray):
+        self.codes, self.scale, self.block = v.codes, scale, v.block
+        self.per_byte, self.offset = PER_BYTE[v.codec], QABS[v.codec]
+
+    def _run(self, start: int, stop: int, base: np.ndarray | None, out: np.ndarray) -> None:
+        m, b0, pb = stop - start, start // self.block, self.per_byte
+        native.kernels.dequantize(self.codes[start // pb : -(-stop // pb)], self.scale[b0 : b0 + -(-m // self.block)],
+                                  m, self.block, self.offset, pb, base, out)
+
+    def __call__(self, start: int, stop: int, dest: _Dest) -> torch.Tensor:
+        self._run(start, stop, None, dest.flat())
+        return dest.t
+
+    def add_into(self, start: int, stop: int, into: np.ndarray) -> None:
+        self._run(start, stop, into, into)
+
+
 def _codes_term(v: Quantized, scale: np.ndarray, scratch: _CodesScratch) -> Term | None:
     """q * scale of each block of v, for ranges [start, stop) that start on a block (and an even
     element): the products of ``Quantized.values`` (fp32 q times the block's fp32 scale, one
     rounding), as the range's q unpacked to int8 (``quantized.q8_into``: integer operations, no
     table lookups), converted into the range (exact), then one in-place multiply by the scales
-    (torch's vectorised kernels; a table's lookups cost ~2 ns a value)."""
+    (torch's vectorised kernels; a table's lookups cost ~2 ns a value). With the compiled kernels
+    the same products in one call (``_NativeCodesTerm``)."""
+    if native.kernels is not None:
+        return _NativeCodesTerm(v, scale)
     block, per_byte, codec = v.block, PER_BYTE[v.codec], v.codec
     scale_t = torch.from_numpy(scale)
     per_block = scale_t[:, None]
@@ -338,8 +366,8 @@ def _weighted_sum(items: list[Item], factors: Sequence[tuple[float | None, float
         terms[0](start, stop, part)
         into = part.flat()
         for term in terms[1:]:
-            if isinstance(term, _SparseTerm):  # its sent values only: the union of the supports
-                term.add_into(start, stop, into)
+            if isinstance(term, (_SparseTerm, _NativeCodesTerm)):  # sparse: its sent values only (the
+                term.add_into(start, stop, into)                   # union of the supports); codes: in place
             else:
                 np.add(into, term(start, stop, t).numpy(), out=into)
     return acc

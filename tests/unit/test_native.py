@@ -156,9 +156,31 @@ def test_wrong_buffers_are_refused_not_read_past():
         KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, np.zeros(3, np.float32),
                            np.empty(100, np.float32))
     out = np.zeros(100, np.float32)
-    with pytest.raises(ValueError, match="base overlaps"):  # in place: not with restrict-qualified loops
-        KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, out, out)
+    with pytest.raises(ValueError, match="base overlaps"):  # in place only as the same object (out += ...)
+        KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 99, 64, 8, 2, out[1:], out)
+    KERNELS.dequantize(np.full(50, 0x9A, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, out, out)
+    assert out[:2].tolist() == [2.0, 1.0]  # 0 + (0xA - 8), 0 + (0x9 - 8)
     with pytest.raises(ValueError, match="x overlaps"):
         KERNELS.quantize(x, 64, 7, 8, 2, np.empty(2, np.int16), np.empty(64, np.uint8), x)
     with pytest.raises(TypeError):  # a read-only output
         KERNELS.dequantize(np.zeros(50, np.uint8), np.ones(2, np.float32), 100, 64, 8, 2, None, bytes(400))
+
+
+@pytest.mark.parametrize("codec_name,block,shape", [("int4", 64, (40, 50)), ("int4", 64, (1000,)), ("int8", 256, (12, 1000)),
+                                                    ("int4", 7, (333,))])
+@pytest.mark.parametrize("chunk", [10**9, 128])
+def test_merges_of_codes_equal_the_numpy_passes(monkeypatch, codec_name, block, shape, chunk):
+    """The syncer's merge reads each contribution's codes: the first term written by the kernel,
+    every next one added into the sum in place by it; the same bits as the numpy passes, with
+    RDA and the plain mean, in one range or many."""
+    import ddiloco_cli.numerics.merge as M
+
+    monkeypatch.setattr(M, "MERGE_CHUNK_ELEMS", chunk)
+    g = torch.Generator().manual_seed(4)
+    kept = [codec.decode_tensors(codec.encode_tensors({"w": torch.randn(shape, generator=g) * (i + 1)}, codec=codec_name,
+                                                      block_size=block), keep_codes=True)[0] for i in range(4)]
+    for method in ("rda", "mean"):
+        def merged():
+            return {k: v.clone() for k, v in M.merge_outer_gradients(kept, [1.0, 2.0, 0.5, 3.0], method=method).items()}
+
+        same_tensors(*both(monkeypatch, merged))
