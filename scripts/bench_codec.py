@@ -228,7 +228,7 @@ def measure_kernels(codec: str, tensors: dict[str, torch.Tensor], *, repeats: in
 
 def print_kernels(codec: str, label: str, result: dict) -> None:
     for name, r in result.items():
-        print(f"{codec:<6}{label:<34}{name:<24}{r['compiled_ms']:>10.3f}{r['numpy_ms']:>10.3f}{r['speedup']:>9.2f}x"
+        print(f"{codec:<6}{label:<42}{name:<24}{r['compiled_ms']:>10.3f}{r['numpy_ms']:>10.3f}{r['speedup']:>9.2f}x"
               f"{'yes' if r['same_bytes'] else 'NO':>7}")
 
 
@@ -258,7 +258,7 @@ def main() -> None:
         flat = torch.cat([v.flatten() for v in grad.values()])
         big = {"x": flat.repeat(-(-args.numel // flat.numel()))[: args.numel].contiguous()}
         print(f"compiled kernels vs numpy passes, 1 thread, best of {args.repeats} (arms in turn); ms per call")
-        print(f"{'codec':<6}{'tensors':<34}{'call':<24}{'compiled':>10}{'numpy':>10}{'speedup':>10}{'same':>7}")
+        print(f"{'codec':<6}{'tensors':<42}{'call':<24}{'compiled':>10}{'numpy':>10}{'speedup':>10}{'same':>7}")
         results = {}
         for codec in [c for c in args.codecs.split(",") if c in ("int4", "int8")]:
             for label, tensors in ((f"fragment: {len(fragment)} tensors, "

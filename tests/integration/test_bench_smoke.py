@@ -221,3 +221,21 @@ def test_validate_sim_smoke(tmp_path):
         assert {"val_loss", "merged_token_fraction", "mean_quorum"} <= set(rep[arm]["summary"])
     assert rep["real"]["runs"][0]["steps"] == {"l0": 24, "l1": 24}
     assert set(rep["comparison"]) == {"sim_val_loss_range", "real_inside", "all_inside", "real_mean_inside"}
+
+
+def test_bench_codec_kernels_smoke(tmp_path):
+    """`bench_codec.py --kernels`: the compiled kernels against the numpy passes, each call's
+    figures and whether both made the same bytes (they must)."""
+    from ddiloco_cli.numerics import native
+
+    if native.kernels is None:
+        pytest.skip(native.describe())
+    out = tmp_path / "kernels.json"
+    _run("bench_codec.py", "--kernels", "--codecs", "int4,int8", "--numel", "20000", "--repeats", "1",
+         "--warmup-steps", "2", "--sync-every", "2", "--json", str(out))
+    rep = json.loads(out.read_text())["kernels"]
+    assert len(rep) == 4  # int4 and int8, a fragment and one large tensor
+    for calls in rep.values():
+        assert set(calls) == {"encode_with_residual", "apply_published_delta", "decode_from_codes"}
+        for r in calls.values():
+            assert r["same_bytes"] is True and r["compiled_ms"] > 0 and r["numpy_ms"] > 0
