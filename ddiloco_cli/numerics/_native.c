@@ -85,9 +85,8 @@ INLINE int quantize_block(const float *restrict x, Py_ssize_t m, float fq, float
 }
 
 CLONES static int quantize_all(const float *x, Py_ssize_t n, Py_ssize_t block, int qmax, int offset, int per_byte,
-                        int16_t *scales, uint8_t *body, float *residual, uint8_t *tmp) {
+                               int16_t *scales, uint8_t *body, float *residual, uint8_t *tmp) {
     const float fq = (float)qmax, bias = (float)offset + 0.5f;
-    Py_ssize_t nb = n / block;
     /* a chunk of whole blocks and an even count of values, so each chunk packs on its own */
     Py_ssize_t chunk = block * (CHUNK_ELEMS / block > 0 ? CHUNK_ELEMS / block : 1);
     if (chunk % 2) chunk += block;
@@ -107,7 +106,6 @@ CLONES static int quantize_all(const float *x, Py_ssize_t n, Py_ssize_t block, i
                 out[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
         }
     }
-    (void)nb;
     return 0;
 }
 
