@@ -1,5 +1,5 @@
-/* ddiloco's optional compiled kernels: the int4/int8 block quantiser and the dequantiser, one
- * pass each over a fragment with the GIL released.
+/* ddiloco's optional compiled kernels: the int4/int8 block quantiser, the dequantiser and the
+ * per-block sums of q**2 (a contribution's norm), one pass each with the GIL released.
  *
  * They compute what blockquant.py's numpy passes compute, bit for bit: the same IEEE fp32
  * operations on each element in the same order (no fused multiply-add: built with
@@ -162,6 +162,28 @@ CLONES static void accumulate_all(const uint8_t *restrict c, const float *restri
     }
 }
 
+/* sum(q**2) of each whole block, exact (an integer <= 128**2 * block), as fp64 */
+CLONES static void square_sums_all(const uint8_t *restrict c, Py_ssize_t blocks, Py_ssize_t block, int per_byte,
+                                   double *restrict out) {
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        uint64_t total = 0;
+        if (per_byte == 1) {
+            const uint8_t *cb = c + b * block;
+            for (Py_ssize_t i = 0; i < block; i++) {
+                int32_t q = (int32_t)cb[i] - 128;
+                total += (uint32_t)(q * q);
+            }
+        } else { /* block is even: the block's bytes hold its codes alone */
+            const uint8_t *cb = c + b * (block / 2);
+            for (Py_ssize_t k = 0; k < block / 2; k++) {
+                int32_t lo = (int32_t)(cb[k] & 15) - 8, hi = (int32_t)(cb[k] >> 4) - 8;
+                total += (uint32_t)(lo * lo + hi * hi);
+            }
+        }
+        out[b] = (double)total;
+    }
+}
+
 static int check_len(const Py_buffer *buf, Py_ssize_t want, const char *what) {
     if (buf->len < want) {
         PyErr_Format(PyExc_ValueError, "%s: %zd bytes, need %zd", what, buf->len, want);
@@ -297,9 +319,39 @@ done:
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(square_sums_doc,
+"square_sums(codes, blocks, block, per_byte, out) -> None\n\n"
+"out[b] = sum of q**2 over whole block b (fp64, exact integers) from the codes; int4 needs an\n"
+"even block (a block's codes in whole bytes).");
+
+static PyObject *square_sums(PyObject *self, PyObject *args) {
+    Py_buffer codes, out;
+    Py_ssize_t blocks, block;
+    int per_byte, ok = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nniw*", &codes, &blocks, &block, &per_byte, &out))
+        return NULL;
+    if (blocks < 0 || block < 1 || block > (1 << 20) || !(per_byte == 1 || (per_byte == 2 && block % 2 == 0))) {
+        PyErr_SetString(PyExc_ValueError, "bad blocks / block / per_byte (int4 needs an even block)");
+        ok = 0;
+    } else if (check_len(&codes, blocks * (block / per_byte), "codes") || check_len(&out, 8 * blocks, "out") ||
+               disjoint(&out, &codes, "codes")) {
+        ok = 0;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        square_sums_all((const uint8_t *)codes.buf, blocks, block, per_byte, (double *)out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&out);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", quantize, METH_VARARGS, quantize_doc},
     {"dequantize", dequantize, METH_VARARGS, dequantize_doc},
+    {"square_sums", square_sums, METH_VARARGS, square_sums_doc},
     {NULL, NULL, 0, NULL},
 };
 

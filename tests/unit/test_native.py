@@ -184,3 +184,23 @@ def test_merges_of_codes_equal_the_numpy_passes(monkeypatch, codec_name, block, 
             return {k: v.clone() for k, v in M.merge_outer_gradients(kept, [1.0, 2.0, 0.5, 3.0], method=method).items()}
 
         same_tensors(*both(monkeypatch, merged))
+
+
+@pytest.mark.parametrize("codec_name,block,shape", [("int4", 64, (40, 50)), ("int4", 4, (1001,)), ("int4", 8192, (3, 9000)),
+                                                    ("int8", 256, (12, 1000)), ("int8", 2, (77,)), ("int4", 6, (50,))])
+def test_norms_from_codes_equal_the_numpy_passes(monkeypatch, codec_name, block, shape):
+    """A contribution's sum of squares from its codes (the syncer's norms): the kernel's per-block
+    integers are the numpy passes', so the sum is the same float (scales of many magnitudes)."""
+    g = torch.Generator().manual_seed(9)
+    t = torch.randn(shape, generator=g) * torch.logspace(-30, 30, shape[-1])
+    payload = codec.encode_tensors({"w": t}, codec=codec_name, block_size=block)
+
+    def norm():
+        q = codec.decode_tensors(payload, keep_codes=True)[0].sources["w"]
+        return q.sum_of_squares
+
+    a, b = both(monkeypatch, norm)
+    assert a == b and a > 0
+    blocks = np.empty(3, np.float64)
+    KERNELS.square_sums(np.array([0x08, 0x08, 0x0F, 0xF0, 0x00, 0x88], np.uint8), 3, 4, 2, blocks)
+    assert blocks.tolist() == [64 + 64, 49 + 64 + 64 + 49, 64 + 64 + 0]  # (nibble - 8)**2, low nibble first
