@@ -8,8 +8,9 @@
  * codes, whatever numpy's casts make of them), quantize() returns 1 and writes nothing the
  * caller keeps: the caller then runs the numpy passes.
  *
- * The layout is the frame's (protocol/PROTOCOL.md, the codec table): one bf16 scale per block (absmax / qmax rounded up
- * to bf16), codes q + offset (int4: offset 8, two a byte, low nibble first; int8: offset 128). */
+ * The layout is the frame's (protocol/PROTOCOL.md, the codec table): one bf16 scale per block
+ * (absmax / qmax rounded up to bf16), codes q + offset (int4: offset 8, two a byte, low nibble
+ * first; int8: offset 128). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
@@ -24,8 +25,8 @@
 #define MAX_BF16_BITS 0x7F7F0000u /* the largest finite bf16, as fp32 bits */
 #define CHUNK_ELEMS (1 << 16)     /* codes made this many at a time, then packed while in cache */
 
-/* x86-64 Linux with gcc: an AVX2 copy of the two loops beside the baseline (SSE2) one, picked
- * when the library loads by what the CPU has; the same IEEE operations either way (no FMA: the
+/* x86-64 Linux with gcc: an AVX2 copy of each pass beside the baseline (SSE2) one, picked when
+ * the library loads by what the CPU has; the same IEEE operations either way (no FMA: the
  * contraction is off) */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define CLONES __attribute__((target_clones("avx2", "default")))
