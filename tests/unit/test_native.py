@@ -1,7 +1,8 @@
 """The compiled codec kernels (ddiloco_cli/numerics/_native.c) against the numpy passes they
 replace: the same payload bytes, residuals and decoded values, bit for bit, on ordinary and
-hostile inputs. scripts/test.sh sets DDILOCO_REQUIRE_NATIVE=1, so a build that lost the module
-fails here instead of silently testing numpy against itself."""
+hostile inputs. .ci/run sets DDILOCO_REQUIRE_NATIVE=1, so a build that lost the module fails
+here instead of silently testing numpy against itself; and each comparison checks that the
+kernels were called in its first run."""
 
 from __future__ import annotations
 
@@ -22,14 +23,37 @@ if native.kernels is None:
 KERNELS = native.kernels
 
 
-def both(monkeypatch, fn):
-    """fn() with the kernels, then with the numpy passes."""
-    with_kernels = fn()
-    monkeypatch.setattr(native, "kernels", None)
+class Counted:
+    """The kernels, each call's name and result recorded."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, object]] = []
+
+    def __getattr__(self, name):
+        f = getattr(KERNELS, name)
+
+        def call(*args):
+            result = f(*args)
+            self.calls.append((name, result))
+            return result
+
+        return call
+
+
+def both(monkeypatch, fn, *, quantized=False):
+    """fn() with the kernels (which it must call; ``quantized``: a quantize call that made the
+    payload, not one handed back to numpy), then with the numpy passes."""
+    counted = Counted()
+    monkeypatch.setattr(native, "kernels", counted)
     try:
+        with_kernels = fn()
+        monkeypatch.setattr(native, "kernels", None)
         without = fn()
     finally:
         monkeypatch.setattr(native, "kernels", KERNELS)
+    assert counted.calls, "the kernels were not called"
+    if quantized:
+        assert ("quantize", 0) in counted.calls, counted.calls
     return with_kernels, without
 
 
@@ -63,7 +87,7 @@ def test_payload_and_residual_equal_the_numpy_passes(monkeypatch, codec_name, bl
         def run():
             return codec.encode_with_residual(tensors, codec=codec_name, block_size=block, qmax=qmax)
 
-        (p1, r1), (p2, r2) = both(monkeypatch, run)
+        (p1, r1), (p2, r2) = both(monkeypatch, run, quantized=True)
         assert p1 == p2
         same_tensors(r1, r2)
 
@@ -72,7 +96,7 @@ def test_payload_and_residual_equal_the_numpy_passes(monkeypatch, codec_name, bl
 def test_single_whole_block_tensor_read_in_place(monkeypatch, codec_name, block, qmax):
     t = {"w": torch.randn(block * 8)}
     (p1, r1), (p2, r2) = both(monkeypatch, lambda: codec.encode_with_residual(t, codec=codec_name, block_size=block,
-                                                                               qmax=qmax))
+                                                                               qmax=qmax), quantized=True)
     assert p1 == p2
     same_tensors(r1, r2)
     assert codec.encode_tensors(t, codec=codec_name, block_size=block, qmax=qmax) == p1
