@@ -107,9 +107,7 @@ def learn(
     log = logging.getLogger("ddiloco")
     from ddiloco_cli.numerics import native
 
-    if native.kernels is None:  # works, at more CPU a step beside training
-        log.info("%s: the numpy passes encode and decode instead (the same bytes, more CPU a step; "
-                 "`pip install` ddiloco where a C compiler is found to build them)", native.describe())
+    native.log_if_missing(log)
     store = _store(url, storage_option)
     if wait_for_run is not None:
         wait_for_run_config(store, timeout_s=wait_for_run, on_wait=lambda waited_s: log.info(
@@ -256,6 +254,9 @@ def sync(
     # share (at 2 threads on a busy host a merge took 7-50x the CPU); a syncer scales by
     # decode threads and by --fragments shards, one process per core
     torch.set_num_threads(1)
+    from ddiloco_cli.numerics import native
+
+    native.log_if_missing(logging.getLogger("ddiloco"))
     stopping = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
     opts = SyncerOptions(fragments=frags, syncer_id=syncer_id or "", poll_s=poll,

@@ -22,3 +22,11 @@ else:
 def describe() -> str:
     """One line for `ddiloco doctor` and the benchmarks."""
     return "compiled codec kernels: in use" if kernels is not None else f"compiled codec kernels: {why_not}"
+
+
+def log_if_missing(log) -> None:
+    """`ddiloco learn` and `ddiloco sync` say so at start when the kernels are not in use: the run
+    works (the same bytes), at more CPU a step or a merge."""
+    if kernels is None:
+        log.info("%s: the numpy passes encode, decode and merge instead (the same bytes, more CPU; "
+                 "`pip install` ddiloco where a C compiler is found to build them)", describe())

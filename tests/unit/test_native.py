@@ -228,3 +228,16 @@ def test_norms_from_codes_equal_the_numpy_passes(monkeypatch, codec_name, block,
     blocks = np.empty(3, np.float64)
     KERNELS.square_sums(np.array([0x08, 0x08, 0x0F, 0xF0, 0x00, 0x88], np.uint8), 3, 4, 2, blocks)
     assert blocks.tolist() == [64 + 64, 49 + 64 + 64 + 49, 64 + 64 + 0]  # (nibble - 8)**2, low nibble first
+
+
+def test_learn_and_sync_say_when_the_kernels_are_missing(monkeypatch, caplog):
+    import logging
+
+    log = logging.getLogger("ddiloco.test")
+    with caplog.at_level(logging.INFO, logger="ddiloco.test"):
+        native.log_if_missing(log)
+        assert not caplog.records  # in use: nothing to say
+        monkeypatch.setattr(native, "kernels", None)
+        monkeypatch.setattr(native, "why_not", "left out: DDILOCO_NATIVE=0")
+        native.log_if_missing(log)
+    assert len(caplog.records) == 1 and "DDILOCO_NATIVE=0" in caplog.text and "same bytes" in caplog.text
