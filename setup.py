@@ -1,7 +1,7 @@
 """Build of ddiloco's one optional compiled module (the metadata is pyproject.toml's).
 
-``ddiloco_cli.numerics._native``: the int4/int8 quantiser and dequantiser in one pass each, the
-GIL released. ``optional=True``: where it cannot be compiled (no C compiler, another compiler's
+``ddiloco_cli.numerics._native``: the int4/int8 quantiser, dequantiser and per-block sums of
+squares in one pass each, the GIL released. ``optional=True``: where it cannot be compiled (no C compiler, another compiler's
 flags) the install goes on without it and ddiloco runs the same arithmetic in numpy, with the
 same bytes (ddiloco_cli/numerics/native.py)."""
 

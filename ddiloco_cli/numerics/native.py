@@ -1,12 +1,14 @@
 """The optional compiled kernels (``_native.c``, built by ``pip install`` where a C compiler is
-found): blockquant.py calls them when they are there and runs its numpy passes when not, with
-the same bytes either way (tests/unit/test_native.py compares them). ``DDILOCO_NATIVE=0`` in the
-environment leaves them out (an A/B, or to rule them out)."""
+found): blockquant.py, quantized.py and merge.py call them when they are there and run their
+numpy passes when not, with the same bytes either way (tests/unit/test_native.py compares them).
+``DDILOCO_NATIVE=0`` in the environment leaves them out (an A/B, or to rule them out)."""
 
 from __future__ import annotations
 
 import os
 from types import ModuleType
+
+API = 1  # _native.c's API constant this code calls
 
 kernels: ModuleType | None = None
 why_not = ""
@@ -14,13 +16,18 @@ if os.environ.get("DDILOCO_NATIVE", "1").strip() == "0":
     why_not = "left out: DDILOCO_NATIVE=0"
 else:
     try:
-        from ddiloco_cli.numerics import _native as kernels  # type: ignore[attr-defined, no-redef]
+        from ddiloco_cli.numerics import _native as _built  # type: ignore[attr-defined]
     except ImportError as exc:  # not built here: the numpy passes
         why_not = f"not built ({exc})"
+    else:
+        if getattr(_built, "API", None) == API:
+            kernels = _built
+        else:  # an in-place build older than this code (an editable install not rebuilt)
+            why_not = f"stale build (API {getattr(_built, 'API', None)}, this code calls {API}): reinstall ddiloco"
 
 
 def describe() -> str:
-    """One line for `ddiloco doctor` and the benchmarks."""
+    """One line for `ddiloco --version`, the logs of learn and sync, and the benchmarks."""
     return "compiled codec kernels: in use" if kernels is not None else f"compiled codec kernels: {why_not}"
 
 

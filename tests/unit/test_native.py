@@ -241,3 +241,17 @@ def test_learn_and_sync_say_when_the_kernels_are_missing(monkeypatch, caplog):
         monkeypatch.setattr(native, "why_not", "left out: DDILOCO_NATIVE=0")
         native.log_if_missing(log)
     assert len(caplog.records) == 1 and "DDILOCO_NATIVE=0" in caplog.text and "same bytes" in caplog.text
+
+
+def test_a_stale_build_is_not_used(tmp_path):
+    """An in-place build whose API is not the one this code calls (an editable install not rebuilt
+    after a pull) is left out, with a reason, and the numpy passes run."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, types; m = types.ModuleType('ddiloco_cli.numerics._native'); m.API = 0; "
+             "sys.modules['ddiloco_cli.numerics._native'] = m; "
+             "from ddiloco_cli.numerics import native; print(native.kernels is None, native.describe())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True") and "stale build (API 0" in out.stdout, out.stdout
