@@ -110,55 +110,49 @@ CLONES static int quantize_all(const float *x, Py_ssize_t n, Py_ssize_t block, i
     return 0;
 }
 
+/* q * scale of elements [lo, hi) of one block (its scale sc), into dst[0 .. hi - lo): the
+ * decoder's products, each rounded once */
+INLINE void block_products(const uint8_t *restrict c, Py_ssize_t lo, Py_ssize_t hi, int per_byte, float sc,
+                           float *restrict dst) {
+    if (per_byte == 1) {
+        for (Py_ssize_t i = lo; i < hi; i++) dst[i - lo] = (float)((int32_t)c[i] - 128) * sc;
+    } else if (lo % 2 == 0 && hi % 2 == 0) { /* whole bytes: both nibbles of each */
+        const uint8_t *cb = c + lo / 2;
+        for (Py_ssize_t k = 0; k < (hi - lo) / 2; k++) {
+            dst[2 * k] = (float)((int32_t)(cb[k] & 15) - 8) * sc;
+            dst[2 * k + 1] = (float)((int32_t)(cb[k] >> 4) - 8) * sc;
+        }
+    } else {
+        for (Py_ssize_t i = lo; i < hi; i++) dst[i - lo] = (float)((int32_t)((c[i >> 1] >> ((i & 1) * 4)) & 15) - 8) * sc;
+    }
+}
+
+/* o = q * scale (+ p when not NULL), block by block */
 CLONES static void dequantize_all(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
                                   int per_byte, const float *restrict p, float *restrict o) {
     Py_ssize_t nb = (n + block - 1) / block;
     for (Py_ssize_t b = 0; b < nb; b++) {
         Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
-        float sc = s[b];
-        if (per_byte == 1) {
-            for (Py_ssize_t i = lo; i < hi; i++) o[i] = (float)((int32_t)c[i] - 128) * sc;
-        } else if (lo % 2 == 0 && hi % 2 == 0) { /* whole bytes: both nibbles of each */
-            const uint8_t *cb = c + lo / 2;
-            float *ob = o + lo;
-            for (Py_ssize_t k = 0; k < (hi - lo) / 2; k++) {
-                ob[2 * k] = (float)((int32_t)(cb[k] & 15) - 8) * sc;
-                ob[2 * k + 1] = (float)((int32_t)(cb[k] >> 4) - 8) * sc;
-            }
-        } else {
-            for (Py_ssize_t i = lo; i < hi; i++) o[i] = (float)((int32_t)((c[i >> 1] >> ((i & 1) * 4)) & 15) - 8) * sc;
-        }
+        block_products(c, lo, hi, per_byte, s[b], o + lo);
         if (p)
             for (Py_ssize_t i = lo; i < hi; i++) o[i] = o[i] + p[i];
     }
 }
 
-/* acc += q * scale, in place (a merge's next term): each product rounded, then added */
+#define ACC_PIECE 4096 /* even: a piece keeps its start's parity (int4 nibbles) */
+
+/* acc += q * scale, in place (a merge's next term): the products of a piece of a block into a
+ * buffer in cache, then added, each product rounded before its addition */
 CLONES static void accumulate_all(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
                                   int per_byte, float *restrict acc) {
+    float tmp[ACC_PIECE];
     Py_ssize_t nb = (n + block - 1) / block;
     for (Py_ssize_t b = 0; b < nb; b++) {
-        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
-        float sc = s[b];
-        if (per_byte == 1) {
-            for (Py_ssize_t i = lo; i < hi; i++) {
-                float v = (float)((int32_t)c[i] - 128) * sc;
-                acc[i] = acc[i] + v;
-            }
-        } else if (lo % 2 == 0 && hi % 2 == 0) {
-            const uint8_t *cb = c + lo / 2;
-            float *ab = acc + lo;
-            for (Py_ssize_t k = 0; k < (hi - lo) / 2; k++) {
-                float v0 = (float)((int32_t)(cb[k] & 15) - 8) * sc;
-                float v1 = (float)((int32_t)(cb[k] >> 4) - 8) * sc;
-                ab[2 * k] = ab[2 * k] + v0;
-                ab[2 * k + 1] = ab[2 * k + 1] + v1;
-            }
-        } else {
-            for (Py_ssize_t i = lo; i < hi; i++) {
-                float v = (float)((int32_t)((c[i >> 1] >> ((i & 1) * 4)) & 15) - 8) * sc;
-                acc[i] = acc[i] + v;
-            }
+        Py_ssize_t end = b * block + block < n ? b * block + block : n;
+        for (Py_ssize_t lo = b * block; lo < end; lo += ACC_PIECE) {
+            Py_ssize_t hi = lo + ACC_PIECE < end ? lo + ACC_PIECE : end;
+            block_products(c, lo, hi, per_byte, s[b], tmp);
+            for (Py_ssize_t i = lo; i < hi; i++) acc[i] = acc[i] + tmp[i - lo];
         }
     }
 }
@@ -206,6 +200,11 @@ static int disjoint(const Py_buffer *out, const Py_buffer *in, const char *what)
     return 0;
 }
 
+/* view of obj (None: none, view->obj stays NULL); -1 with the error set when obj has none */
+static int optional_buffer(PyObject *obj, Py_buffer *view, int flags) {
+    return obj == Py_None ? 0 : PyObject_GetBuffer(obj, view, flags);
+}
+
 static int codec_args(int per_byte, int offset, int qmax) {
     if (!((per_byte == 2 && offset == 8 && qmax >= 1 && qmax <= 7) ||
           (per_byte == 1 && offset == 128 && qmax >= 1 && qmax <= 127))) {
@@ -229,11 +228,11 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*niiiw*w*O", &x, &block, &qmax, &offset, &per_byte, &scales, &body, &res_obj))
         return NULL;
-    int have_res = res_obj != Py_None;
-    if (have_res && PyObject_GetBuffer(res_obj, &residual, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+    if (optional_buffer(res_obj, &residual, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         status = -1;
         goto done;
     }
+    int have_res = residual.obj != NULL;
     Py_ssize_t n = x.len / 4;
     if (block < 1 || x.len % 4 || n % block || (per_byte == 2 && n % 2)) {
         PyErr_SetString(PyExc_ValueError, "x must hold whole blocks of fp32 (an even count for int4)");
@@ -267,7 +266,7 @@ done:
     PyBuffer_Release(&x);
     PyBuffer_Release(&scales);
     PyBuffer_Release(&body);
-    if (have_res && residual.obj) PyBuffer_Release(&residual);
+    if (residual.obj) PyBuffer_Release(&residual);
     if (status < 0) return NULL;
     return PyLong_FromLong(status);
 }
@@ -287,11 +286,11 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*nniiOw*", &codes, &scale, &n, &block, &offset, &per_byte, &base_obj, &out))
         return NULL;
     int in_place = base_obj == out.obj; /* out += q * scale */
-    int have_base = base_obj != Py_None && !in_place;
-    if (have_base && PyObject_GetBuffer(base_obj, &base, PyBUF_C_CONTIGUOUS) < 0) {
+    if (optional_buffer(in_place ? Py_None : base_obj, &base, PyBUF_C_CONTIGUOUS) < 0) {
         ok = 0;
         goto done;
     }
+    int have_base = base.obj != NULL;
     if (n < 0 || block < 1 || !((per_byte == 2 && offset == 8) || (per_byte == 1 && offset == 128))) {
         PyErr_SetString(PyExc_ValueError, "bad n / block / codec");
         ok = 0;
@@ -315,7 +314,7 @@ done:
     PyBuffer_Release(&codes);
     PyBuffer_Release(&scale);
     PyBuffer_Release(&out);
-    if (have_base && base.obj) PyBuffer_Release(&base);
+    if (base.obj) PyBuffer_Release(&base);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }

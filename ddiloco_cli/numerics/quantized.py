@@ -194,28 +194,22 @@ class Quantized:
     def _squares_from_codes(self) -> float:
         n, block, per_byte = self.numel, self.block, PER_BYTE[self.codec]
         full = n // block
-        parts = []
-        if full and native.kernels is not None and block % (2 * per_byte) == 0:
-            # the integers of the two branches below (where they apply), in one call; the sum is unchanged
-            per_block = torch.empty(full, dtype=torch.float64)
-            native.kernels.square_sums(self.codes, full, block, per_byte, per_block.numpy())
+        parts, done = [], 0
+        if full and block % (2 * per_byte) == 0:  # whole 2-byte words per block: sum(q**2) of each, exact integers
+            if native.kernels is not None:  # in one call
+                per_block = torch.empty(full, dtype=torch.float64)
+                native.kernels.square_sums(self.codes, full, block, per_byte, per_block.numpy())
+            elif self.codec == "int4" and block % 16 == 0 and block // 16 <= _MAX_U64_PER_BLOCK:
+                per_block = torch.from_numpy(_int4_block_sums(self.codes[: full * block // 2], full))
+            else:  # the word table
+                words = self.codes[: full * block // per_byte].view(np.uint16)
+                sq = torch.from_numpy(_SQ_OF_WORD[self.codec].take(words, mode="clip")).view(full, -1)
+                if block * QABS[self.codec] ** 2 < 2**24:  # fp32 sums of these integers are exact: BLAS, fast
+                    per_block = torch.mv(sq, torch.ones(sq.shape[1])).to(torch.float64)
+                else:
+                    per_block = sq.to(torch.float64).sum(1)
             parts.append(per_block.mul_(self.scale[:full].to(torch.float64).square()))
             done = full * block
-        elif full and self.codec == "int4" and block % 16 == 0 and block // 16 <= _MAX_U64_PER_BLOCK:
-            per_block = torch.from_numpy(_int4_block_sums(self.codes[: full * block // 2], full))
-            parts.append(per_block.mul_(self.scale[:full].to(torch.float64).square()))
-            done = full * block
-        elif full and block % (2 * per_byte) == 0:  # whole 2-byte words per block: the word table
-            words = self.codes[: full * block // per_byte].view(np.uint16)
-            sq = torch.from_numpy(_SQ_OF_WORD[self.codec].take(words, mode="clip")).view(full, -1)
-            if block * QABS[self.codec] ** 2 < 2**24:  # fp32 sums of these integers are exact: BLAS, fast
-                per_block = torch.mv(sq, torch.ones(sq.shape[1])).to(torch.float64)
-            else:
-                per_block = sq.to(torch.float64).sum(1)
-            parts.append(per_block.mul_(self.scale[:full].to(torch.float64).square()))
-            done = full * block
-        else:
-            done = 0
         if done < n:  # the rest (a partial last block, or blocks that split a word): from the values,
             # whose squares sum exactly per block in fp64 in any order
             rest = self.values(done, n, out=torch.empty(n - done)).to(torch.float64).square_()

@@ -191,8 +191,8 @@ def test_wrong_buffers_are_refused_not_read_past():
 
 
 @pytest.mark.parametrize("codec_name,block,shape", [("int4", 64, (40, 50)), ("int4", 64, (1000,)), ("int8", 256, (12, 1000)),
-                                                    ("int4", 7, (333,))])
-@pytest.mark.parametrize("chunk", [10**9, 128])
+                                                    ("int4", 7, (333,)), ("int4", 8192, (3, 9000))])  # (blocks past
+@pytest.mark.parametrize("chunk", [10**9, 128])                                                 # the kernel's pieces)
 def test_merges_of_codes_equal_the_numpy_passes(monkeypatch, codec_name, block, shape, chunk):
     """The syncer's merge reads each contribution's codes: the first term written by the kernel,
     every next one added into the sum in place by it; the same bits as the numpy passes, with
