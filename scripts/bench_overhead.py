@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -172,9 +173,26 @@ def _timed(spent: dict, name: str, fn: Callable) -> Callable:
     return wrapped
 
 
+def pin_workers(cpu: int) -> None:
+    """This thread (the training thread) on CPU 0, every thread started from now on (the
+    learner's uploader, receiver and heartbeat threads) on ``cpu``: the layout of a learner
+    on a machine with a core to spare, the training loop's one torch thread on its own core."""
+    os.sched_setaffinity(0, {0})  # 0: the calling thread (Linux)
+    start_run = threading.Thread.run
+
+    def run(self) -> None:
+        os.sched_setaffinity(0, {cpu})
+        start_run(self)
+
+    threading.Thread.run = run
+
+
 def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None,
-                   timers: bool = False, skip: int = 0, task: str = "mid", threads: int = 1) -> None:
+                   timers: bool = False, skip: int = 0, task: str = "mid", threads: int = 1,
+                   workers_cpu: int | None = None) -> None:
     torch.set_num_threads(threads)
+    if workers_cpu is not None:
+        pin_workers(workers_cpu)
     dump_profiles = profile_threads(profile_dir) if profile_dir else None
     timed_calls = time_functions() if timers else None
     calls_at_last_step: dict[str, list[float]] = {}
@@ -255,7 +273,7 @@ def _prefix(cpu: int | str | None, nice: int = 0) -> list[str]:
 
 def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | str | None,
             profile_dir: str | None = None, timers: bool = False, task: str = "mid", threads: int = 1,
-            wrap: str | None = None, tune_plain: bool = False) -> dict:
+            wrap: str | None = None, tune_plain: bool = False, workers_cpu: int | None = None) -> dict:
     out = os.path.join(workdir, f"{arm}-{rep}.json")
     # --wrap: a profiler's command line before the worker's (``{arm}``, ``{rep}``: this process's)
     pre = shlex.split(wrap.format(arm=arm, rep=rep)) if wrap else []  # outside taskset: the profiler unpinned
@@ -269,6 +287,8 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
             cmd += ["--profile", os.path.join(profile_dir, f"rep{rep}")]
         if timers:
             cmd += ["--timers"]
+        if workers_cpu is not None:
+            cmd += ["--workers-cpu"]  # the worker threads on CPU 1
     load0 = os.getloadavg()[0]
     subprocess.run(cmd, check=True, env=_env(threads), cwd=str(REPO))
     with open(out) as f:
@@ -314,6 +334,7 @@ def step_time_comparison(args, workdir: str) -> dict:
     init_bench_run(url, args.task)
     # the learners on CPU 0 (both CPUs with 2 torch threads), the syncer on CPU 1 at nice +10
     cpu_l, cpu_s = (("0" if args.threads == 1 else "0,1"), 1) if args.pin else (None, None)
+    workers_cpu = 1 if args.pin and args.workers_cpu else None  # --workers-cpu: the worker threads on CPU 1
     launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
     syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(cpu_s, nice=10)))
     records = []
@@ -322,8 +343,10 @@ def step_time_comparison(args, workdir: str) -> dict:
             order = ("plain", "ddiloco") if rep % 2 == 0 else ("ddiloco", "plain")
             for arm in order:
                 records.append(run_arm(arm, url=url, rep=rep, steps=args.steps, skip=args.skip, workdir=workdir,
-                                       cpu=cpu_l, profile_dir=args.profile, timers=args.timers, task=args.task,
-                                       threads=args.threads, wrap=args.wrap, tune_plain=args.tune_plain))
+                                       cpu="0,1" if workers_cpu is not None and arm == "ddiloco" else cpu_l,
+                                       profile_dir=args.profile, timers=args.timers, task=args.task,
+                                       threads=args.threads, wrap=args.wrap, tune_plain=args.tune_plain,
+                                       workers_cpu=workers_cpu if arm == "ddiloco" else None))
         syncer_hwm = vm_hwm_kb(syncer.pid)
     finally:
         syncer.terminate()
@@ -510,6 +533,11 @@ def main() -> None:
     ap.add_argument("--task", choices=sorted(TASKS), default="mid", help="mid: the 3.2M-param GPT; tiny: the 0.2M one")
     ap.add_argument("--threads", type=int, choices=(1, 2), default=1,
                     help="torch threads of both arms (2: the learners on both CPUs)")
+    ap.add_argument("--workers-cpu", action="store_true",
+                    help="with 1 torch thread, pinned: the ddiloco arm's training thread on CPU 0 and its worker threads "
+                         "(upload, receive, heartbeat) on CPU 1 beside the syncer (nice +10): a learner with a core to "
+                         "spare, as on a GPU host or a VM with more cores than torch threads; the default puts them all "
+                         "on CPU 0, the worst case")
     ap.add_argument("--tune-plain", action="store_true",
                     help="the plain loop sets the allocator thresholds `ddiloco learn` sets (ddiloco_cli.learner."
                          "allocator): the comparison without the allocator's part (DDILOCO_MALLOC_TUNING=0 in the "
@@ -537,9 +565,12 @@ def main() -> None:
                             tune=args.tune_plain)
     if args.worker == "ddiloco":
         return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile,
-                              timers=args.timers, skip=args.skip, task=args.task, threads=args.threads)
+                              timers=args.timers, skip=args.skip, task=args.task, threads=args.threads,
+                              workers_cpu=1 if args.workers_cpu else None)
     if args.pin and (os.cpu_count() or 1) < 2:
         args.pin = False
+    if args.workers_cpu and (not args.pin or args.threads != 1):
+        raise SystemExit("--workers-cpu needs pinning (2 CPUs) and 1 torch thread")
 
     workdir = tempfile.mkdtemp(prefix="bench-overhead-")
     if args.interference:
@@ -558,7 +589,7 @@ def main() -> None:
         n = sum(p.numel() for p in the_task.build_model().parameters())
         print(f"task {args.task}: {n / 1e6:.2f}M params, batch {batch_size} x {the_task.config.block_size} tokens; "
               f"{args.threads} torch thread(s); P = H = 24, int4; {args.reps} A/B rounds x {args.steps} steps "
-              f"(first {args.skip} skipped); pinned: {args.pin}; load {os.getloadavg()[0]:.2f}", flush=True)
+              f"(first {args.skip} skipped); pinned: {args.pin}{'; worker threads on CPU 1' if args.workers_cpu else ''}; load {os.getloadavg()[0]:.2f}", flush=True)
         from ddiloco_cli.learner import allocator
 
         tuned, why = allocator.wanted()

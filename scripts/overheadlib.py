@@ -187,7 +187,8 @@ def headline(res: dict, args) -> dict:
         return {arm: statistics.median(r.get(key, 0.0) for r in rs) for arm, rs in (("plain", plain), ("ddiloco", dd))}
 
     return {"task": args.task, "torch_threads": args.threads, "rounds": args.reps, "steps": args.steps,
-            "skip": args.skip, "pinned": args.pin, "load_min": min(load), "load_max": max(load),
+            "skip": args.skip, "pinned": args.pin, "workers_cpu": bool(getattr(args, "workers_cpu", False)),
+            "load_min": min(load), "load_max": max(load),
             "wall_ratio_median": 1 + res["overhead_median"], "wall_ratio_per_round": [1 + x for x in res["overhead_per_rep"]],
             "cpu_ratio_median": 1 + res["cpu_overhead_median"],
             "cpu_ratio_per_round": [1 + x for x in res["cpu_overhead_per_rep"]],
@@ -211,7 +212,8 @@ def print_headline(h: dict) -> None:
         return ", ".join(f"{x - 1:+.1%}" for x in xs)
 
     print(f"\nHEADLINE (task {h['task']}, {h['torch_threads']} torch thread(s), median of {h['rounds']} interleaved "
-          f"A/B rounds, steps {h['skip'] + 1}-{h['steps']}, load {h['load_min']:.2f}-{h['load_max']:.2f})")
+          f"A/B rounds, steps {h['skip'] + 1}-{h['steps']}, load {h['load_min']:.2f}-{h['load_max']:.2f}"
+          f"{'; worker threads on CPU 1' if h.get('workers_cpu') else ''})")
     print(f"  wall time per step, ddiloco / plain: {h['wall_ratio_median']:.3f} ({h['wall_ratio_median'] - 1:+.1%}; "
           f"per round {rounds(h['wall_ratio_per_round'])}); {h['wall_ms']['ddiloco']:.1f} vs "
           f"{h['wall_ms']['plain']:.1f} ms")

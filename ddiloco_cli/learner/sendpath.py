@@ -13,9 +13,12 @@ import torch
 
 from ddiloco_cli.errors import DdilocoError
 from ddiloco_cli.learner import allocator
+from ddiloco_cli.learner.island import _is_dtensor
 from ddiloco_cli.learner.schedule import aligned_offset
 from ddiloco_cli.learner.session import running_phases
+from ddiloco_cli.numerics import native
 from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol.fragments import FragmentPlan
 from ddiloco_cli.protocol.published import FragmentReader, reads_concurrently
 from ddiloco_cli.store.base import Store
 
@@ -36,6 +39,39 @@ def copied_into(kept: Tensors | None, new: Tensors) -> Tensors:
         return new
     torch._foreach_copy_(list(kept.values()), [new[k] for k in kept])
     return kept
+
+
+def _plain_fp32(t: torch.Tensor | None, shape: torch.Size) -> bool:
+    return (t is not None and t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+            and t.shape == shape and not _is_dtensor(t))
+
+
+def fused_outer_gradient(plan: FragmentPlan, p: int, params: dict[str, torch.Tensor], base: Tensors,
+                         residual: Tensors | None) -> tuple[Tensors, Tensors] | None:
+    """(theta, delta) of fragment p as the send makes them, in one pass of the compiled kernel
+    a slice (``outer_delta``, the GIL released) rather than a gather and two ``_foreach`` passes:
+    theta a copy of the fragment, delta = (base - theta) + residual. The same fp32 operations,
+    so the same bits. None (the caller then takes the general way) without the kernels or when a
+    slice is not a plain fp32 CPU tensor (bf16 models, devices, DTensors) or the base or the
+    residual does not match it."""
+    kernels = native.kernels
+    if kernels is None:
+        return None
+    parts = []
+    for s in plan.fragments[p]:
+        view = s.view_of(params[s.name]).detach()
+        b = base.get(s.key)
+        r = None if residual is None else residual.get(s.key)
+        if not (_plain_fp32(view, view.shape) and _plain_fp32(b, view.shape)
+                and (residual is None or _plain_fp32(r, view.shape))):
+            return None
+        parts.append((s.key, view, b, r))
+    theta, delta = {}, {}
+    for key, view, b, r in parts:
+        t, d = torch.empty(view.shape, dtype=torch.float32), torch.empty(view.shape, dtype=torch.float32)
+        kernels.outer_delta(view.numpy(), b.numpy(), None if r is None else r.numpy(), t.numpy(), d.numpy())
+        theta[key], delta[key] = t, d
+    return theta, delta
 
 
 def read_newest(store: Store, readers: dict[int, FragmentReader]) -> list[tuple[int, Tensors]]:
@@ -109,18 +145,24 @@ class SendPath:
         """Queue the outer gradient delta = Theta_base - theta of fragment p; returns
         theta. Both are fp32: for a bf16 model the base is the fp32 published value the
         learner received, not its bf16 rounding."""
-        theta = self.island.gather(self.plan, p, self.params)
         if not self.island.io:
-            return theta
+            return self.island.gather(self.plan, p, self.params)
         base_version, base_value = self.base[p]
-        delta = dict(zip(theta, torch._foreach_sub([base_value[k] for k in theta], list(theta.values()))))
         with self._residual_lock:  # held while read: the upload thread updates a residual in place
+            # the part of the last contribution the codec did not carry [L6]
             residual = self._residual.get(p)
-            if residual is not None:  # the part of the last contribution the codec did not carry [L6]
-                decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
-                if decay == 1.0:
+            decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
+            fused = None
+            if self.island.world == 1 and (residual is None or decay == 1.0):
+                fused = fused_outer_gradient(self.plan, p, self.params, base_value, residual)
+            if fused is not None:
+                theta, delta = fused
+            else:
+                theta = self.island.gather(self.plan, p, self.params)
+                delta = dict(zip(theta, torch._foreach_sub([base_value[k] for k in theta], list(theta.values()))))
+                if residual is not None and decay == 1.0:
                     torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
-                else:
+                elif residual is not None:
                     torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
         c_steps, c_tokens = self.counters.snapshot(p)
         header = records.make(

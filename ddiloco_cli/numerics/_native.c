@@ -1,5 +1,6 @@
-/* ddiloco's optional compiled kernels: the int4/int8 block quantiser, the dequantiser and the
- * per-block sums of q**2 (a contribution's norm), one pass each with the GIL released.
+/* ddiloco's optional compiled kernels: the int4/int8 block quantiser, the dequantiser, the
+ * per-block sums of q**2 (a contribution's norm) and the learner's outer gradient at a send, one
+ * pass each with the GIL released.
  *
  * They compute what blockquant.py's numpy passes compute, bit for bit: the same IEEE fp32
  * operations on each element in the same order (no fused multiply-add: built with
@@ -179,6 +180,26 @@ CLONES static void square_sums_all(const uint8_t *restrict c, Py_ssize_t blocks,
     }
 }
 
+/* theta = src (a copy), delta = (base - src) (+ residual when not NULL), each rounded once: the
+ * learner's snapshot of a fragment and its outer gradient with error feedback, in one pass */
+CLONES static void outer_delta_all(const float *restrict src, const float *restrict base, const float *restrict res,
+                                   Py_ssize_t n, float *restrict theta, float *restrict delta) {
+    if (res) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float x = src[i];
+            theta[i] = x;
+            float d = base[i] - x;
+            delta[i] = d + res[i];
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float x = src[i];
+            theta[i] = x;
+            delta[i] = base[i] - x;
+        }
+    }
+}
+
 static int check_len(const Py_buffer *buf, Py_ssize_t want, const char *what) {
     if (buf->len < want) {
         PyErr_Format(PyExc_ValueError, "%s: %zd bytes, need %zd", what, buf->len, want);
@@ -348,10 +369,56 @@ static PyObject *square_sums(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(outer_delta_doc,
+"outer_delta(src, base, residual, theta, delta) -> None\n\n"
+"theta[i] = src[i]; delta[i] = (base[i] - src[i]) + residual[i] (without the sum when residual is\n"
+"None); fp32, n = len(src) / 4 values. The outputs must not overlap each other or an input.");
+
+static PyObject *outer_delta(PyObject *self, PyObject *args) {
+    Py_buffer src, base, theta, delta, res = {0};
+    PyObject *res_obj;
+    int ok = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*Ow*w*", &src, &base, &res_obj, &theta, &delta))
+        return NULL;
+    if (optional_buffer(res_obj, &res, PyBUF_C_CONTIGUOUS) < 0) {
+        ok = 0;
+        goto done;
+    }
+    int have_res = res.obj != NULL;
+    Py_ssize_t n = src.len / 4;
+    if (src.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "src must hold fp32 values");
+        ok = 0;
+        goto done;
+    }
+    if (check_len(&base, 4 * n, "base") || check_len(&theta, 4 * n, "theta") || check_len(&delta, 4 * n, "delta") ||
+        (have_res && check_len(&res, 4 * n, "residual")) || disjoint(&theta, &src, "src") ||
+        disjoint(&theta, &base, "base") || disjoint(&delta, &src, "src") || disjoint(&delta, &base, "base") ||
+        disjoint(&delta, &theta, "theta") || (have_res && (disjoint(&theta, &res, "residual") ||
+                                                           disjoint(&delta, &res, "residual")))) {
+        ok = 0;
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    outer_delta_all((const float *)src.buf, (const float *)base.buf, have_res ? (const float *)res.buf : NULL, n,
+                    (float *)theta.buf, (float *)delta.buf);
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&base);
+    PyBuffer_Release(&theta);
+    PyBuffer_Release(&delta);
+    if (res.obj) PyBuffer_Release(&res);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"quantize", quantize, METH_VARARGS, quantize_doc},
     {"dequantize", dequantize, METH_VARARGS, dequantize_doc},
     {"square_sums", square_sums, METH_VARARGS, square_sums_doc},
+    {"outer_delta", outer_delta, METH_VARARGS, outer_delta_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -362,7 +429,7 @@ static struct PyModuleDef module = {
 
 /* API: what native.py expects; raised with any change of a function's arguments or meaning, so a
  * stale in-place build (an editable install not rebuilt after a pull) is not used */
-#define API 1
+#define API 2
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);

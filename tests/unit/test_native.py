@@ -255,3 +255,90 @@ def test_a_stale_build_is_not_used(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("True") and "stale build (API 0" in out.stdout, out.stdout
+
+
+def _send_params(seed: int = 0):
+    """A model's parameters (nn.Parameters, so views need detach) with values the codecs meet:
+    zeros of both signs, subnormals, huge and infinite values; a plan of row slices over them."""
+    from ddiloco_cli.protocol.fragments import plan_fragments
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"a": (40, 16), "b": (300,), "c": (7, 3, 2), "d": ()}
+    params = {k: torch.nn.Parameter(torch.randn(s, generator=g)) for k, s in shapes.items()}
+    with torch.no_grad():
+        flat = params["a"].view(-1)
+        flat[:4] = torch.tensor([0.0, -0.0, 1e-42, -3e38])
+        flat[4:6] = torch.tensor([float("inf"), float("-inf")])
+    plan = plan_fragments({k: (tuple(v.shape), "float32") for k, v in params.items()}, 3)
+    return params, plan
+
+
+def _torch_outer_gradient(plan, p, params, base, residual):
+    """The send's general way: a gather, then base - theta (+ residual) as two _foreach ops."""
+    from ddiloco_cli.protocol.fragments import gather_fragment
+
+    theta = gather_fragment(plan, p, params)
+    delta = dict(zip(theta, torch._foreach_sub([base[k] for k in theta], list(theta.values()))))
+    if residual is not None:
+        torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
+    return theta, delta
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_send_outer_gradient_equals_the_gather_and_foreach_ops(with_residual):
+    """The learner's send in one kernel pass a slice: theta and delta bit for bit those of the
+    gather and the two _foreach ops (signed zeros, subnormals, infinities included), and theta a
+    copy (training on does not move it)."""
+    from ddiloco_cli.learner.sendpath import fused_outer_gradient
+
+    params, plan = _send_params()
+    g = torch.Generator().manual_seed(1)
+    for p in range(plan.num_fragments):
+        shapes = plan.fragment_shapes(p)
+        base = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+        residual = {k: 1e-3 * torch.randn(s, generator=g) for k, s in shapes.items()} if with_residual else None
+        theta, delta = fused_outer_gradient(plan, p, params, base, residual)
+        want_theta, want_delta = _torch_outer_gradient(plan, p, params, base, residual)
+        same_tensors(theta, want_theta)
+        same_tensors(delta, want_delta)
+        before = {k: v.clone() for k, v in theta.items()}
+        with torch.no_grad():
+            for t in params.values():
+                t.add_(1.0)
+        same_tensors(theta, before)
+
+
+def test_the_send_takes_the_general_way_where_the_kernel_does_not_apply(monkeypatch):
+    """None (the caller gathers and uses _foreach ops) for a bf16 model, a base or residual of
+    another shape or dtype, and without the kernels."""
+    from ddiloco_cli.learner.sendpath import fused_outer_gradient
+
+    params, plan = _send_params()
+    shapes = plan.fragment_shapes(0)
+    base = {k: torch.zeros(s) for k, s in shapes.items()}
+    assert fused_outer_gradient(plan, 0, params, base, None) is not None
+    bf16 = {k: torch.nn.Parameter(v.detach().to(torch.bfloat16)) for k, v in params.items()}
+    assert fused_outer_gradient(plan, 0, bf16, base, None) is None
+    key = next(iter(shapes))
+    assert fused_outer_gradient(plan, 0, params, {**base, key: base[key].double()}, None) is None
+    assert fused_outer_gradient(plan, 0, params, base, {k: torch.zeros(1) for k in shapes}) is None
+    monkeypatch.setattr(native, "kernels", None)
+    assert fused_outer_gradient(plan, 0, params, base, None) is None
+
+
+def test_the_outer_delta_kernel_refuses_short_and_overlapping_buffers():
+    x = np.ones(10, np.float32)
+    out = np.empty(20, np.float32)
+    with pytest.raises(ValueError, match="base"):
+        KERNELS.outer_delta(x, np.ones(9, np.float32), None, np.empty(10, np.float32), np.empty(10, np.float32))
+    with pytest.raises(ValueError, match="residual"):
+        KERNELS.outer_delta(x, x.copy(), np.ones(3, np.float32), np.empty(10, np.float32), np.empty(10, np.float32))
+    with pytest.raises(ValueError, match="theta overlaps"):
+        KERNELS.outer_delta(x, x.copy(), None, out[:10], out[5:15])
+    with pytest.raises(ValueError, match="src overlaps"):
+        KERNELS.outer_delta(out[:10], x, None, out[5:15], np.empty(10, np.float32))
+    with pytest.raises(TypeError):  # a read-only output
+        KERNELS.outer_delta(x, x, None, bytes(40), np.empty(10, np.float32))
+    theta, delta = np.empty(10, np.float32), np.empty(10, np.float32)
+    KERNELS.outer_delta(x, np.full(10, 3.0, np.float32), np.full(10, 0.5, np.float32), theta, delta)
+    assert theta.tolist() == [1.0] * 10 and delta.tolist() == [2.5] * 10
