@@ -173,6 +173,19 @@ def _timed(spent: dict, name: str, fn: Callable) -> Callable:
     return wrapped
 
 
+def nice_workers(nice: int) -> None:
+    """Every thread started from now on (the learner's worker threads) at ``nice`` (Linux: a
+    thread's own priority), the training thread at 0: an experiment, whether a worker thread
+    that preempts the training step less eagerly costs it less."""
+    start_run = threading.Thread.run
+
+    def run(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        start_run(self)
+
+    threading.Thread.run = run
+
+
 def pin_workers(cpu: int) -> None:
     """This thread (the training thread) on CPU 0, every thread started from now on (the
     learner's uploader, receiver and heartbeat threads) on ``cpu``: the layout of a learner
@@ -189,10 +202,12 @@ def pin_workers(cpu: int) -> None:
 
 def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None,
                    timers: bool = False, skip: int = 0, task: str = "mid", threads: int = 1,
-                   workers_cpu: int | None = None) -> None:
+                   workers_cpu: int | None = None, workers_nice: int = 0) -> None:
     torch.set_num_threads(threads)
     if workers_cpu is not None:
         pin_workers(workers_cpu)
+    if workers_nice:
+        nice_workers(workers_nice)
     dump_profiles = profile_threads(profile_dir) if profile_dir else None
     timed_calls = time_functions() if timers else None
     calls_at_last_step: dict[str, list[float]] = {}
@@ -216,6 +231,17 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
         start_receiver(self)
 
     Receiver.start = start
+    from ddiloco_cli.learner.stats import CostMeter
+
+    reports: list[tuple[int, dict]] = []  # the learner's own cost reports (its heartbeats' fields), by step
+    report_fields = CostMeter.fields
+
+    def fields(self, step: int, workers) -> dict:
+        out = report_fields(self, step, workers)
+        reports.append((step, out))
+        return out
+
+    CostMeter.fields = fields
     stamps, marks = [_stamp()], {}
     threads: dict[str, float] = {}
     at_last_step: dict[str, float] = {}
@@ -248,7 +274,9 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
            num_flushed=spent["send_calls"] - at_last_step["send_calls"],
            versions_received=sum(1 for v in s.versions.values() if v > 0),
            max_version=max(s.versions.values(), default=0), thread_cpu_s=threads, timers=calls_at_last_step,
-           thread_cpu_s_at_skip=threads_at_skip, at_skip=at_skip, marks=marks, **at_last_step)
+           thread_cpu_s_at_skip=threads_at_skip, at_skip=at_skip, marks=marks,
+           # the heartbeats' reports of the steady state (written after step `skip`, up to the last step)
+           cost_reports=[f for step, f in reports if skip < step <= steps and f], **at_last_step)
 
 
 def _write(out: str, **rec) -> None:
@@ -273,7 +301,8 @@ def _prefix(cpu: int | str | None, nice: int = 0) -> list[str]:
 
 def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | str | None,
             profile_dir: str | None = None, timers: bool = False, task: str = "mid", threads: int = 1,
-            wrap: str | None = None, tune_plain: bool = False, workers_cpu: int | None = None) -> dict:
+            wrap: str | None = None, tune_plain: bool = False, workers_cpu: int | None = None,
+            workers_nice: int = 0) -> dict:
     out = os.path.join(workdir, f"{arm}-{rep}.json")
     # --wrap: a profiler's command line before the worker's (``{arm}``, ``{rep}``: this process's)
     pre = shlex.split(wrap.format(arm=arm, rep=rep)) if wrap else []  # outside taskset: the profiler unpinned
@@ -289,6 +318,8 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
             cmd += ["--timers"]
         if workers_cpu is not None:
             cmd += ["--workers-cpu"]  # the worker threads on CPU 1
+        if workers_nice:
+            cmd += ["--workers-nice", str(workers_nice)]
     load0 = os.getloadavg()[0]
     subprocess.run(cmd, check=True, env=_env(threads), cwd=str(REPO))
     with open(out) as f:
@@ -297,7 +328,8 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
     rec.update(rep=rep, median_ms=1e3 * statistics.median(dts), mean_ms=1e3 * statistics.fmean(dts),
                cpu_median_ms=1e3 * statistics.median(cpu), cpu_mean_ms=1e3 * statistics.fmean(cpu),
                main_cpu_median_ms=1e3 * statistics.median(main_cpu),
-               p90_ms=1e3 * sorted(dts)[int(0.9 * len(dts))], steps_measured=len(dts), **_steady_switches(rec, steps - skip),
+               p90_ms=1e3 * sorted(dts)[int(0.9 * len(dts))], p10_ms=1e3 * sorted(dts)[int(0.1 * len(dts))],
+               step_ms=[round(1e3 * x, 3) for x in dts], steps_measured=len(dts), **_steady_switches(rec, steps - skip),
                load_before=load0, load_after=os.getloadavg()[0])
     print(f"  rep {rep} {arm:8s} median {rec['median_ms']:7.1f} ms/step  p90 {rec['p90_ms']:7.1f}  "
           f"cpu {rec['cpu_mean_ms']:7.1f} (main {rec['main_cpu_median_ms']:6.1f})  VmHWM {rec['vm_hwm_kb'] / 1024:6.0f} MB  load {load0:.2f}->{rec['load_after']:.2f}", flush=True)
@@ -346,7 +378,8 @@ def step_time_comparison(args, workdir: str) -> dict:
                                        cpu="0,1" if workers_cpu is not None and arm == "ddiloco" else cpu_l,
                                        profile_dir=args.profile, timers=args.timers, task=args.task,
                                        threads=args.threads, wrap=args.wrap, tune_plain=args.tune_plain,
-                                       workers_cpu=workers_cpu if arm == "ddiloco" else None))
+                                       workers_cpu=workers_cpu if arm == "ddiloco" else None,
+                                       workers_nice=args.workers_nice))
         syncer_hwm = vm_hwm_kb(syncer.pid)
     finally:
         syncer.terminate()
@@ -356,12 +389,16 @@ def step_time_comparison(args, workdir: str) -> dict:
     dd = [r for r in records if r["arm"] == "ddiloco"]
     ratios = [d["median_ms"] / p["median_ms"] for p, d in zip(plain, dd)]  # same rep: adjacent in time
     cpu_ratios = [d["cpu_mean_ms"] / p["cpu_mean_ms"] for p, d in zip(plain, dd)]
+    # the fastest tenth of each process's steps: what a neighbour's bursts on a shared host
+    # (they only ever add time) leave out; every ddiloco step sends and receives (P = H)
+    p10_ratios = [d["p10_ms"] / p["p10_ms"] for p, d in zip(plain, dd)]
     mem_ratios = [d["vm_hwm_kb"] / p["vm_hwm_kb"] for p, d in zip(plain, dd)]
     return {
         "records": records, "syncer_vm_hwm_kb": syncer_hwm,
         "plain_median_ms": statistics.median(r["median_ms"] for r in plain),
         "ddiloco_median_ms": statistics.median(r["median_ms"] for r in dd),
         "overhead_per_rep": [r - 1 for r in ratios], "overhead_median": statistics.median(ratios) - 1,
+        "p10_overhead_per_rep": [r - 1 for r in p10_ratios], "p10_overhead_median": statistics.median(p10_ratios) - 1,
         "plain_cpu_ms": statistics.median(r["cpu_mean_ms"] for r in plain),
         "ddiloco_cpu_ms": statistics.median(r["cpu_mean_ms"] for r in dd),
         "cpu_overhead_per_rep": [r - 1 for r in cpu_ratios], "cpu_overhead_median": statistics.median(cpu_ratios) - 1,
@@ -538,6 +575,8 @@ def main() -> None:
                          "(upload, receive, heartbeat) on CPU 1 beside the syncer (nice +10): a learner with a core to "
                          "spare, as on a GPU host or a VM with more cores than torch threads; the default puts them all "
                          "on CPU 0, the worst case")
+    ap.add_argument("--workers-nice", type=int, default=0, metavar="N",
+                    help="the ddiloco arm's worker threads at nice N (the training thread at 0): an experiment")
     ap.add_argument("--tune-plain", action="store_true",
                     help="the plain loop sets the allocator thresholds `ddiloco learn` sets (ddiloco_cli.learner."
                          "allocator): the comparison without the allocator's part (DDILOCO_MALLOC_TUNING=0 in the "
@@ -566,7 +605,7 @@ def main() -> None:
     if args.worker == "ddiloco":
         return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile,
                               timers=args.timers, skip=args.skip, task=args.task, threads=args.threads,
-                              workers_cpu=1 if args.workers_cpu else None)
+                              workers_cpu=1 if args.workers_cpu else None, workers_nice=args.workers_nice)
     if args.pin and (os.cpu_count() or 1) < 2:
         args.pin = False
     if args.workers_cpu and (not args.pin or args.threads != 1):

@@ -133,7 +133,10 @@ TIMED = (
     ("ddiloco_cli.learner.session", "SessionWriter.beat"), ("ddiloco_cli.learner.receiver", "Receiver._manifests_since"),
     ("ddiloco_cli.numerics.quantized", "Quantized.dense"), ("ddiloco_cli.numerics.codec", "_quantize"),
     ("ddiloco_cli.numerics.codec", "_quantize_together"), ("ddiloco_cli.numerics.codec", "_quantize_flat"),
-    ("ddiloco_cli.protocol.records", "sha256_hex"),
+    ("ddiloco_cli.protocol.records", "sha256_hex"), ("ddiloco_cli.learner.sendpath", "fused_outer_gradient"),
+    ("ddiloco_cli.learner.uploader", "Uploader.submit"), ("ddiloco_cli.learner.receivepath", "ReceivePath._receive"),
+    ("ddiloco_cli.learner.receivepath", "ReceivePath._add_to_params"),
+    ("ddiloco_cli.learner.receivepath", "ReceivePath._rebase"),
 )
 
 
@@ -191,6 +194,8 @@ def headline(res: dict, args) -> dict:
             "load_min": min(load), "load_max": max(load),
             "wall_ratio_median": 1 + res["overhead_median"], "wall_ratio_per_round": [1 + x for x in res["overhead_per_rep"]],
             "cpu_ratio_median": 1 + res["cpu_overhead_median"],
+            "wall_p10_ratio_median": 1 + res["p10_overhead_median"],
+            "wall_p10_ratio_per_round": [1 + x for x in res["p10_overhead_per_rep"]],
             "cpu_ratio_per_round": [1 + x for x in res["cpu_overhead_per_rep"]],
             "memory_ratio_median": res["memory_ratio_median"], "memory_ratio_per_round": res["memory_ratio_per_rep"],
             "memory_ratio_of_maxima": res["ddiloco_vm_hwm_kb"] / res["plain_vm_hwm_kb"],
@@ -219,6 +224,10 @@ def print_headline(h: dict) -> None:
           f"{h['wall_ms']['plain']:.1f} ms")
     print(f"  all-thread CPU per step, ddiloco / plain: {h['cpu_ratio_median']:.3f} ({h['cpu_ratio_median'] - 1:+.1%}; "
           f"per round {rounds(h['cpu_ratio_per_round'])}); {h['cpu_ms']['ddiloco']:.1f} vs {h['cpu_ms']['plain']:.1f} ms")
+    if "wall_p10_ratio_median" in h:
+        print(f"  fastest tenth of the steps (what a shared host's bursts leave out), ddiloco / plain: "
+              f"{h['wall_p10_ratio_median']:.3f} ({h['wall_p10_ratio_median'] - 1:+.1%}; per round "
+              f"{rounds(h['wall_p10_ratio_per_round'])})")
     print(f"  peak memory, ddiloco / plain: {h['memory_ratio_median']:.3f}x (per round "
           f"{', '.join(f'{x:.3f}' for x in h['memory_ratio_per_round'])}; largest over largest "
           f"{h['memory_ratio_of_maxima']:.3f}x; ddiloco's peak up to its last step {h['ddiloco_vm_hwm_at_last_step_mb']:.0f} MB)")
@@ -261,6 +270,16 @@ def print_breakdown(res: dict, args) -> None:
                  if key == "machinery_steady_ms_per_step" else ""))
         res[key.replace("ms_per_step", "cpu_fraction")] = total / res["plain_cpu_ms"]
     dd = [r for r in res["records"] if r["arm"] == "ddiloco"]
+    reports = [f for r in dd for f in r.get("cost_reports", [])]
+    if reports:  # what `status` shows: the learner's own heartbeats (wall in step(), workers' CPU)
+        own = {k: statistics.median(f.get(k, 0.0) for f in reports)
+               for k in ("sync_step_ms", "sync_step_cpu_ms", "sync_worker_cpu_ms")}
+        res["self_reported_ms_per_step"] = own
+        cost = max(own["sync_step_ms"], own["sync_step_cpu_ms"] + own["sync_worker_cpu_ms"])
+        print(f"the learner's own report (its heartbeats, steady state, median of {len(reports)}): in step() "
+              f"{own['sync_step_ms']:.2f} ms wall, {own['sync_step_cpu_ms']:.2f} ms CPU; worker threads' CPU "
+              f"{own['sync_worker_cpu_ms']:.2f} ms; `status` column `ddiloco`: {cost:.2f} ms = "
+              f"{cost / res['plain_median_ms']:.1%} of the plain step")
     print("ddiloco arm: contributions sent " + ", ".join(str(r["num_contributions"]) for r in dd)
           + "; fragments received (version > 0) " + ", ".join(f"{r['versions_received']}/24" for r in dd)
           + "; blocked s " + ", ".join(f"{r['blocked_s']:.2f}" for r in dd)

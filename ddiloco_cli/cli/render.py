@@ -130,14 +130,15 @@ def render_status(status: dict[str, Any]) -> RenderableType:
     parts.append(_fragments_view(status["fragments"]))
 
     learners = _table("learners", "learner", "state", "step", "tokens", "tok/s", "loss", "behind", "lag",
-                      "last contrib", "eta", "up", "down", "blocked", "beat")
+                      "ddiloco", "last contrib", "eta", "up", "down", "blocked", "beat")
     rows = [(r["learner_id"], _alive(r["alive"], r["state"]), fmt_num(r["step"]), fmt_num(r["tokens"]),
              fmt_num(r["tokens_per_s"]), fmt_num(r["loss"], ".3f"), fmt_num(r["versions_behind"]),
              "-" if r.get("lag_p50") is None else f"{r['lag_p50']}/{r['lag_p95']}",
+             "-" if r.get("sync_share") is None else f"{r['sync_share']:.1%}",
              fmt_age(r["last_contribution_age_s"]), fmt_age(r["eta_s"]), fmt_bytes(r["bytes_up"]),
              fmt_bytes(r["bytes_down"]), fmt_age(r["blocked_s"]), fmt_age(r["heartbeat_age_s"]))
             for r in status["learners"]]
-    parts.append(_cut(learners, rows, 14) if rows else Text("learners: none yet", style="dim"))
+    parts.append(_cut(learners, rows, 15) if rows else Text("learners: none yet", style="dim"))
 
     syncers = _table("syncers", "epoch", "syncer", "state", "fragments", "beat", "lag", "backlog", "merges",
                      "repairs")

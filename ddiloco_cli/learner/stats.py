@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 LAG_WINDOW = 64  # the receives the lag quantiles of the heartbeat and `status` cover
@@ -33,3 +36,55 @@ class LearnerStats:
             return None
         ordered = sorted(self.lags)
         return ordered[(len(ordered) - 1) // 2], ordered[min(len(ordered) - 1, (95 * len(ordered)) // 100)]
+
+
+def threads_cpu_s(threads: Iterable[threading.Thread]) -> float | None:
+    """CPU seconds of the live threads among ``threads``, read from their own CPU clocks by the
+    calling thread (nothing runs in them); None where the platform has no such clocks."""
+    clock_of = getattr(time, "pthread_getcpuclockid", None)
+    if clock_of is None:
+        return None
+    total = 0.0
+    for t in threads:
+        if t.ident is None or not t.is_alive():
+            continue
+        try:
+            total += time.clock_gettime(clock_of(t.ident))
+        except OSError:  # it ended in between
+            continue
+    return total
+
+
+class CostMeter:
+    """What ddiloco itself costs a learner per inner step, as its heartbeat reports it, each the
+    mean over the steps since the previous report: ``sync_step_ms``, the training thread's wall
+    time inside ``DiLoCoSync.step`` (the sends' snapshots and outer gradients, the receives'
+    adds, the bookkeeping; with the waits in it: a device's copies, a worker thread that took
+    the core or the GIL), ``sync_step_cpu_ms``, that thread's CPU time in it, and
+    ``sync_worker_cpu_ms``, the CPU of ddiloco's worker threads (encoding and uploads, polls and
+    decoding, heartbeats)."""
+
+    def __init__(self) -> None:
+        # added to by the training thread, read by the heartbeat thread
+        self.in_step_s = 0.0
+        self.in_step_cpu_s = 0.0
+        self._last: tuple[int, float, float, float | None] | None = None
+        self._fields: dict[str, float] = {}
+
+    def fields(self, step: int, workers: Iterable[threading.Thread]) -> dict[str, float]:
+        """The heartbeat's fields at ``step`` (the last report's again when no step was made
+        since; none before two reports)."""
+        now = (step, self.in_step_s, self.in_step_cpu_s, threads_cpu_s(workers))
+        last, self._last = self._last, now
+        if last is not None and step > last[0]:
+            n = step - last[0]
+
+            def per_step(i: int) -> float:
+                return round(1e3 * max(0.0, now[i] - last[i]) / n, 4)
+
+            fields = {"sync_step_ms": per_step(1), "sync_step_cpu_ms": per_step(2)}
+            if now[3] is not None and last[3] is not None:
+                fields["sync_worker_cpu_ms"] = per_step(3)
+            self._fields = fields
+        return dict(self._fields)
+

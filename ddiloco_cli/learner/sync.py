@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ from ddiloco_cli.learner.receiver import InFlight, Receiver
 from ddiloco_cli.learner.schedule import FragmentCounters, fragments_due
 from ddiloco_cli.learner.sendpath import SendPath
 from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state
-from ddiloco_cli.learner.stats import LearnerStats
+from ddiloco_cli.learner.stats import CostMeter, LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.published import FragmentReader
@@ -146,6 +147,7 @@ class DiLoCoSync(SendPath, ReceivePath):
         self._started = False
         self.started_s = self.first_started_s = 0.0
         self.heartbeat_fields = dict(heartbeat_fields or {})  # e.g. the loop's data shard
+        self._cost = CostMeter()  # ddiloco's own time per step, for the heartbeat
 
     # ------------------------------------------------------------- public API
     @property
@@ -222,6 +224,14 @@ class DiLoCoSync(SendPath, ReceivePath):
         fragments received at this step."""
         if not self._started:
             raise UsageError("DiLoCoSync.step() before start(): use it as a context manager")
+        t0, c0 = time.perf_counter(), time.thread_time()  # the host's clocks, whatever self.clock is
+        try:
+            return self._step(num_tokens, data_state)
+        finally:
+            self._cost.in_step_s += time.perf_counter() - t0
+            self._cost.in_step_cpu_s += time.thread_time() - c0
+
+    def _step(self, num_tokens: int, data_state: dict[str, Any] | None) -> list[int]:
         if data_state is not None:
             self._data_state = jsonable(data_state)
         s = self.stats
@@ -324,8 +334,16 @@ class DiLoCoSync(SendPath, ReceivePath):
             **({"last_refusal": s.last_refusal} if s.last_refusal else {}), versions={str(p): v for p, v in s.versions.items()},
             device=str(self.island.device), session=self.session, host=host, pid=pid, started_s=self.started_s,
             first_started_s=self.first_started_s, time_s=self.clock.time(), schedule_offset=self.schedule_offset,
-            **self._lag_fields(), **self.heartbeat_fields,
+            **self._lag_fields(), **self._cost_fields(), **self.heartbeat_fields,
         )
+
+    def _cost_fields(self) -> dict[str, float]:
+        """The heartbeat's cost fields (``stats.CostMeter``): host
+        time, so a driver without threads (the deterministic simulation) reports none."""
+        if not self.opts.threads or self._uploader is None:
+            return {}
+        workers = [*self._uploader.threads, self._receiver, self._writer]
+        return self._cost.fields(self.stats.step, [w for w in workers if w is not None])
 
     def _lag_fields(self) -> dict[str, int]:
         quantiles = self.stats.lag_quantiles()

@@ -394,6 +394,25 @@ def _learners_status(store: Store, scan: "_Scan", run: RunConfig, *, newest: dic
     return learners, starts
 
 
+def cost_share(step_ms: float | None, step_cpu_ms: float | None, worker_cpu_ms: float | None,
+               step_time_s: float) -> float | None:
+    """ddiloco's share of a learner's step from its heartbeat's cost fields (``learner.stats.
+    CostMeter``): the larger of the training thread's wait in ddiloco's step call and the CPU
+    ddiloco's threads spend (that thread's in the call and the workers'), over the step time.
+    Where the worker threads share the training's only core the CPU is what a step pays; where
+    they have cores of their own it is an upper bound. None without the fields or a step time."""
+    if step_ms is None or step_time_s <= 0:
+        return None
+    return max(step_ms, (step_cpu_ms or 0.0) + (worker_cpu_ms or 0.0)) / (1e3 * step_time_s)
+
+
+def _cost(rec: dict[str, Any], step_time_s: float) -> dict[str, Any]:
+    """ddiloco's own time per step as the learner measured it (its heartbeat's cost fields,
+    bounded numbers: the schema checked them) and its share of the step (``cost_share``)."""
+    fields = {k: rec.get(k) for k in ("sync_step_ms", "sync_step_cpu_ms", "sync_worker_cpu_ms")}
+    return {**fields, "sync_share": cost_share(*fields.values(), step_time_s)}
+
+
 def _learner_row(rec: dict[str, Any], age: float, run: RunConfig, *, newest: dict[int, int], now_s: float,
                  last_contribution_s: float | None) -> dict[str, Any]:
     step, tokens = int(rec["step"]), int(rec["tokens"])
@@ -413,6 +432,7 @@ def _learner_row(rec: dict[str, Any], age: float, run: RunConfig, *, newest: dic
         "bytes_up": int(rec.get("bytes_up", 0)), "bytes_down": int(rec.get("bytes_down", 0)),
         "blocked_s": float(rec.get("blocked_s", 0.0)), "heartbeat_age_s": age,
         "lag_p50": rec.get("lag_p50"), "lag_p95": rec.get("lag_p95"),  # bounded ints: the schema checked them
+        **_cost(rec, step_time_s),
         "receives": rec.get("receives"), "held_receives": rec.get("held_receives"),
         "uploads_failed": rec.get("uploads_failed"),
         "refused": rec.get("refused"), "last_refusal": rec.get("last_refusal"),

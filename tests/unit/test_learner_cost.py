@@ -1,0 +1,111 @@
+"""A learner measures what ddiloco itself costs its steps (issue 27: the learner's cost as a user
+sees it) and reports it in its heartbeat; `status` shows it as a share of the step."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from ddiloco_cli import DiLoCoSync
+from ddiloco_cli.learner.stats import CostMeter, threads_cpu_s
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import records
+from ddiloco_cli.store import open_store
+from ddiloco_cli.tasks import load_task
+
+if not hasattr(time, "pthread_getcpuclockid"):
+    pytest.skip("no per-thread CPU clocks on this platform", allow_module_level=True)
+
+TINY = "ddiloco_cli.tasks.gpt:tiny"
+
+
+class Burner(threading.Thread):
+    """A thread that, once told to go, spends ``cpu_s`` more of its own CPU time, then waits
+    until released."""
+
+    def __init__(self, cpu_s: float):
+        super().__init__(daemon=True)
+        self.cpu_s, self.go, self.burnt, self.release = cpu_s, threading.Event(), threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        self.go.wait(60)
+        until = time.thread_time() + self.cpu_s
+        while time.thread_time() < until:
+            pass
+        self.burnt.set()
+        self.release.wait(60)
+
+
+def test_the_meter_reports_the_step_time_and_the_workers_cpu_per_step_since_its_last_report():
+    meter, worker = CostMeter(), Burner(0.05)
+    worker.start()
+    try:
+        assert meter.fields(0, [worker]) == {}  # one report: nothing to divide yet
+        worker.go.set()
+        assert worker.burnt.wait(60)
+        meter.in_step_s += 0.020
+        meter.in_step_cpu_s += 0.015
+        fields = meter.fields(10, [worker])
+        assert fields["sync_step_ms"] == pytest.approx(2.0) and fields["sync_step_cpu_ms"] == pytest.approx(1.5)
+        assert 5.0 <= fields["sync_worker_cpu_ms"] < 5.0 + 10.0  # 50 ms of CPU over 10 steps, read from its clock
+        assert meter.fields(10, [worker]) == fields  # no step since: the last report again
+        meter.in_step_s += 0.010
+        later = meter.fields(15, [worker])
+        assert later["sync_step_ms"] == pytest.approx(2.0) and later["sync_step_cpu_ms"] == 0.0
+        assert later["sync_worker_cpu_ms"] < fields["sync_worker_cpu_ms"]
+    finally:
+        worker.release.set()
+        worker.join(60)
+    assert threads_cpu_s([worker, threading.Thread(target=lambda: None)]) == 0.0  # ended or never started
+
+
+def test_a_learner_heartbeat_carries_its_cost_and_status_shows_it_as_a_share_of_the_step(tmp_path):
+    from ddiloco_cli.cli.render import render_status
+    from ddiloco_cli.ops.observe import run_status
+
+    store = open_store(str(tmp_path / "run"))
+    init_run(store, RunSpec(task=TINY, num_fragments=2, sync_every=4, overlap_steps=1, codec="int4", total_steps=0,
+                            warmup_steps=0, batch_size=4))
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(store, model, learner_id="cost") as sync:
+        assert "sync_step_ms" not in sync._heartbeat_record()  # before two reports
+        for _ in range(8):
+            sync.step(num_tokens=1)
+        sync.record_step_time(0.010)
+        record = sync._heartbeat_record()
+        records.validate(record, "learner_heartbeat", where="heartbeat")
+        assert record["sync_step_ms"] > 0.0 and record["sync_step_cpu_ms"] > 0.0 and record["sync_worker_cpu_ms"] >= 0.0
+        sync._writer.beat()
+        status = run_status(store)
+    (row,) = status["learners"]
+    assert row["sync_step_ms"] == record["sync_step_ms"]
+    share = max(record["sync_step_ms"], record["sync_step_cpu_ms"] + record["sync_worker_cpu_ms"]) / 10.0
+    assert row["sync_share"] == pytest.approx(share)
+    assert f"{share:.1%}" in "".join(str(x) for x in _cells(render_status(status)))
+
+
+def _cells(group) -> list:
+    """Every cell of the rich tables in ``group`` (render_status's output)."""
+    from rich.table import Table
+
+    out = []
+    for part in getattr(group, "renderables", [group]):
+        if isinstance(part, Table):
+            for column in part.columns:
+                out += list(column._cells)
+    return out
+
+
+def test_the_share_is_the_larger_of_the_wait_and_the_cpu_and_none_without_a_report():
+    from ddiloco_cli.ops.observe import _cost
+
+    assert _cost({}, 0.5) == {"sync_step_ms": None, "sync_step_cpu_ms": None, "sync_worker_cpu_ms": None,
+                              "sync_share": None}  # an older learner's heartbeat
+    assert _cost({"sync_step_ms": 1.0}, 0.0)["sync_share"] is None  # no step time yet
+    cpu_bound = {"sync_step_ms": 1.5, "sync_step_cpu_ms": 1.0, "sync_worker_cpu_ms": 4.0}  # one core: CPU
+    assert _cost(cpu_bound, 0.5)["sync_share"] == pytest.approx(0.01)
+    waiting = {"sync_step_ms": 9.0, "sync_step_cpu_ms": 1.0, "sync_worker_cpu_ms": 2.0}  # a device copy's wait
+    assert _cost(waiting, 0.5)["sync_share"] == pytest.approx(0.018)
