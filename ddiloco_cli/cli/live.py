@@ -75,9 +75,11 @@ def _learner_bar(console: Console, learner_id: str, *, session_steps: int | None
             tok_s = p["tokens"] / max(step, 1) / max(p["step_time_s"], 1e-9)
             eta = f" ETA {_duration((total - step) * p['step_time_s'])}" if total else ""
             loss = "-" if p["loss"] is None else f"{p['loss']:.3f}"
+            share = p.get("ddiloco_share")
+            cost = "" if share is None else f" ddiloco {share:.1%}"
             bar.update(task_id, completed=step, info=(
                 f"{tok_s:,.0f} tok/s loss {loss} up {p['bytes_up'] / 1e6:.1f} MB "
-                f"down {p['bytes_down'] / 1e6:.1f} MB fragments {_versions(p['versions'])}{eta}"))
+                f"down {p['bytes_down'] / 1e6:.1f} MB{cost} fragments {_versions(p['versions'])}{eta}"))
 
         yield update
 

@@ -218,7 +218,8 @@ class Learner:
                 if self.on_progress is not None and rank == 0:
                     self.on_progress({"step": step, "loss": s.loss, "lr": lr, "step_time_s": s.step_time_s,
                                       "tokens": s.tokens, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down,
-                                      "versions": dict(s.versions), "blocked_s": s.blocked_s})
+                                      "versions": dict(s.versions), "blocked_s": s.blocked_s,
+                                      "ddiloco_share": sync.cost_share})
                 if step % opts.log_every == 0 and rank == 0:
-                    progress.log_step(step, s, lr=lr, tokens_per_step=n_tok)
+                    progress.log_step(step, s, lr=lr, tokens_per_step=n_tok, ddiloco_share=sync.cost_share)
         return sync.stop_reason or "steps"

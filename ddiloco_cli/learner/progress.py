@@ -41,11 +41,14 @@ def log_resume(resume: dict[str, Any] | None, *, start: int, batch_size: int, wi
         log.info("continuing the data stream from the task's saved iterator state")
 
 
-def log_step(step: int, stats: LearnerStats, *, lr: float, tokens_per_step: int) -> None:
-    """The plain progress line (every log_every steps)."""
+def log_step(step: int, stats: LearnerStats, *, lr: float, tokens_per_step: int,
+             ddiloco_share: float | None = None) -> None:
+    """The plain progress line (every log_every steps); ``ddiloco_share``: ddiloco's own share of
+    a step as the heartbeat measured it (`status` column ``ddiloco``), when known."""
     tok_s = tokens_per_step / stats.step_time_s if stats.step_time_s > 0 else 0.0
-    log.info("step %d loss %.4f lr %.2e %.1f ms/step %s tok/s up %.1f MB down %.1f MB", step, stats.loss, lr,
-             stats.step_time_s * 1e3, f"{tok_s:,.0f}", stats.bytes_up / 1e6, stats.bytes_down / 1e6)
+    log.info("step %d loss %.4f lr %.2e %.1f ms/step %s tok/s up %.1f MB down %.1f MB%s", step, stats.loss, lr,
+             stats.step_time_s * 1e3, f"{tok_s:,.0f}", stats.bytes_up / 1e6, stats.bytes_down / 1e6,
+             "" if ddiloco_share is None else f" ddiloco {ddiloco_share:.1%} of a step")
 
 
 # learn's stop reasons as the summary says them ("steps": this session's --steps were done)

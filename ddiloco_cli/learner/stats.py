@@ -88,3 +88,8 @@ class CostMeter:
             self._fields = fields
         return dict(self._fields)
 
+    @property
+    def last(self) -> dict[str, float]:
+        """The fields of the latest report (empty before two)."""
+        return dict(self._fields)
+

@@ -48,6 +48,7 @@ from ddiloco_cli.learner.schedule import FragmentCounters, fragments_due
 from ddiloco_cli.learner.sendpath import SendPath
 from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state
 from ddiloco_cli.learner.stats import CostMeter, LearnerStats
+from ddiloco_cli.ops.runfigures import cost_share
 from ddiloco_cli.learner.uploader import Uploader
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.published import FragmentReader
@@ -336,6 +337,14 @@ class DiLoCoSync(SendPath, ReceivePath):
             first_started_s=self.first_started_s, time_s=self.clock.time(), schedule_offset=self.schedule_offset,
             **self._lag_fields(), **self._cost_fields(), **self.heartbeat_fields,
         )
+
+    @property
+    def cost_share(self) -> float | None:
+        """ddiloco's share of this learner's steps as its latest heartbeat reported it
+        (``runfigures.cost_share``: what `status` shows), None before two heartbeats."""
+        f = self._cost.last
+        return cost_share(f.get("sync_step_ms"), f.get("sync_step_cpu_ms"), f.get("sync_worker_cpu_ms"),
+                          self.stats.step_time_s)
 
     def _cost_fields(self) -> dict[str, float]:
         """The heartbeat's cost fields (``stats.CostMeter``): host

@@ -17,8 +17,8 @@ from typing import Any
 
 from ddiloco_cli.errors import ProtocolError
 from ddiloco_cli.ops.metrics import latest_global_eval
-from ddiloco_cli.ops.runfigures import (PILE_UP, alerts, blocked_learners, bytes_moved, failed_uploads, goodput,
-                                        held_versions, late_receives, refused_contributions)
+from ddiloco_cli.ops.runfigures import (PILE_UP, alerts, blocked_learners, bytes_moved, cost_share, costly_learners,
+                                        failed_uploads, goodput, held_versions, late_receives, refused_contributions)
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.fragments import FragmentPlan
 from ddiloco_cli.protocol.runconfig import RunConfig
@@ -344,7 +344,8 @@ def run_status(store: Store) -> dict[str, Any]:
         "bytes": bytes_moved(learners, num_params=plan.total_numel()),
         "alerts": alerts(fragments=fragments, syncers=syncers, learners=learners),
         "notes": (late_receives(learners, tau=run.overlap_steps) + blocked_learners(learners, codec=run.codec)
-                  + held_versions(learners, held_alpha=run.held_alpha) + failed_uploads(learners) + refused_contributions(learners)),
+                  + held_versions(learners, held_alpha=run.held_alpha) + failed_uploads(learners) + refused_contributions(learners)
+                  + costly_learners(learners)),
         "global_eval": latest_global_eval(store, infos=infos),  # from `sync --eval-every`
         "errors": scan.errors,
     }
@@ -392,18 +393,6 @@ def _learners_status(store: Store, scan: "_Scan", run: RunConfig, *, newest: dic
             starts.append(start)
     learners.sort(key=lambda r: r["learner_id"])
     return learners, starts
-
-
-def cost_share(step_ms: float | None, step_cpu_ms: float | None, worker_cpu_ms: float | None,
-               step_time_s: float) -> float | None:
-    """ddiloco's share of a learner's step from its heartbeat's cost fields (``learner.stats.
-    CostMeter``): the larger of the training thread's wait in ddiloco's step call and the CPU
-    ddiloco's threads spend (that thread's in the call and the workers'), over the step time.
-    Where the worker threads share the training's only core the CPU is what a step pays; where
-    they have cores of their own it is an upper bound. None without the fields or a step time."""
-    if step_ms is None or step_time_s <= 0:
-        return None
-    return max(step_ms, (step_cpu_ms or 0.0) + (worker_cpu_ms or 0.0)) / (1e3 * step_time_s)
 
 
 def _cost(rec: dict[str, Any], step_time_s: float) -> dict[str, Any]:

@@ -151,6 +151,38 @@ def blocked_learners(learners: list[dict[str, Any]], *, codec: str) -> list[str]
     return out
 
 
+def cost_share(step_ms: float | None, step_cpu_ms: float | None, worker_cpu_ms: float | None,
+               step_time_s: float) -> float | None:
+    """ddiloco's share of a learner's step from its heartbeat's cost fields (``learner.stats.
+    CostMeter``): the larger of the training thread's wait in ddiloco's step call and the CPU
+    ddiloco's threads spend (that thread's in the call and the workers'), over the step time.
+    Where the worker threads share the training's only core the CPU is what a step pays; where
+    they have cores of their own it is an upper bound. None without the fields or a step time."""
+    if step_ms is None or step_time_s <= 0:
+        return None
+    return max(step_ms, (step_cpu_ms or 0.0) + (worker_cpu_ms or 0.0)) / (1e3 * step_time_s)
+
+
+COST_NOTE = 0.1  # a live learner whose steps ddiloco takes more than this share of gets a note
+
+
+def costly_learners(learners: list[dict[str, Any]]) -> list[str]:
+    """One line per live learner whose steps ddiloco itself takes more than ``COST_NOTE`` of (its
+    heartbeat's ``cost_share``): its work a step is a fragment's send and receive every H / P
+    steps, a fixed cost each (about 3 ms for a 131k-value int4 fragment on one core, docs/results.md
+    "Learner overhead"), so short steps pay the most."""
+    out = []
+    for r in learners:
+        share = r.get("sync_share")
+        if not r["alive"] or share is None or share <= COST_NOTE:
+            continue
+        out.append(f"learner {r['learner_id']}: ddiloco takes {share:.0%} of its steps (of "
+                   f"{1e3 * (r['step_time_s'] or 0.0):.0f} ms a step): it sends and receives fragments more often "
+                   "than the step can carry; a longer --sync-every or fewer --fragments at the next init sends "
+                   "fewer a step, and a core to spare for its worker threads takes their CPU off the step")
+    return out
+
+
 HELD_NOTE = 0.5  # a live learner for which more than this share of receives were held versions gets a note
 HELD_NOTE_AFTER = 8  # ... once it has folded in at least this many
 
@@ -192,4 +224,4 @@ def refused_contributions(learners: list[dict[str, Any]]) -> list[str]:
             for r in learners if r.get("refused")]
 
 
-__all__ = ["BLOCKED_NOTE", "HELD_NOTE", "failed_uploads", "held_versions", "refused_contributions", "MEASURED_B_PER_PARAM", "PILE_UP", "traffic_per_cycle", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]
+__all__ = ["COST_NOTE", "cost_share", "costly_learners", "BLOCKED_NOTE", "HELD_NOTE", "failed_uploads", "held_versions", "refused_contributions", "MEASURED_B_PER_PARAM", "PILE_UP", "traffic_per_cycle", "alerts", "blocked_learners", "bytes_moved", "goodput", "late_receives"]

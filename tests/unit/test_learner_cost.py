@@ -78,6 +78,8 @@ def test_a_learner_heartbeat_carries_its_cost_and_status_shows_it_as_a_share_of_
         record = sync._heartbeat_record()
         records.validate(record, "learner_heartbeat", where="heartbeat")
         assert record["sync_step_ms"] > 0.0 and record["sync_step_cpu_ms"] > 0.0 and record["sync_worker_cpu_ms"] >= 0.0
+        assert sync.cost_share == pytest.approx(
+            max(record["sync_step_ms"], record["sync_step_cpu_ms"] + record["sync_worker_cpu_ms"]) / 10.0)
         sync._writer.beat()
         status = run_status(store)
     (row,) = status["learners"]
@@ -109,3 +111,37 @@ def test_the_share_is_the_larger_of_the_wait_and_the_cpu_and_none_without_a_repo
     assert _cost(cpu_bound, 0.5)["sync_share"] == pytest.approx(0.01)
     waiting = {"sync_step_ms": 9.0, "sync_step_cpu_ms": 1.0, "sync_worker_cpu_ms": 2.0}  # a device copy's wait
     assert _cost(waiting, 0.5)["sync_share"] == pytest.approx(0.018)
+
+
+def test_status_notes_a_live_learner_whose_steps_ddiloco_takes_more_than_a_tenth_of(tmp_path):
+    """A learner with short steps (a fixed cost a fragment, every H / P steps) gets a note naming
+    the remedies; one under the line, or gone, does not; nor an older learner without the fields."""
+    from support.built_run import build_run, write_learner_heartbeat
+
+    from ddiloco_cli.ops.observe import run_status
+
+    built = build_run(str(tmp_path / "run"), rounds=1)
+    # step_time_s 0.5 (the helper's): 60 ms of CPU a step is 12%, 30 ms 6%
+    write_learner_heartbeat(built.store, built.run, "short", sync_step_ms=5.0, sync_step_cpu_ms=2.0,
+                            sync_worker_cpu_ms=58.0)
+    write_learner_heartbeat(built.store, built.run, "fine", sync_step_ms=5.0, sync_step_cpu_ms=2.0,
+                            sync_worker_cpu_ms=28.0)
+    write_learner_heartbeat(built.store, built.run, "gone", state="left", sync_step_ms=90.0)
+    status = run_status(built.store)
+    rows = {r["learner_id"]: r for r in status["learners"]}
+    assert rows["short"]["sync_share"] == pytest.approx(0.12) and rows["fine"]["sync_share"] == pytest.approx(0.06)
+    notes = [n for n in status["notes"] if "ddiloco takes" in n]
+    assert len(notes) == 1 and notes[0].startswith("learner short: ddiloco takes 12% of its steps")
+    assert "--sync-every" in notes[0] and status["alerts"] == []
+
+
+def test_the_progress_line_says_ddiloco_s_share_once_known(caplog):
+    from ddiloco_cli.learner.progress import log_step
+    from ddiloco_cli.learner.stats import LearnerStats
+
+    stats = LearnerStats(step=10, loss=2.0, step_time_s=0.1)
+    with caplog.at_level("INFO", logger="ddiloco_cli.learner"):
+        log_step(10, stats, lr=1e-3, tokens_per_step=64)
+        log_step(20, stats, lr=1e-3, tokens_per_step=64, ddiloco_share=0.0234)
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "ddiloco" not in first and second.endswith("ddiloco 2.3% of a step")
