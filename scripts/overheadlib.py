@@ -133,7 +133,7 @@ TIMED = (
     ("ddiloco_cli.learner.session", "SessionWriter.beat"), ("ddiloco_cli.learner.receiver", "Receiver._manifests_since"),
     ("ddiloco_cli.numerics.quantized", "Quantized.dense"), ("ddiloco_cli.numerics.codec", "_quantize"),
     ("ddiloco_cli.numerics.codec", "_quantize_together"), ("ddiloco_cli.numerics.codec", "_quantize_flat"),
-    ("ddiloco_cli.protocol.records", "sha256_hex"), ("ddiloco_cli.learner.sendpath", "fused_outer_gradient"),
+    ("ddiloco_cli.protocol.records", "sha256_hex"), ("ddiloco_cli.learner.sendpath", "outer_gradient"),
     ("ddiloco_cli.learner.uploader", "Uploader.submit"), ("ddiloco_cli.learner.receivepath", "ReceivePath._receive"),
     ("ddiloco_cli.learner.receivepath", "ReceivePath._add_to_params"),
     ("ddiloco_cli.learner.receivepath", "ReceivePath._rebase"),

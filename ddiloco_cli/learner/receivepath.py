@@ -130,9 +130,11 @@ class ReceivePath:
 
     def _rebase(self, p: int, version: int, value: Tensors) -> None:
         """The base of p becomes ``value`` at ``version``, copied into the base's tensors
-        (``copied_into``). Nothing else holds the old base here: the receiver reads a base only
-        while p is wanted and not ready, and the version just taken ended that."""
-        self.base[p] = (version, copied_into(self.base[p][1] if p in self.base else None, value))
+        (``copied_into``). The receiver reads a base only while p is wanted and not ready, and the
+        version just taken ended that; an upload that has still to compute an outer gradient from
+        the old base (``_lent``: its queue is behind) keeps it, and ``value`` becomes the base."""
+        kept = self.base[p][1] if p in self.base and not self._lent(p) else None
+        self.base[p] = (version, copied_into(kept, value))
 
     def _note_lag(self, lag: int) -> None:
         """Keep a receive's send -> receive lag (steps) for the heartbeat and `status`; warn once a

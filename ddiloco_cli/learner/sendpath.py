@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -18,7 +20,6 @@ from ddiloco_cli.learner.schedule import aligned_offset
 from ddiloco_cli.learner.session import running_phases
 from ddiloco_cli.numerics import native
 from ddiloco_cli.protocol import layout, ledger, records, signing
-from ddiloco_cli.protocol.fragments import FragmentPlan
 from ddiloco_cli.protocol.published import FragmentReader, reads_concurrently
 from ddiloco_cli.store.base import Store
 
@@ -46,32 +47,45 @@ def _plain_fp32(t: torch.Tensor | None, shape: torch.Size) -> bool:
             and t.shape == shape and not _is_dtensor(t))
 
 
-def fused_outer_gradient(plan: FragmentPlan, p: int, params: dict[str, torch.Tensor], base: Tensors,
-                         residual: Tensors | None) -> tuple[Tensors, Tensors] | None:
-    """(theta, delta) of fragment p as the send makes them, in one pass of the compiled kernel
-    a slice (``outer_delta``, the GIL released) rather than a gather and two ``_foreach`` passes:
-    theta a copy of the fragment, delta = (base - theta) + residual. The same fp32 operations,
-    so the same bits. None (the caller then takes the general way) without the kernels or when a
-    slice is not a plain fp32 CPU tensor (bf16 models, devices, DTensors) or the base or the
-    residual does not match it."""
+def outer_gradient(theta: Tensors, base: Tensors, residual: Tensors | None, *, decay: float = 1.0) -> Tensors:
+    """delta = (base - theta) + decay * residual (without the residual when None), per key of
+    theta: a contribution's outer gradient with error feedback [L6]. One pass of the compiled
+    kernel a tensor (``outer_delta``, the GIL released) where it applies (decay 1, plain fp32 CPU
+    tensors), else two ``_foreach`` ops; the same fp32 operations, so the same bits."""
+    keys = list(theta)
     kernels = native.kernels
-    if kernels is None:
-        return None
-    parts = []
-    for s in plan.fragments[p]:
-        view = s.view_of(params[s.name]).detach()
-        b = base.get(s.key)
-        r = None if residual is None else residual.get(s.key)
-        if not (_plain_fp32(view, view.shape) and _plain_fp32(b, view.shape)
-                and (residual is None or _plain_fp32(r, view.shape))):
-            return None
-        parts.append((s.key, view, b, r))
-    theta, delta = {}, {}
-    for key, view, b, r in parts:
-        t, d = torch.empty(view.shape, dtype=torch.float32), torch.empty(view.shape, dtype=torch.float32)
-        kernels.outer_delta(view.numpy(), b.numpy(), None if r is None else r.numpy(), t.numpy(), d.numpy())
-        theta[key], delta[key] = t, d
-    return theta, delta
+    if kernels is not None and (residual is None or decay == 1.0) and all(
+            _plain_fp32(theta[k], theta[k].shape) and _plain_fp32(base.get(k), theta[k].shape)
+            and (residual is None or _plain_fp32(residual.get(k), theta[k].shape)) for k in keys):
+        out = {}
+        for k in keys:
+            d = out[k] = torch.empty(theta[k].shape, dtype=torch.float32)
+            kernels.outer_delta(theta[k].numpy(), base[k].numpy(), None if residual is None else residual[k].numpy(),
+                                d.numpy())
+        return out
+    delta = dict(zip(keys, torch._foreach_sub([base[k] for k in keys], [theta[k] for k in keys])))
+    if residual is not None:
+        torch._foreach_add_([delta[k] for k in keys], [residual[k] for k in keys], alpha=decay)
+    return delta
+
+
+class PendingDelta:
+    """A contribution's outer gradient, computed by the upload thread when it encodes the
+    contribution (``materialize``) rather than by the training thread at the send: the send
+    only copies the fragment out (theta). ``compute(theta, base)`` makes it, with the residual
+    of the fragment's last uploaded contribution ([L6]: that upload is over by then, the
+    uploader handing out one fragment's contributions in order). ``done`` once made: until
+    then a receive must not write the base's tensors in place (``SendPath._lent``)."""
+
+    def __init__(self, theta: Tensors, base: Tensors, compute: Callable[[Tensors, Tensors], Tensors]):
+        self.theta, self.base, self._compute = theta, base, compute
+        self.done = False
+
+    def materialize(self) -> Tensors:
+        try:
+            return self._compute(self.theta, self.base)
+        finally:
+            self.done = True
 
 
 def read_newest(store: Store, readers: dict[int, FragmentReader]) -> list[tuple[int, Tensors]]:
@@ -145,25 +159,15 @@ class SendPath:
         """Queue the outer gradient delta = Theta_base - theta of fragment p; returns
         theta. Both are fp32: for a bf16 model the base is the fp32 published value the
         learner received, not its bf16 rounding."""
+        theta = self.island.gather(self.plan, p, self.params)
         if not self.island.io:
-            return self.island.gather(self.plan, p, self.params)
+            return theta
         base_version, base_value = self.base[p]
-        with self._residual_lock:  # held while read: the upload thread updates a residual in place
-            # the part of the last contribution the codec did not carry [L6]
-            residual = self._residual.get(p)
-            decay = self.config.error_feedback_decay  # < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
-            fused = None
-            if self.island.world == 1 and (residual is None or decay == 1.0):
-                fused = fused_outer_gradient(self.plan, p, self.params, base_value, residual)
-            if fused is not None:
-                theta, delta = fused
-            else:
-                theta = self.island.gather(self.plan, p, self.params)
-                delta = dict(zip(theta, torch._foreach_sub([base_value[k] for k in theta], list(theta.values()))))
-                if residual is not None and decay == 1.0:
-                    torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
-                elif residual is not None:
-                    torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta], alpha=decay)
+        delta: Tensors | PendingDelta
+        if self._deferred:  # the upload thread computes it: only the copy-out above on the training thread
+            delta = self._pending[p] = PendingDelta(theta, base_value, partial(self._outer_gradient, p))
+        else:
+            delta = self._outer_gradient(p, theta, base_value)
         c_steps, c_tokens = self.counters.snapshot(p)
         header = records.make(
             "contribution", run_id=self.run_id, fragment=p, learner_id=self.learner_id, seq=seq,
@@ -172,6 +176,20 @@ class SendPath:
         )
         self.stats.blocked_s += self._uploader.submit(layout.contribution_key(p, self.learner_id, seq), delta, header)
         return theta
+
+    def _outer_gradient(self, p: int, theta: Tensors, base: Tensors) -> Tensors:
+        """Fragment p's outer gradient against ``base`` with the part of its last uploaded
+        contribution that the codec did not carry [L6], read under the lock the upload thread
+        holds while it updates that residual in place."""
+        with self._residual_lock:
+            # decay < 1: a decayed accumulator (SparseLoCo, docs/sparse.md)
+            return outer_gradient(theta, base, self._residual.get(p), decay=self.config.error_feedback_decay)
+
+    def _lent(self, p: int) -> bool:
+        """Whether an upload still has to compute an outer gradient of p from the base's tensors
+        (the newest of p's sends: the uploader takes them in order)."""
+        pending = self._pending.get(p)
+        return pending is not None and not pending.done
 
     def _keep_residual(self, fragment: int, residual: Tensors) -> None:
         """Upload thread: the residual of fragment's newest uploaded contribution replaces the last

@@ -45,11 +45,11 @@ from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner.receivepath import ReceivePath
 from ddiloco_cli.learner.receiver import InFlight, Receiver
 from ddiloco_cli.learner.schedule import FragmentCounters, fragments_due
-from ddiloco_cli.learner.sendpath import SendPath
+from ddiloco_cli.learner.sendpath import PendingDelta, SendPath
 from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state
 from ddiloco_cli.learner.stats import CostMeter, LearnerStats
-from ddiloco_cli.ops.runfigures import cost_share
 from ddiloco_cli.learner.uploader import Uploader
+from ddiloco_cli.ops.runfigures import cost_share
 from ddiloco_cli.protocol import layout, ledger, records, signing
 from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.protocol.runconfig import RunConfig, read_run_config
@@ -131,6 +131,9 @@ class DiLoCoSync(SendPath, ReceivePath):
         self.error_feedback = self.config.error_feedback and self.config.codec != "none"
         self._residual: dict[int, Tensors] = {}
         self._residual_lock = threading.Lock()
+        # one process a learner: the upload thread computes each outer gradient (sendpath.PendingDelta)
+        self._deferred = self.island.world == 1
+        self._pending: dict[int, PendingDelta] = {}  # fragment -> its newest deferred outer gradient
         self.in_flight: dict[int, InFlight] = {}
         self.schedule_offset = 0  # this session's shift of the send schedule (schedule.aligned_offset)
         self.session = 0

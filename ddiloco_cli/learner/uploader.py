@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -23,6 +23,12 @@ from ddiloco_cli.store.retry import OUTAGE_POLICY, retrying
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+
+
+class Deferred(Protocol):
+    """A contribution's tensors still to be computed (``sendpath.PendingDelta``)."""
+
+    def materialize(self) -> Tensors: ...
 
 
 def contribution_bytes(delta: Tensors, header: dict[str, Any], *, codec_name: str, block_size: int, key: str,
@@ -176,8 +182,11 @@ class Uploader:
         None (driver mode); ``finish`` releases its fragment."""
         return self.queue.get(block=False)
 
-    def encode(self, key: str, delta: Tensors, header: dict[str, Any]) -> tuple[bytes, Tensors | None]:
-        """The contribution's bytes, and what they leave out of ``delta`` (error feedback)."""
+    def encode(self, key: str, delta: Tensors | Deferred, header: dict[str, Any]) -> tuple[bytes, Tensors | None]:
+        """The contribution's bytes, and what they leave out of ``delta`` (error feedback). A
+        ``Deferred`` delta is computed here first, on the upload thread."""
+        if not isinstance(delta, dict):
+            delta = delta.materialize()
         return encode_contribution(delta, header, codec_name=self.codec_name, block_size=self.block_size,
                                    key=key, signer=self.signer, residual=self.on_residual is not None,
                                    qmax=self.qmax, density=self.density)

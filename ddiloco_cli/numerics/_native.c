@@ -1,6 +1,6 @@
 /* ddiloco's optional compiled kernels: the int4/int8 block quantiser, the dequantiser, the
- * per-block sums of q**2 (a contribution's norm) and the learner's outer gradient at a send, one
- * pass each with the GIL released.
+ * per-block sums of q**2 (a contribution's norm) and a learner's outer gradient, one pass each
+ * with the GIL released.
  *
  * They compute what blockquant.py's numpy passes compute, bit for bit: the same IEEE fp32
  * operations on each element in the same order (no fused multiply-add: built with
@@ -180,23 +180,17 @@ CLONES static void square_sums_all(const uint8_t *restrict c, Py_ssize_t blocks,
     }
 }
 
-/* theta = src (a copy), delta = (base - src) (+ residual when not NULL), each rounded once: the
- * learner's snapshot of a fragment and its outer gradient with error feedback, in one pass */
-CLONES static void outer_delta_all(const float *restrict src, const float *restrict base, const float *restrict res,
-                                   Py_ssize_t n, float *restrict theta, float *restrict delta) {
+/* delta = (base - theta) (+ residual when not NULL), each rounded once: a learner's outer gradient
+ * with error feedback, in one pass */
+CLONES static void outer_delta_all(const float *restrict theta, const float *restrict base, const float *restrict res,
+                                   Py_ssize_t n, float *restrict delta) {
     if (res) {
         for (Py_ssize_t i = 0; i < n; i++) {
-            float x = src[i];
-            theta[i] = x;
-            float d = base[i] - x;
+            float d = base[i] - theta[i];
             delta[i] = d + res[i];
         }
     } else {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            float x = src[i];
-            theta[i] = x;
-            delta[i] = base[i] - x;
-        }
+        for (Py_ssize_t i = 0; i < n; i++) delta[i] = base[i] - theta[i];
     }
 }
 
@@ -370,44 +364,41 @@ static PyObject *square_sums(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(outer_delta_doc,
-"outer_delta(src, base, residual, theta, delta) -> None\n\n"
-"theta[i] = src[i]; delta[i] = (base[i] - src[i]) + residual[i] (without the sum when residual is\n"
-"None); fp32, n = len(src) / 4 values. The outputs must not overlap each other or an input.");
+"outer_delta(theta, base, residual, delta) -> None\n\n"
+"delta[i] = (base[i] - theta[i]) + residual[i] (without the sum when residual is None); fp32, n =\n"
+"len(theta) / 4 values. delta must not overlap an input.");
 
 static PyObject *outer_delta(PyObject *self, PyObject *args) {
-    Py_buffer src, base, theta, delta, res = {0};
+    Py_buffer theta, base, delta, res = {0};
     PyObject *res_obj;
     int ok = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*Ow*w*", &src, &base, &res_obj, &theta, &delta))
+    if (!PyArg_ParseTuple(args, "y*y*Ow*", &theta, &base, &res_obj, &delta))
         return NULL;
     if (optional_buffer(res_obj, &res, PyBUF_C_CONTIGUOUS) < 0) {
         ok = 0;
         goto done;
     }
     int have_res = res.obj != NULL;
-    Py_ssize_t n = src.len / 4;
-    if (src.len % 4) {
-        PyErr_SetString(PyExc_ValueError, "src must hold fp32 values");
+    Py_ssize_t n = theta.len / 4;
+    if (theta.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "theta must hold fp32 values");
         ok = 0;
         goto done;
     }
-    if (check_len(&base, 4 * n, "base") || check_len(&theta, 4 * n, "theta") || check_len(&delta, 4 * n, "delta") ||
-        (have_res && check_len(&res, 4 * n, "residual")) || disjoint(&theta, &src, "src") ||
-        disjoint(&theta, &base, "base") || disjoint(&delta, &src, "src") || disjoint(&delta, &base, "base") ||
-        disjoint(&delta, &theta, "theta") || (have_res && (disjoint(&theta, &res, "residual") ||
-                                                           disjoint(&delta, &res, "residual")))) {
+    if (check_len(&base, 4 * n, "base") || check_len(&delta, 4 * n, "delta") ||
+        (have_res && check_len(&res, 4 * n, "residual")) || disjoint(&delta, &theta, "theta") ||
+        disjoint(&delta, &base, "base") || (have_res && disjoint(&delta, &res, "residual"))) {
         ok = 0;
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    outer_delta_all((const float *)src.buf, (const float *)base.buf, have_res ? (const float *)res.buf : NULL, n,
-                    (float *)theta.buf, (float *)delta.buf);
+    outer_delta_all((const float *)theta.buf, (const float *)base.buf, have_res ? (const float *)res.buf : NULL, n,
+                    (float *)delta.buf);
     Py_END_ALLOW_THREADS
 done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&base);
     PyBuffer_Release(&theta);
+    PyBuffer_Release(&base);
     PyBuffer_Release(&delta);
     if (res.obj) PyBuffer_Release(&res);
     if (!ok) return NULL;
@@ -429,7 +420,7 @@ static struct PyModuleDef module = {
 
 /* API: what native.py expects; raised with any change of a function's arguments or meaning, so a
  * stale in-place build (an editable install not rebuilt after a pull) is not used */
-#define API 2
+#define API 3
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-API = 2  # _native.c's API constant this code calls
+API = 3  # _native.c's API constant this code calls
 
 kernels: ModuleType | None = None
 why_not = ""

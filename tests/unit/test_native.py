@@ -257,88 +257,69 @@ def test_a_stale_build_is_not_used(tmp_path):
     assert out.stdout.startswith("True") and "stale build (API 0" in out.stdout, out.stdout
 
 
-def _send_params(seed: int = 0):
-    """A model's parameters (nn.Parameters, so views need detach) with values the codecs meet:
-    zeros of both signs, subnormals, huge and infinite values; a plan of row slices over them."""
-    from ddiloco_cli.protocol.fragments import plan_fragments
 
+def _outer_inputs(seed: int = 0):
+    """theta, base and residual as a send meets them: zeros of both signs, subnormals, huge and
+    infinite values."""
     g = torch.Generator().manual_seed(seed)
     shapes = {"a": (40, 16), "b": (300,), "c": (7, 3, 2), "d": ()}
-    params = {k: torch.nn.Parameter(torch.randn(s, generator=g)) for k, s in shapes.items()}
-    with torch.no_grad():
-        flat = params["a"].view(-1)
-        flat[:4] = torch.tensor([0.0, -0.0, 1e-42, -3e38])
-        flat[4:6] = torch.tensor([float("inf"), float("-inf")])
-    plan = plan_fragments({k: (tuple(v.shape), "float32") for k, v in params.items()}, 3)
-    return params, plan
+    theta = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    theta["a"].view(-1)[:6] = torch.tensor([0.0, -0.0, 1e-42, -3e38, float("inf"), float("-inf")])
+    base = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    base["a"].view(-1)[:4] = torch.tensor([-0.0, 0.0, -1e-42, 3e38])
+    residual = {k: 1e-3 * torch.randn(s, generator=g) for k, s in shapes.items()}
+    return theta, base, residual
 
 
-def _torch_outer_gradient(plan, p, params, base, residual):
-    """The send's general way: a gather, then base - theta (+ residual) as two _foreach ops."""
-    from ddiloco_cli.protocol.fragments import gather_fragment
-
-    theta = gather_fragment(plan, p, params)
-    delta = dict(zip(theta, torch._foreach_sub([base[k] for k in theta], list(theta.values()))))
+def _torch_outer_gradient(theta, base, residual, decay=1.0):
+    """The send's general way: base - theta (+ residual) as two _foreach ops."""
+    keys = list(theta)
+    delta = dict(zip(keys, torch._foreach_sub([base[k] for k in keys], [theta[k] for k in keys])))
     if residual is not None:
-        torch._foreach_add_([delta[k] for k in theta], [residual[k] for k in theta])
-    return theta, delta
+        torch._foreach_add_([delta[k] for k in keys], [residual[k] for k in keys], alpha=decay)
+    return delta
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_the_send_outer_gradient_equals_the_gather_and_foreach_ops(with_residual):
-    """The learner's send in one kernel pass a slice: theta and delta bit for bit those of the
-    gather and the two _foreach ops (signed zeros, subnormals, infinities included), and theta a
-    copy (training on does not move it)."""
-    from ddiloco_cli.learner.sendpath import fused_outer_gradient
+def test_the_outer_gradient_equals_the_foreach_ops(monkeypatch, with_residual):
+    """A learner's outer gradient in one kernel pass a tensor: bit for bit the two _foreach ops
+    (signed zeros, subnormals, infinities included)."""
+    from ddiloco_cli.learner.sendpath import outer_gradient
 
-    params, plan = _send_params()
-    g = torch.Generator().manual_seed(1)
-    for p in range(plan.num_fragments):
-        shapes = plan.fragment_shapes(p)
-        base = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-        residual = {k: 1e-3 * torch.randn(s, generator=g) for k, s in shapes.items()} if with_residual else None
-        theta, delta = fused_outer_gradient(plan, p, params, base, residual)
-        want_theta, want_delta = _torch_outer_gradient(plan, p, params, base, residual)
-        same_tensors(theta, want_theta)
-        same_tensors(delta, want_delta)
-        before = {k: v.clone() for k, v in theta.items()}
-        with torch.no_grad():
-            for t in params.values():
-                t.add_(1.0)
-        same_tensors(theta, before)
+    theta, base, residual = _outer_inputs()
+    residual = residual if with_residual else None
+    with_kernels, without = both(monkeypatch, lambda: outer_gradient(theta, base, residual))
+    same_tensors(with_kernels, without)
+    same_tensors(with_kernels, _torch_outer_gradient(theta, base, residual))
 
 
-def test_the_send_takes_the_general_way_where_the_kernel_does_not_apply(monkeypatch):
-    """None (the caller gathers and uses _foreach ops) for a bf16 model, a base or residual of
-    another shape or dtype, and without the kernels."""
-    from ddiloco_cli.learner.sendpath import fused_outer_gradient
+def test_the_outer_gradient_takes_the_foreach_ops_where_the_kernel_does_not_apply(monkeypatch):
+    """A decayed residual, a bf16 or non-contiguous tensor: the _foreach ops (the kernel is not
+    called), the same values."""
+    from ddiloco_cli.learner.sendpath import outer_gradient
 
-    params, plan = _send_params()
-    shapes = plan.fragment_shapes(0)
-    base = {k: torch.zeros(s) for k, s in shapes.items()}
-    assert fused_outer_gradient(plan, 0, params, base, None) is not None
-    bf16 = {k: torch.nn.Parameter(v.detach().to(torch.bfloat16)) for k, v in params.items()}
-    assert fused_outer_gradient(plan, 0, bf16, base, None) is None
-    key = next(iter(shapes))
-    assert fused_outer_gradient(plan, 0, params, {**base, key: base[key].double()}, None) is None
-    assert fused_outer_gradient(plan, 0, params, base, {k: torch.zeros(1) for k in shapes}) is None
-    monkeypatch.setattr(native, "kernels", None)
-    assert fused_outer_gradient(plan, 0, params, base, None) is None
+    theta, base, residual = _outer_inputs(1)
+    counted = Counted()
+    monkeypatch.setattr(native, "kernels", counted)
+    same_tensors(outer_gradient(theta, base, residual, decay=0.9), _torch_outer_gradient(theta, base, residual, 0.9))
+    strided = {**theta, "a": theta["a"].t().contiguous().t()}
+    same_tensors(outer_gradient(strided, base, residual), _torch_outer_gradient(strided, base, residual))
+    half = {**residual, "b": residual["b"].to(torch.bfloat16)}
+    assert outer_gradient(theta, base, half)["b"].dtype == torch.float32
+    assert counted.calls == []
 
 
 def test_the_outer_delta_kernel_refuses_short_and_overlapping_buffers():
     x = np.ones(10, np.float32)
     out = np.empty(20, np.float32)
     with pytest.raises(ValueError, match="base"):
-        KERNELS.outer_delta(x, np.ones(9, np.float32), None, np.empty(10, np.float32), np.empty(10, np.float32))
+        KERNELS.outer_delta(x, np.ones(9, np.float32), None, np.empty(10, np.float32))
     with pytest.raises(ValueError, match="residual"):
-        KERNELS.outer_delta(x, x.copy(), np.ones(3, np.float32), np.empty(10, np.float32), np.empty(10, np.float32))
+        KERNELS.outer_delta(x, x.copy(), np.ones(3, np.float32), np.empty(10, np.float32))
     with pytest.raises(ValueError, match="theta overlaps"):
-        KERNELS.outer_delta(x, x.copy(), None, out[:10], out[5:15])
-    with pytest.raises(ValueError, match="src overlaps"):
-        KERNELS.outer_delta(out[:10], x, None, out[5:15], np.empty(10, np.float32))
+        KERNELS.outer_delta(out[:10], x, None, out[5:15])
     with pytest.raises(TypeError):  # a read-only output
-        KERNELS.outer_delta(x, x, None, bytes(40), np.empty(10, np.float32))
-    theta, delta = np.empty(10, np.float32), np.empty(10, np.float32)
-    KERNELS.outer_delta(x, np.full(10, 3.0, np.float32), np.full(10, 0.5, np.float32), theta, delta)
-    assert theta.tolist() == [1.0] * 10 and delta.tolist() == [2.5] * 10
+        KERNELS.outer_delta(x, x, None, bytes(40))
+    delta = np.empty(10, np.float32)
+    KERNELS.outer_delta(x, np.full(10, 3.0, np.float32), np.full(10, 0.5, np.float32), delta)
+    assert delta.tolist() == [2.5] * 10
