@@ -74,8 +74,9 @@ class PendingDelta:
     contribution (``materialize``) rather than by the training thread at the send: the send
     only copies the fragment out (theta). ``compute(theta, base)`` makes it, with the residual
     of the fragment's last uploaded contribution ([L6]: that upload is over by then, the
-    uploader handing out one fragment's contributions in order). ``done`` once made: until
-    then a receive must not write the base's tensors in place (``SendPath._lent``)."""
+    uploader handing out one fragment's contributions in order). ``done`` once made (its
+    tensors then let go): until then a receive must not write the base's tensors in place
+    (``SendPath._lent``)."""
 
     def __init__(self, theta: Tensors, base: Tensors, compute: Callable[[Tensors, Tensors], Tensors]):
         self.theta, self.base, self._compute = theta, base, compute
@@ -85,6 +86,9 @@ class PendingDelta:
         try:
             return self._compute(self.theta, self.base)
         finally:
+            # kept (``SendPath._pending``) until the fragment's next send: without its tensors, or
+            # every fragment's theta would stay alive a cycle longer than its receive needs it
+            self.theta = self.base = None  # type: ignore[assignment]
             self.done = True
 
 

@@ -48,9 +48,11 @@ def test_a_receive_before_the_upload_computes_its_gradient_leaves_that_gradients
         sync._rebase(p, 7, newer)  # a version taken while the upload waits
         assert sync.base[p] == (7, newer) and sync.base[p][1] is not base_tensors
         assert all(torch.equal(base_tensors[k], old_base[k]) for k in old_base)  # not written over
+        theta = delta.theta
         got = delta.materialize()
         assert delta.done and not sync._lent(p)
-        want = outer_gradient(delta.theta, old_base, sync._residual.get(p))
+        assert delta.theta is None and delta.base is None  # let go: the fragment's theta lives as long as its receive
+        want = outer_gradient(theta, old_base, sync._residual.get(p))
         assert all(torch.equal(got[k], want[k]) for k in want)
         assert int(header["base_version"]) == 0  # the version the gradient is measured against
         sync._uploader.finish(key, header, *sync._uploader.encode(key, got, header))
@@ -72,9 +74,9 @@ def test_the_deferred_gradient_carries_the_residual_of_the_last_upload_of_its_fr
                 p = int(header["fragment"])
                 residual = sync._residual.get(p)
                 residual = None if residual is None else {k: v.clone() for k, v in residual.items()}
-                base = {k: v.clone() for k, v in delta.base.items()}
+                theta, base = delta.theta, {k: v.clone() for k, v in delta.base.items()}
                 got = delta.materialize()
-                want = outer_gradient(delta.theta, base, residual)
+                want = outer_gradient(theta, base, residual)
                 assert all(torch.equal(got[k], want[k]) for k in want)
                 sync._uploader.finish(key, header, *sync._uploader.encode(key, got, header))
         assert sync._residual, "no residual was kept: error feedback did not run"
