@@ -210,7 +210,8 @@ def _version_stats(versions: dict) -> dict[str, int]:
 def learner_progress_hook(writer: MetricsWriter, *, every_steps: int = 10) -> Callable[[dict[str, Any]], None]:
     """An ``on_progress`` callback for ``Learner`` that logs one record every
     ``every_steps`` steps: loss, lr, step time, tokens/s since the last record,
-    blocked time, bytes and the fragment versions it holds."""
+    blocked time, bytes, ddiloco's share of a step (its heartbeat's cost report) and the
+    fragment versions it holds."""
     last: dict[str, float] = {}
 
     def hook(p: dict[str, Any]) -> None:
@@ -223,7 +224,8 @@ def learner_progress_hook(writer: MetricsWriter, *, every_steps: int = 10) -> Ca
         writer.log(step=p["step"], loss=p.get("loss"), lr=p.get("lr"), step_time_s=p.get("step_time_s"),
                    tokens=p["tokens"], tokens_per_s=tokens_per_s, blocked_s=p.get("blocked_s"),
                    bytes_up=p.get("bytes_up"), bytes_down=p.get("bytes_down"),
-                   versions_behind=p.get("versions_behind"), **_version_stats(p.get("versions") or {}))
+                   versions_behind=p.get("versions_behind"), ddiloco_share=p.get("ddiloco_share"),
+                   **_version_stats(p.get("versions") or {}))
 
     return hook
 

@@ -145,3 +145,21 @@ def test_the_progress_line_says_ddiloco_s_share_once_known(caplog):
         log_step(20, stats, lr=1e-3, tokens_per_step=64, ddiloco_share=0.0234)
     first, second = (r.getMessage() for r in caplog.records)
     assert "ddiloco" not in first and second.endswith("ddiloco 2.3% of a step")
+
+
+def test_the_learners_metrics_records_carry_ddiloco_s_share():
+    """`ddiloco metrics` / `plot` history: the learner's records have the share once known."""
+    from ddiloco_cli.ops.metrics import learner_progress_hook
+
+    logged = []
+
+    class Writer:
+        def log(self, **fields):
+            logged.append({k: v for k, v in fields.items() if v is not None})
+
+    hook = learner_progress_hook(Writer(), every_steps=10)
+    base = {"loss": 2.0, "lr": 1e-3, "step_time_s": 0.1, "tokens": 640, "bytes_up": 1, "bytes_down": 2,
+            "versions": {0: 1}, "blocked_s": 0.0}
+    hook({**base, "step": 10, "ddiloco_share": None})
+    hook({**base, "step": 20, "ddiloco_share": 0.021})
+    assert "ddiloco_share" not in logged[0] and logged[1]["ddiloco_share"] == 0.021
