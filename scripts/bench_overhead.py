@@ -23,6 +23,11 @@ machinery accounting (the CPU that ddiloco's own functions spend, by thread) is 
    ratio moves with whatever else runs on CPU 0; the CPU ratio much less.
    Each process also records its threads' context switches (voluntary: waits on the GIL, a
    lock or I/O; involuntary: preemptions). --wrap runs each arm under a profiler.
+   --workers-cpu puts the ddiloco arm's worker threads on CPU 1 (its training thread alone on
+   CPU 0: a learner with a core to spare). The headline also gives the ratio of the fastest
+   tenth of the steps (a shared host's bursts only ever add time), and the breakdown the
+   learner's own report of its cost (its heartbeats' fields, the `ddiloco` column of `status`)
+   beside the accounting.
 2. Peak memory (VmHWM) of each arm's process.
 3. Syncer memory: peak RSS (getrusage of a child) of ``ddiloco sync --fragments 0``
    vs all fragments, on a 24-fragment run of a 25M-parameter model (24 Linear
@@ -173,31 +178,30 @@ def _timed(spent: dict, name: str, fn: Callable) -> Callable:
     return wrapped
 
 
-def nice_workers(nice: int) -> None:
-    """Every thread started from now on (the learner's worker threads) at ``nice`` (Linux: a
-    thread's own priority), the training thread at 0: an experiment, whether a worker thread
-    that preempts the training step less eagerly costs it less."""
+def _in_new_threads(setup: Callable[[], None]) -> None:
+    """Run ``setup`` first in every thread started from now on (the learner's worker threads)."""
     start_run = threading.Thread.run
 
     def run(self) -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        setup()
         start_run(self)
 
     threading.Thread.run = run
+
+
+def nice_workers(nice: int) -> None:
+    """The learner's worker threads at ``nice`` (Linux: a thread's own priority), the training
+    thread at 0: an experiment, whether a worker thread that preempts the training step less
+    eagerly costs it less."""
+    _in_new_threads(lambda: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice))
 
 
 def pin_workers(cpu: int) -> None:
-    """This thread (the training thread) on CPU 0, every thread started from now on (the
-    learner's uploader, receiver and heartbeat threads) on ``cpu``: the layout of a learner
-    on a machine with a core to spare, the training loop's one torch thread on its own core."""
+    """This thread (the training thread) on CPU 0, the learner's worker threads (uploader,
+    receiver, heartbeat) on ``cpu``: the layout of a learner on a machine with a core to spare,
+    the training loop's one torch thread on its own core."""
     os.sched_setaffinity(0, {0})  # 0: the calling thread (Linux)
-    start_run = threading.Thread.run
-
-    def run(self) -> None:
-        os.sched_setaffinity(0, {cpu})
-        start_run(self)
-
-    threading.Thread.run = run
+    _in_new_threads(lambda: os.sched_setaffinity(0, {cpu}))
 
 
 def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None,

@@ -162,7 +162,8 @@ class SendPath:
     def _send(self, p: int, seq: int, step: int) -> Tensors:
         """Queue the outer gradient delta = Theta_base - theta of fragment p; returns
         theta. Both are fp32: for a bf16 model the base is the fp32 published value the
-        learner received, not its bf16 rounding."""
+        learner received, not its bf16 rounding. In one process (no torchrun) the upload
+        thread computes delta (``PendingDelta``); this thread only copies theta out."""
         theta = self.island.gather(self.plan, p, self.params)
         if not self.island.io:
             return theta

@@ -92,4 +92,3 @@ class CostMeter:
     def last(self) -> dict[str, float]:
         """The fields of the latest report (empty before two)."""
         return dict(self._fields)
-

@@ -350,8 +350,8 @@ class DiLoCoSync(SendPath, ReceivePath):
                           self.stats.step_time_s)
 
     def _cost_fields(self) -> dict[str, float]:
-        """The heartbeat's cost fields (``stats.CostMeter``): host
-        time, so a driver without threads (the deterministic simulation) reports none."""
+        """The heartbeat's cost fields (``stats.CostMeter``): host time, so a driver without
+        threads (the deterministic simulation) reports none."""
         if not self.opts.threads or self._uploader is None:
             return {}
         workers = [*self._uploader.threads, self._receiver, self._writer]
