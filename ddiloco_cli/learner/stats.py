@@ -72,8 +72,12 @@ class CostMeter:
         self._fields: dict[str, float] = {}
 
     def fields(self, step: int, workers: Iterable[threading.Thread]) -> dict[str, float]:
-        """The heartbeat's fields at ``step`` (the last report's again when no step was made
-        since; none before two reports)."""
+        """The heartbeat's fields at ``step`` (none before two reports). The last report's again
+        when no step was made since, or when a worker thread has ended (the heartbeat written
+        on leaving comes after the worker threads stop: their clocks are gone)."""
+        workers = list(workers)
+        if any(not t.is_alive() for t in workers):
+            return dict(self._fields)
         now = (step, self.in_step_s, self.in_step_cpu_s, threads_cpu_s(workers))
         last, self._last = self._last, now
         if last is not None and step > last[0]:

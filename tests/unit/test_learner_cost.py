@@ -60,6 +60,8 @@ def test_the_meter_reports_the_step_time_and_the_workers_cpu_per_step_since_its_
         worker.release.set()
         worker.join(60)
     assert threads_cpu_s([worker, threading.Thread(target=lambda: None)]) == 0.0  # ended or never started
+    meter.in_step_s += 1.0
+    assert meter.fields(20, [worker]) == later  # the leaving heartbeat, its workers stopped: the last report
 
 
 def test_a_learner_heartbeat_carries_its_cost_and_status_shows_it_as_a_share_of_the_step(tmp_path):
