@@ -215,11 +215,11 @@ class Learner:
                 step, s = sync.step_count, sync.stats
                 read_loss = step % opts.log_every == 0 or s.loss is None  # .item() syncs an accelerator
                 sync.record_step_time(time.perf_counter() - t0, loss=float(loss.detach()) if read_loss else None)
+                share = sync.cost_share if rank == 0 else None
                 if self.on_progress is not None and rank == 0:
                     self.on_progress({"step": step, "loss": s.loss, "lr": lr, "step_time_s": s.step_time_s,
                                       "tokens": s.tokens, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down,
-                                      "versions": dict(s.versions), "blocked_s": s.blocked_s,
-                                      "ddiloco_share": sync.cost_share})
+                                      "versions": dict(s.versions), "blocked_s": s.blocked_s, "ddiloco_share": share})
                 if step % opts.log_every == 0 and rank == 0:
-                    progress.log_step(step, s, lr=lr, tokens_per_step=n_tok, ddiloco_share=sync.cost_share)
+                    progress.log_step(step, s, lr=lr, tokens_per_step=n_tok, ddiloco_share=share)
         return sync.stop_reason or "steps"

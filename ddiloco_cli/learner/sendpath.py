@@ -42,9 +42,10 @@ def copied_into(kept: Tensors | None, new: Tensors) -> Tensors:
     return kept
 
 
-def _plain_fp32(t: torch.Tensor | None, shape: torch.Size) -> bool:
+def _plain_fp32(t: torch.Tensor | None, shape: torch.Size | None = None) -> bool:
+    """A contiguous fp32 CPU tensor (of ``shape`` when given): one the compiled kernels read."""
     return (t is not None and t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-            and t.shape == shape and not _is_dtensor(t))
+            and (shape is None or t.shape == shape) and not _is_dtensor(t))
 
 
 def outer_gradient(theta: Tensors, base: Tensors, residual: Tensors | None, *, decay: float = 1.0) -> Tensors:
@@ -55,7 +56,7 @@ def outer_gradient(theta: Tensors, base: Tensors, residual: Tensors | None, *, d
     keys = list(theta)
     kernels = native.kernels
     if kernels is not None and (residual is None or decay == 1.0) and all(
-            _plain_fp32(theta[k], theta[k].shape) and _plain_fp32(base.get(k), theta[k].shape)
+            _plain_fp32(theta[k]) and _plain_fp32(base.get(k), theta[k].shape)
             and (residual is None or _plain_fp32(residual.get(k), theta[k].shape)) for k in keys):
         out = {}
         for k in keys:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -44,13 +42,13 @@ from ddiloco_cli.learner import progress
 from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner.receivepath import ReceivePath
 from ddiloco_cli.learner.receiver import InFlight, Receiver
+from ddiloco_cli.learner.reporting import Reporting
 from ddiloco_cli.learner.schedule import FragmentCounters, fragments_due
 from ddiloco_cli.learner.sendpath import PendingDelta, SendPath
 from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, read_state
 from ddiloco_cli.learner.stats import CostMeter, LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
-from ddiloco_cli.ops.runfigures import cost_share
-from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol import layout, ledger, signing
 from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.protocol.runconfig import RunConfig, read_run_config
 from ddiloco_cli.store import open_store
@@ -82,7 +80,7 @@ def check_learner_id(learner_id: str) -> None:
         raise UsageError(f"--learner-id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
 
 
-class DiLoCoSync(SendPath, ReceivePath):
+class DiLoCoSync(SendPath, ReceivePath, Reporting):
     """Attach a model to a Decoupled DiLoCo run. See the module docstring.
 
     ``num_tokens`` given to ``step`` is what this process trained in that step;
@@ -326,37 +324,3 @@ class DiLoCoSync(SendPath, ReceivePath):
         log.info("SIGTERM: finishing the upload in flight, then leaving")
         if self.stop_reason is None:
             self.stop_reason = "left"
-
-    def _heartbeat_record(self) -> dict[str, Any]:
-        s = self.stats
-        host, pid = self.opts.process or (socket.gethostname(), os.getpid())
-        return records.make(
-            "learner_heartbeat", run_id=self.run_id, learner_id=self.learner_id, state=s.state, step=s.step,
-            tokens=s.tokens, step_time_s=s.step_time_s, loss=s.loss, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
-            num_contributions=s.num_contributions, blocked_s=s.blocked_s, uploads_failed=s.uploads_failed,
-            receives=s.num_receives, held_receives=s.num_held, refused=s.num_refused,
-            **({"last_refusal": s.last_refusal} if s.last_refusal else {}), versions={str(p): v for p, v in s.versions.items()},
-            device=str(self.island.device), session=self.session, host=host, pid=pid, started_s=self.started_s,
-            first_started_s=self.first_started_s, time_s=self.clock.time(), schedule_offset=self.schedule_offset,
-            **self._lag_fields(), **self._cost_fields(), **self.heartbeat_fields,
-        )
-
-    @property
-    def cost_share(self) -> float | None:
-        """ddiloco's share of this learner's steps as its latest heartbeat reported it
-        (``runfigures.cost_share``: what `status` shows), None before two heartbeats."""
-        f = self._cost.last
-        return cost_share(f.get("sync_step_ms"), f.get("sync_step_cpu_ms"), f.get("sync_worker_cpu_ms"),
-                          self.stats.step_time_s)
-
-    def _cost_fields(self) -> dict[str, float]:
-        """The heartbeat's cost fields (``stats.CostMeter``): host time, so a driver without
-        threads (the deterministic simulation) reports none."""
-        if not self.opts.threads or self._uploader is None:
-            return {}
-        workers = [*self._uploader.threads, self._receiver, self._writer]
-        return self._cost.fields(self.stats.step, [w for w in workers if w is not None])
-
-    def _lag_fields(self) -> dict[str, int]:
-        quantiles = self.stats.lag_quantiles()
-        return {} if quantiles is None else {"lag_p50": quantiles[0], "lag_p95": quantiles[1]}
