@@ -81,7 +81,8 @@ from benchlib import mid  # noqa: E402
 
 MID_TASK = f"{benchlib.BENCHLIB_PATH}:mid"
 # --task NAME -> (the run's task spec, the task, batch size)
-TASKS = {"mid": (MID_TASK, mid, 8), "tiny": ("ddiloco_cli.tasks.gpt:tiny", benchlib._tiny, 16)}
+TASKS = {"mid": (MID_TASK, mid, 8), "tiny": ("ddiloco_cli.tasks.gpt:tiny", benchlib._tiny, 16),
+         "big": (f"{benchlib.BENCHLIB_PATH}:big", benchlib.big, 32)}  # big: scripts/bench_gpu.py's
 INNER_LR = 1e-3
 WARMUP = 20
 SEED = 0

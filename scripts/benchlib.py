@@ -98,6 +98,10 @@ class PacedTask:
 # fragments of ~130k parameters at P = 24, so a payload's header is a small part of it
 mid = GPTTask(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), default_batch_size=8)
 
+# ~85M parameters (12 layers, 768 wide, block 256): a GPU's task (scripts/bench_gpu.py), steps of
+# ~100 ms on one data-centre GPU at batch 32 in fp32; fragments of ~3.5M parameters at P = 24
+big = GPTTask(GPTConfig(block_size=256, n_layer=12, n_head=12, n_embd=768), default_batch_size=32)
+
 paced_tiny = PacedTask(_tiny)
 paced_mid = PacedTask(mid)
 # name -> (task path for `ddiloco init --task`, the unpaced task)

@@ -108,11 +108,13 @@ class Island:
             value[key] = t.cpu()
         return version, value
 
-    def gather(self, plan: FragmentPlan, p: int, params: Mapping[str, torch.Tensor]) -> Tensors:
-        """{slice key: fp32 CPU copy} of fragment p's full values, on every rank."""
+    def gather(self, plan: FragmentPlan, p: int, params: Mapping[str, torch.Tensor], *,
+               non_blocking: bool = False) -> Tensors:
+        """{slice key: fp32 CPU copy} of fragment p's full values, on every rank.
+        ``non_blocking``: on CUDA, a ``CopyOut`` to be read once ``landed`` (gather_fragment)."""
         # plan order, the same on every rank (a set's order differs between processes)
         names = dict.fromkeys(s.name for s in plan.fragments[p])
-        return gather_fragment(plan, p, {n: self._full(params[n]) for n in names})
+        return gather_fragment(plan, p, {n: self._full(params[n]) for n in names}, non_blocking=non_blocking)
 
     def scatter(self, plan: FragmentPlan, p: int, params: Mapping[str, torch.Tensor], value: Tensors) -> None:
         """Write fragment p's full values into the parameters (each rank its own shard)."""

@@ -32,7 +32,10 @@ class ReceivePath:
         place: no copy of the fragment out and back as ``receive_rule`` needs (with progress kept,
         alpha * theta + (1 - alpha) * (Theta_new + theta - theta_at_send) is that sum)."""
         views = [s.view_of(self.params[s.name]) for s in self.plan.fragments[p]]
-        adds = [increment[s.key].to(v.device) for s, v in zip(self.plan.fragments[p], views)]
+        # on CUDA the increments are pinned (Receiver's ``pin``): copied without a stream sync, the
+        # pinned blocks kept by torch's host allocator until their copies are done
+        adds = [increment[s.key].to(v.device, non_blocking=v.is_cuda and increment[s.key].is_pinned())
+                for s, v in zip(self.plan.fragments[p], views)]
         with torch.no_grad():
             torch._foreach_add_(views, adds, alpha=1.0 - alpha)  # alpha 0: x + 1 * y == x + y exactly
 

@@ -15,6 +15,7 @@ import torch
 
 from ddiloco_cli.learner.stats import LearnerStats
 from ddiloco_cli.protocol import ledger
+from ddiloco_cli.protocol.fragments import landed
 from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store.base import NotFound, Store
 
@@ -49,6 +50,7 @@ def receive_rule(local: Tensors, new_global: Tensors, theta_at_send: Tensors, *,
     per term, not a Python loop over tensors."""
     keys = list(local)
     news = [new_global[k] for k in keys]
+    theta_at_send = landed(theta_at_send)  # a CUDA send's copies are over
     if keep_progress:
         progress = torch._foreach_sub([local[k] for k in keys], [theta_at_send[k] for k in keys])
         targets = torch._foreach_add(news, progress)
@@ -61,6 +63,19 @@ def receive_rule(local: Tensors, new_global: Tensors, theta_at_send: Tensors, *,
     out = torch._foreach_mul([local[k] for k in keys], alpha)
     torch._foreach_add_(out, targets, alpha=1.0 - alpha)
     return dict(zip(keys, out))
+
+
+def difference(a: Tensors, b: Tensors, *, pin: bool = False) -> Tensors:
+    """a - b per key of a (fp32 CPU), one ``_foreach`` op; with ``pin``, written into pinned
+    memory (the same fp32 subtraction, so the same bits) for a non-blocking copy to a CUDA
+    device (``ReceivePath._add_to_params``)."""
+    keys = list(a)
+    if not pin:
+        return dict(zip(keys, torch._foreach_sub([a[k] for k in keys], [b[k] for k in keys])))
+    out = {}
+    for k in keys:
+        out[k] = torch.sub(a[k], b[k], out=torch.empty(a[k].shape, dtype=a[k].dtype, pin_memory=True))
+    return out
 
 
 @dataclass(frozen=True)
@@ -116,12 +131,13 @@ class Receiver(threading.Thread):
 
     def __init__(self, store: Store, readers: dict[int, FragmentReader], *, learner_id: str, min_poll_s: float,
                  stats: LearnerStats, pace_s: Callable[[], float] = lambda: 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, pin: bool = False):
         super().__init__(name="ddiloco-receiver", daemon=True)
         self.clock = clock
         self.store, self.readers, self.min_poll_s, self.stats = store, readers, min_poll_s, stats
         self.learner_id = learner_id
         self.pace_s = pace_s
+        self.pin = pin  # increments in pinned memory: a CUDA learner adds them without a stream sync
         self.lock = threading.Lock()
         self.wanted: dict[int, tuple[int, Tensors]] = {}  # fragment -> (have version, have value)
         self.subtract: dict[int, Tensors] = {}  # fragment -> what to subtract from its new value (see want)
@@ -250,8 +266,7 @@ class Receiver(threading.Thread):
             subtract = self.subtract.get(p)
         increment = None
         if subtract is not None:
-            keys = list(value)
-            increment = dict(zip(keys, torch._foreach_sub([value[k] for k in keys], [subtract[k] for k in keys])))
+            increment = difference(value, landed(subtract), pin=self.pin)
         with self.lock:
             if p in self.wanted:
                 self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment, subtract)

@@ -20,6 +20,7 @@ from ddiloco_cli.learner.schedule import aligned_offset
 from ddiloco_cli.learner.session import running_phases
 from ddiloco_cli.numerics import native
 from ddiloco_cli.protocol import layout, ledger, records, signing
+from ddiloco_cli.protocol.fragments import landed
 from ddiloco_cli.protocol.published import FragmentReader, reads_concurrently
 from ddiloco_cli.store.base import Store
 
@@ -53,6 +54,7 @@ def outer_gradient(theta: Tensors, base: Tensors, residual: Tensors | None, *, d
     theta: a contribution's outer gradient with error feedback [L6]. One pass of the compiled
     kernel a tensor (``outer_delta``, the GIL released) where it applies (decay 1, plain fp32 CPU
     tensors), else two ``_foreach`` ops; the same fp32 operations, so the same bits."""
+    theta = landed(theta)  # a send's device-to-host copies (CUDA) are over
     keys = list(theta)
     kernels = native.kernels
     if kernels is not None and (residual is None or decay == 1.0) and all(
@@ -164,8 +166,10 @@ class SendPath:
         """Queue the outer gradient delta = Theta_base - theta of fragment p; returns
         theta. Both are fp32: for a bf16 model the base is the fp32 published value the
         learner received, not its bf16 rounding. In one process (no torchrun) the upload
-        thread computes delta (``PendingDelta``); this thread only copies theta out."""
-        theta = self.island.gather(self.plan, p, self.params)
+        thread computes delta (``PendingDelta``); this thread only copies theta out, and on
+        CUDA does not wait for that copy (``gather_fragment``'s ``non_blocking``: its readers
+        wait, ``landed``), so a send does not stall the host until the device has run the step."""
+        theta = self.island.gather(self.plan, p, self.params, non_blocking=True)
         if not self.island.io:
             return theta
         base_version, base_value = self.base[p]

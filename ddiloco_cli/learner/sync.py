@@ -207,7 +207,8 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
                                       threads=self.opts.threads, clock=self.clock.monotonic)
             self._receiver = Receiver(self.store, self.readers, learner_id=self.learner_id,
                                       min_poll_s=self.opts.min_poll_s, stats=self.stats,
-                                      pace_s=lambda: self.stats.step_time_s, clock=self.clock.monotonic)
+                                      pace_s=lambda: self.stats.step_time_s, clock=self.clock.monotonic,
+                                      pin=self.island.device.type == "cuda")
             self._writer = SessionWriter(self.store, learner_id=self.learner_id, session=self.session,
                                          make_record=self._heartbeat_record, run_id=self.run_id,
                                          lease_s=self.config.lease_s, every_s=self.config.heartbeat_s,

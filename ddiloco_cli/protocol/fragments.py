@@ -283,14 +283,50 @@ def plan_fragments(
     return FragmentPlan(num_fragments=num_fragments, fragments=frags)
 
 
-def gather_fragment(plan: FragmentPlan, p: int, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{slice key: fp32 CPU copy} of fragment p of `params` (detached, contiguous)."""
+class CopyOut(dict):
+    """{slice key: fp32 CPU tensor} of a fragment whose device-to-host copies may still be
+    running: on CUDA a send copies into pinned memory with ``non_blocking`` (the training thread
+    does not wait for the device to reach the send), and whoever reads the values first waits
+    for the copies (``landed``). ``event`` is None once they are done, or for a copy made on
+    the host."""
+
+    event: Any = None
+
+    def landed(self) -> "CopyOut":
+        ev = self.event
+        if ev is not None:
+            ev.synchronize()  # any thread; a finished event returns at once
+            self.event = None
+        return self
+
+
+def landed(values: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``values``, their device-to-host copies finished (a ``CopyOut``: waits for them; any
+    other mapping is returned as it is)."""
+    return values.landed() if isinstance(values, CopyOut) else values
+
+
+def gather_fragment(plan: FragmentPlan, p: int, params: Mapping[str, torch.Tensor], *,
+                    non_blocking: bool = False) -> CopyOut:
+    """{slice key: fp32 CPU copy} of fragment p of `params` (detached, contiguous).
+    ``non_blocking``: a fragment on a CUDA device is copied into pinned memory without waiting
+    for the copies; the ``CopyOut``'s values are valid once ``landed`` (the stream's order makes
+    them the values at this point of the step, whatever the device runs after)."""
     import torch
 
-    out = {}
+    out = CopyOut()
+    pending = False
     for s in plan.fragments[p]:
         view = s.view_of(params[s.name]).detach()
-        out[s.key] = view.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+        if non_blocking and view.device.type == "cuda":
+            dst = out[s.key] = torch.empty(view.shape, dtype=torch.float32, pin_memory=True)
+            dst.copy_(view, non_blocking=True)  # a bf16 view is cast on the device, then copied
+            pending = True
+        else:
+            out[s.key] = view.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+    if pending:
+        out.event = torch.cuda.Event()
+        out.event.record()  # on the current stream, after the copies
     return out
 
 
