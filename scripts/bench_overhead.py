@@ -207,8 +207,10 @@ def pin_workers(cpu: int) -> None:
 
 def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None,
                    timers: bool = False, skip: int = 0, task: str = "mid", threads: int = 1,
-                   workers_cpu: int | None = None, workers_nice: int = 0) -> None:
+                   workers_cpu: int | None = None, workers_nice: int = 0, switch_ms: float = 0.0) -> None:
     torch.set_num_threads(threads)
+    if switch_ms:
+        sys.setswitchinterval(switch_ms / 1e3)
     if workers_cpu is not None:
         pin_workers(workers_cpu)
     if workers_nice:
@@ -307,7 +309,7 @@ def _prefix(cpu: int | str | None, nice: int = 0) -> list[str]:
 def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | str | None,
             profile_dir: str | None = None, timers: bool = False, task: str = "mid", threads: int = 1,
             wrap: str | None = None, tune_plain: bool = False, workers_cpu: int | None = None,
-            workers_nice: int = 0) -> dict:
+            workers_nice: int = 0, switch_ms: float = 0.0) -> dict:
     out = os.path.join(workdir, f"{arm}-{rep}.json")
     # --wrap: a profiler's command line before the worker's (``{arm}``, ``{rep}``: this process's)
     pre = shlex.split(wrap.format(arm=arm, rep=rep)) if wrap else []  # outside taskset: the profiler unpinned
@@ -325,6 +327,8 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
             cmd += ["--workers-cpu"]  # the worker threads on CPU 1
         if workers_nice:
             cmd += ["--workers-nice", str(workers_nice)]
+        if switch_ms:
+            cmd += ["--switch-interval", str(switch_ms)]
     load0 = os.getloadavg()[0]
     subprocess.run(cmd, check=True, env=_env(threads), cwd=str(REPO))
     with open(out) as f:
@@ -384,7 +388,7 @@ def step_time_comparison(args, workdir: str) -> dict:
                                        profile_dir=args.profile, timers=args.timers, task=args.task,
                                        threads=args.threads, wrap=args.wrap, tune_plain=args.tune_plain,
                                        workers_cpu=workers_cpu if arm == "ddiloco" else None,
-                                       workers_nice=args.workers_nice))
+                                       workers_nice=args.workers_nice, switch_ms=args.switch_interval))
         syncer_hwm = vm_hwm_kb(syncer.pid)
     finally:
         syncer.terminate()
@@ -582,6 +586,9 @@ def main() -> None:
                          "on CPU 0, the worst case")
     ap.add_argument("--workers-nice", type=int, default=0, metavar="N",
                     help="the ddiloco arm's worker threads at nice N (the training thread at 0): an experiment")
+    ap.add_argument("--switch-interval", type=float, default=0.0, metavar="MS",
+                    help="the ddiloco arm's sys.setswitchinterval in ms (Python's default 5): how long a thread that "
+                         "wants the GIL waits before it asks the holder to drop it; an experiment")
     ap.add_argument("--tune-plain", action="store_true",
                     help="the plain loop sets the allocator thresholds `ddiloco learn` sets (ddiloco_cli.learner."
                          "allocator): the comparison without the allocator's part (DDILOCO_MALLOC_TUNING=0 in the "
@@ -610,7 +617,8 @@ def main() -> None:
     if args.worker == "ddiloco":
         return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile,
                               timers=args.timers, skip=args.skip, task=args.task, threads=args.threads,
-                              workers_cpu=1 if args.workers_cpu else None, workers_nice=args.workers_nice)
+                              workers_cpu=1 if args.workers_cpu else None, workers_nice=args.workers_nice,
+                              switch_ms=args.switch_interval)
     if args.pin and (os.cpu_count() or 1) < 2:
         args.pin = False
     if args.workers_cpu and (not args.pin or args.threads != 1):

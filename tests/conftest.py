@@ -72,6 +72,8 @@ EXPECTED_S = {
     "test_kill_9_mid_init_then_resume_or_clean": 65,
     "test_bench_overhead_smoke": 60,
     "test_bench_overhead_interference_smoke": 40,
+    "test_bench_gpu_runs_its_three_arms_on_the_cpu": 40,
+    "test_bench_inproc_smoke": 20,
     "test_thawed_syncer_writes_nothing_and_exits_F5": 57,
     "test_exactly_one_winner_per_round_and_no_torn_reads[s3]": 54,
     "test_island_of_two_ranks_trains_and_contributes": 49,

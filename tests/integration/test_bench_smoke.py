@@ -85,6 +85,35 @@ def test_bench_overhead_smoke(tmp_path):
     assert dd["main_involuntary_switches"] >= 0 and dd["main_voluntary_switches"] >= 0
 
 
+def test_bench_inproc_smoke(tmp_path):
+    out = tmp_path / "inproc.json"
+    text = _run("bench_inproc.py", "--procs", "1", "--pairs", "2", "--steps", "6", "--skip", "1", "--task", "tiny",
+                "--json", str(out), timeout_s=180)
+    assert "median of 2 pairs" in text
+    rep = json.loads(out.read_text())
+    phases = rep["processes"][0]
+    # A B B A: one learner session, its step() called in the ddiloco phases only
+    assert [(r["arm"], r["pair"]) for r in phases] == [("plain", 0), ("ddiloco", 0), ("ddiloco", 1), ("plain", 1)]
+    for key in ("median_ms", "p10_ms", "cpu_ms"):
+        assert len(rep[key]["per_pair"]) == 2 and all(math.isfinite(x) for x in rep[key]["per_pair"])
+        assert rep[key]["median"] == pytest.approx(sum(rep[key]["per_pair"]) / 2)
+    assert all(r["median_ms"] > 0 and r["cpu_ms"] > 0 for r in phases)
+
+
+def test_bench_gpu_runs_its_three_arms_on_the_cpu(tmp_path):
+    """scripts/bench_gpu.py is for a CUDA device; --device cpu checks the script itself."""
+    out = tmp_path / "gpu.json"
+    _run("bench_gpu.py", "--device", "cpu", "--task", "tiny", "--steps", "8", "--skip", "2", "--reps", "1",
+         "--json", str(out), timeout_s=240)
+    rep = json.loads(out.read_text())
+    assert sorted(r["arm"] for r in rep["records"]) == ["blocking", "ddiloco", "plain"]
+    assert all(r["ms_per_step"] > 0 for r in rep["records"])
+    for arm in ("ddiloco", "blocking"):
+        assert len(rep[arm]["overhead_per_rep"]) == 1
+    # P = H = 24: a fragment a step, then on close every fragment with steps not sent yet
+    assert [r["num_contributions"] for r in rep["records"] if r["arm"] != "plain"] == [8 + 23, 8 + 23]
+
+
 def test_bench_learner_memory_smoke(tmp_path):
     out = tmp_path / "mem.json"
     text = _run("bench_learner_memory.py", "--steps", "3", "--reps", "1", "--variants",

@@ -1,0 +1,163 @@
+"""The learner's cost measured inside one process: short phases of the training loop with
+``DiLoCoSync.step`` called after every step and phases without it, alternating (A B B A A B
+...), on one model, one data stream and one learner session, so that what makes a whole process
+or a stretch of minutes faster or slower on a shared host (its memory's placement, its core's
+neighbours, their bursts) is the same for both arms.
+
+bench_overhead.py compares processes, as a user compares two runs; on this project's 2-core
+hosts whole processes of either arm ran 10-14% slower than others for their whole life, and
+within one process the step time drifted by 20% over tens of seconds, which no number of
+process rounds resolves to 1%. Here the learner's session stays open (its worker threads idle
+in a phase without ``step``: a plain phase costs what the plain loop costs, once the first
+--skip steps, which finish the work the last ``step`` queued, are left out), the phases are
+short (--steps, default H = 24: every fragment sent once a phase), and each pair of adjacent
+phases gives one ratio (median step time with ``step`` over median step time without); the
+headline is the median over every pair of every process, with its quartiles. What it leaves
+out: the start (the session's threads, the global model's read) and memory (bench_overhead.py
+measures both). Same run as bench_overhead.py: P = H = 24, tau 2, K 1, int4, a real ``ddiloco
+sync`` on CPU 1 at nice +10, the learner process on CPU 0 (its worker threads too: the worst
+case) with 1 torch thread, the allocator settings the learner sets (``allocator.tune()``) in
+both arms. All-thread CPU per step (the process's CPU clock) is compared the same way.
+
+    .venv/bin/python scripts/bench_inproc.py                       # 3 processes x 40 pairs
+    .venv/bin/python scripts/bench_inproc.py --procs 1 --pairs 4   # smoke
+    .venv/bin/python scripts/bench_inproc.py --task tiny --steps 48 --skip 8 --json /tmp/inproc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+from bench_overhead import INNER_LR, REPO, SEED, TASKS, WARMUP, _env, _prefix, init_bench_run  # noqa: E402
+
+THIS = os.path.abspath(__file__)
+
+
+def worker(args) -> dict:
+    from ddiloco_cli import DiLoCoSync, SyncOptions
+    from ddiloco_cli.learner import allocator
+    from ddiloco_cli.store import open_store
+
+    allocator.tune()
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    _, task, batch_size = TASKS[args.task]
+    model = task.build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=INNER_LR, betas=(0.9, 0.95), weight_decay=0.1)
+    batches = task.batches(shard=0, num_shards=1, seed=12345, batch_size=batch_size)
+    store = open_store(args.url)
+    done = [0]
+
+    def train_step() -> int:
+        done[0] += 1
+        for group in optimizer.param_groups:
+            group["lr"] = INNER_LR * done[0] / WARMUP if done[0] <= WARMUP else INNER_LR
+        batch = next(batches)
+        loss = task.loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        float(loss.detach())
+        return int(task.num_tokens(batch))
+
+    def phase(sync) -> dict:
+        stamps = [(time.perf_counter(), time.process_time())]
+        for _ in range(args.steps):
+            n_tok = train_step()
+            if sync is not None:
+                sync.step(num_tokens=n_tok)
+            stamps.append((time.perf_counter(), time.process_time()))
+        steady = stamps[args.skip:]
+        dts = [b[0] - a[0] for a, b in zip(steady, steady[1:])]
+        return {"median_ms": 1e3 * statistics.median(dts), "p10_ms": 1e3 * sorted(dts)[len(dts) // 10],
+                "cpu_ms": 1e3 * (steady[-1][1] - steady[0][1]) / (len(steady) - 1)}
+
+    phases = []
+    with DiLoCoSync(store, model, learner_id=args.learner_id,
+                    options=SyncOptions(handle_sigterm=False, align_schedule=False, stall_alert=False)) as sync:
+        for pair in range(args.pairs):
+            for arm in (("plain", "ddiloco") if pair % 2 == 0 else ("ddiloco", "plain")):
+                rec = phase(sync if arm == "ddiloco" else None)
+                phases.append({"arm": arm, "pair": pair, **rec})
+        versions = sum(1 for v in sync.stats.versions.values() if v > 0)
+    return {"phases": phases, "versions": versions, "contributions": sync.stats.num_contributions}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=sorted(TASKS), default="mid")
+    ap.add_argument("--procs", type=int, default=3, help="learner processes, one after the other")
+    ap.add_argument("--pairs", type=int, default=40, help="plain/ddiloco phase pairs per process")
+    ap.add_argument("--steps", type=int, default=24, help="steps per phase")
+    ap.add_argument("--skip", type=int, default=4, help="steps left out at the start of every phase")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--learner-id", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        with open(args.out, "w") as f:
+            json.dump(worker(args), f)
+        return
+    pin = (os.cpu_count() or 1) >= 2
+    workdir = tempfile.mkdtemp(prefix="bench-inproc-")
+    url = os.path.join(workdir, "run")
+    init_bench_run(url, args.task)
+    launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
+    syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(1 if pin else None, nice=10)))
+    load0 = os.getloadavg()[0]
+    print(f"task {args.task}: {args.procs} process(es) x {args.pairs} pairs x {args.steps} steps a phase "
+          f"({args.skip} left out); load {load0:.2f}", flush=True)
+    procs = []
+    try:
+        for i in range(args.procs):
+            out = os.path.join(workdir, f"proc{i}.json")
+            subprocess.run([*_prefix("0" if pin else None), sys.executable, THIS, "--worker", "--out", out, "--url", url,
+                            "--learner-id", f"inproc-{i}", "--task", args.task, "--steps", str(args.steps),
+                            "--skip", str(args.skip), "--pairs", str(args.pairs)],
+                           check=True, env=_env(), cwd=str(REPO))
+            with open(out) as f:
+                rec = json.load(f)
+            procs.append(rec["phases"])
+            print(f"  process {i}: {rec['contributions']} contributions sent, {rec['versions']}/24 fragments received")
+            by = {(r["pair"], r["arm"]): r for r in procs[-1]}
+            ratios = [by[p, "ddiloco"]["median_ms"] / by[p, "plain"]["median_ms"] - 1 for p in range(args.pairs)]
+            print(f"  process {i}: plain {statistics.median(r['median_ms'] for r in procs[-1] if r['arm'] == 'plain'):.1f}"
+                  f" ms/step; ddiloco/plain, median of its pairs {100 * statistics.median(ratios):+.1f}%", flush=True)
+    finally:
+        syncer.terminate()
+        syncer.wait(timeout=60)
+        launcher.close()
+    result: dict = {"task": args.task, "load_before": load0, "load_after": os.getloadavg()[0], "processes": procs}
+    for key, what in (("median_ms", "wall time per step"), ("p10_ms", "fastest tenth of the steps"),
+                      ("cpu_ms", "all-thread CPU per step")):
+        pairs = []
+        for phases in procs:
+            by = {(r["pair"], r["arm"]): r for r in phases}
+            pairs += [by[p, "ddiloco"][key] / by[p, "plain"][key] - 1 for p in range(args.pairs)]
+        q = statistics.quantiles(pairs, n=4) if len(pairs) >= 2 else [pairs[0]] * 3
+        result[key] = {"per_pair": pairs, "median": statistics.median(pairs), "quartiles": [q[0], q[2]]}
+        print(f"{what}, ddiloco / plain, median of {len(pairs)} pairs: {100 * result[key]['median']:+.2f}% "
+              f"(quartiles {100 * q[0]:+.2f}% .. {100 * q[2]:+.2f}%)")
+    print(f"load {load0:.2f} -> {result['load_after']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
