@@ -22,6 +22,7 @@ both arms. All-thread CPU per step (the process's CPU clock) is compared the sam
     .venv/bin/python scripts/bench_inproc.py                       # 3 processes x 40 pairs
     .venv/bin/python scripts/bench_inproc.py --procs 1 --pairs 4   # smoke
     .venv/bin/python scripts/bench_inproc.py --task tiny --steps 48 --skip 8 --json /tmp/inproc.json
+    .venv/bin/python scripts/bench_inproc.py --threads 2 --procs 1 --pairs 16    # the learner on both CPUs
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def worker(args) -> dict:
     from ddiloco_cli.store import open_store
 
     allocator.tune()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     _, task, batch_size = TASKS[args.task]
     model = task.build_model()
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=40, help="plain/ddiloco phase pairs per process")
     ap.add_argument("--steps", type=int, default=24, help="steps per phase")
     ap.add_argument("--skip", type=int, default=4, help="steps left out at the start of every phase")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (2: the learner on both CPUs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -120,16 +122,17 @@ def main() -> None:
     launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
     syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(1 if pin else None, nice=10)))
     load0 = os.getloadavg()[0]
-    print(f"task {args.task}: {args.procs} process(es) x {args.pairs} pairs x {args.steps} steps a phase "
+    print(f"task {args.task}, {args.threads} torch thread(s): {args.procs} process(es) x {args.pairs} pairs x {args.steps} steps a phase "
           f"({args.skip} left out); load {load0:.2f}", flush=True)
     procs = []
     try:
         for i in range(args.procs):
             out = os.path.join(workdir, f"proc{i}.json")
-            subprocess.run([*_prefix("0" if pin else None), sys.executable, THIS, "--worker", "--out", out, "--url", url,
+            cpus = ("0" if args.threads == 1 else "0,1") if pin else None
+            subprocess.run([*_prefix(cpus), sys.executable, THIS, "--worker", "--out", out, "--url", url,
                             "--learner-id", f"inproc-{i}", "--task", args.task, "--steps", str(args.steps),
-                            "--skip", str(args.skip), "--pairs", str(args.pairs)],
-                           check=True, env=_env(), cwd=str(REPO))
+                            "--skip", str(args.skip), "--pairs", str(args.pairs), "--threads", str(args.threads)],
+                           check=True, env=_env(args.threads), cwd=str(REPO))
             with open(out) as f:
                 rec = json.load(f)
             procs.append(rec["phases"])
@@ -142,7 +145,7 @@ def main() -> None:
         syncer.terminate()
         syncer.wait(timeout=60)
         launcher.close()
-    result: dict = {"task": args.task, "load_before": load0, "load_after": os.getloadavg()[0], "processes": procs}
+    result: dict = {"task": args.task, "threads": args.threads, "load_before": load0, "load_after": os.getloadavg()[0], "processes": procs}
     for key, what in (("median_ms", "wall time per step"), ("p10_ms", "fastest tenth of the steps"),
                       ("cpu_ms", "all-thread CPU per step")):
         pairs = []

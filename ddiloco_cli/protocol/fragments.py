@@ -315,18 +315,24 @@ def gather_fragment(plan: FragmentPlan, p: int, params: Mapping[str, torch.Tenso
     import torch
 
     out = CopyOut()
-    pending = False
+    devices = set()
     for s in plan.fragments[p]:
         view = s.view_of(params[s.name]).detach()
         if non_blocking and view.device.type == "cuda":
             dst = out[s.key] = torch.empty(view.shape, dtype=torch.float32, pin_memory=True)
             dst.copy_(view, non_blocking=True)  # a bf16 view is cast on the device, then copied
-            pending = True
+            devices.add(view.device)
         else:
             out[s.key] = view.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
-    if pending:
-        out.event = torch.cuda.Event()
-        out.event.record()  # on the current stream, after the copies
+    if devices:
+        if len(devices) > 1:  # one event marks one stream: a fragment on several devices is waited for here
+            for d in devices:
+                torch.cuda.synchronize(d)
+        else:
+            out.event = torch.cuda.Event()
+            # after the copies, on the stream they were queued on (the parameters' device's, which
+            # need not be the current device: --device cuda:1 in one process)
+            out.event.record(torch.cuda.current_stream(devices.pop()))
     return out
 
 

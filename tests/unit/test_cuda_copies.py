@@ -39,6 +39,17 @@ def test_a_send_copy_is_pinned_not_waited_for_and_holds_the_values_at_the_send(d
         assert got[k].is_pinned() and got[k].dtype == torch.float32 and torch.equal(got[k], want[k])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_copy_from_a_device_other_than_the_current_one_waits_on_that_devices_stream():
+    assert torch.cuda.current_device() == 0
+    params = {"a": torch.randn(1 << 22, device="cuda:1")}
+    plan = plan_fragments({"a": ((1 << 22,), "float32")}, 1)
+    want = params["a"].cpu()
+    got = gather_fragment(plan, 0, params, non_blocking=True)
+    params["a"].mul_(3)
+    assert torch.equal(landed(got)["a"], want)
+
+
 def test_a_pinned_increment_has_the_bits_of_a_pageable_one_and_adds_the_same():
     a, b = {"x": torch.randn(4096)}, {"x": torch.randn(4096)}
     pinned, pageable = difference(a, b, pin=True), difference(a, b)
