@@ -6,8 +6,9 @@ for a quick check).
 Three arms, each a fresh process, interleaved (the order rotates every round) for --reps rounds,
 with one ``ddiloco sync`` process serving the run (CPU, a local-directory bucket, P = H = 24,
 tau 2, K 1, int4) so versions come back and the receive path runs:
-  * plain:    AdamW loop on the device (lr, forward, backward, clip, step); the loss is not
-              read back (the learner reads it every --log-every steps only);
+  * plain:    AdamW loop on the device (lr, forward, backward, clip, step); the batch copied
+              with non_blocking as the learner copies it, the loss not read back (the learner
+              reads it every --log-every steps only): nothing in the loop syncs the stream;
   * ddiloco:  ``Learner.train`` with --device cuda: a send copies its fragment into pinned
               memory without waiting for the device, a receive adds a pinned increment;
   * blocking: the same learner with the copies made as before (a blocking device-to-host copy
@@ -64,7 +65,7 @@ def plain_worker(args) -> dict:
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = INNER_LR * step / WARMUP if step <= WARMUP else INNER_LR
-        x, y = (t.to(device) for t in next(batches))
+        x, y = (t.to(device, non_blocking=True) for t in next(batches))  # as the learner's to_device
         loss = task.loss(model, (x, y))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
