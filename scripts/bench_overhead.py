@@ -7,7 +7,7 @@ median of each over the rounds (>= 5 for a figure to quote); peak memory likewis
 machinery accounting (the CPU that ddiloco's own functions spend, by thread) is the breakdown.
 
 1. Step time. Two arms, each a fresh process with --threads torch threads (1 or 2), interleaved
-   A/B/B/A/A/B/... for --reps rounds on the same task (--task ``mid``, from benchlib: a
+   A/B/B/A/A/B/... for --reps rounds on the same task (--task ``mid``, from benchtasks: a
    ~3.2M-parameter char-level GPT, block 64, batch 8; or ``tiny``, the 0.2M one, batch 16,
    steps of a few ms, where fixed costs weigh most), same seed:
    * plain:   nanoGPT-like loop (lr, forward, backward, clip, AdamW step, loss.item());
@@ -76,13 +76,14 @@ from overheadlib import (  # noqa: E402
     time_functions,
 )
 
-import benchlib  # noqa: E402
-from benchlib import mid  # noqa: E402
+# the plain arm imports no more of ddiloco than its task (benchtasks.py): benchlib, which brings in
+# the learner, the store and their dependencies, is imported where the orchestrator needs it
+from benchtasks import BENCHTASKS_PATH, big, mid, tiny  # noqa: E402
 
-MID_TASK = f"{benchlib.BENCHLIB_PATH}:mid"
+MID_TASK = f"{BENCHTASKS_PATH}:mid"
 # --task NAME -> (the run's task spec, the task, batch size)
-TASKS = {"mid": (MID_TASK, mid, 8), "tiny": ("ddiloco_cli.tasks.gpt:tiny", benchlib._tiny, 16),
-         "big": (f"{benchlib.BENCHLIB_PATH}:big", benchlib.big, 32)}  # big: scripts/bench_gpu.py's
+TASKS = {"mid": (MID_TASK, mid, 8), "tiny": ("ddiloco_cli.tasks.gpt:tiny", tiny, 16),
+         "big": (f"{BENCHTASKS_PATH}:big", big, 32)}  # big: scripts/bench_gpu.py's
 INNER_LR = 1e-3
 WARMUP = 20
 SEED = 0
@@ -376,6 +377,8 @@ def step_time_comparison(args, workdir: str) -> dict:
     # the learners on CPU 0 (both CPUs with 2 torch threads), the syncer on CPU 1 at nice +10
     cpu_l, cpu_s = (("0" if args.threads == 1 else "0,1"), 1) if args.pin else (None, None)
     workers_cpu = 1 if args.pin and args.workers_cpu else None  # --workers-cpu: the worker threads on CPU 1
+    import benchlib  # noqa: PLC0415 - the orchestrator's (see the imports)
+
     launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
     syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(cpu_s, nice=10)))
     records = []
@@ -469,6 +472,8 @@ def syncer_memory(args, workdir: str) -> dict:
     from ddiloco_cli.protocol import layout, ledger, records
     from ddiloco_cli.protocol.published import expected_shapes
     from ddiloco_cli.store import open_store
+
+    import benchlib  # noqa: PLC0415 - the orchestrator's (see the imports)
 
     size = {benchlib.STACK_WIDTH_ENV: str(args.syncer_width), benchlib.STACK_LAYERS_ENV: "24"}  # a layer a fragment
     env = {**_env(), **size}

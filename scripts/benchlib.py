@@ -94,13 +94,9 @@ class PacedTask:
         return self.inner.loss(model, batch)
 
 
-# ~3.2M parameters (4 layers, 256 wide): ~100-200 ms per step on one core at batch 8 x 64 tokens,
-# fragments of ~130k parameters at P = 24, so a payload's header is a small part of it
-mid = GPTTask(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256), default_batch_size=8)
-
-# ~85M parameters (12 layers, 768 wide, block 256): a GPU's task (scripts/bench_gpu.py), steps of
-# ~100 ms on one data-centre GPU at batch 32 in fp32; fragments of ~3.5M parameters at P = 24
-big = GPTTask(GPTConfig(block_size=256, n_layer=12, n_head=12, n_embd=768), default_batch_size=32)
+if os.path.dirname(BENCHLIB_PATH) not in sys.path:  # loaded by path, as a run's task module
+    sys.path.insert(0, os.path.dirname(BENCHLIB_PATH))
+from benchtasks import big, mid  # noqa: E402,F401 - the benchmarks' GPTs (benchlib.mid, benchlib.big)
 
 paced_tiny = PacedTask(_tiny)
 paced_mid = PacedTask(mid)
