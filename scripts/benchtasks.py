@@ -2,8 +2,7 @@
 the plain arm of a learner-cost benchmark (bench_overhead.py, bench_learner_memory.py) imports
 this and no more of ddiloco, as a user's own training script imports its model and no more, so
 its memory is the plain loop's (benchlib, which the plain arm imported before, brings in the
-learner, the store and their dependencies: ~15 MB of the plain arm's peak, ~56 MB while the
-learner imported torch.distributed.tensor)."""
+learner, the store and their dependencies: 14 MB of the plain arm's peak)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ model)."""
 from __future__ import annotations
 
 import os
-import sys
 from typing import Mapping
 
 import torch
@@ -64,13 +63,19 @@ def move_model(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - absent in minimal builds
+    except ImportError:
+        return None
+    return DTensor
+
+
+_DTensor = _dtensor_type()
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
-    """Whether t is a DTensor (FSDP2's parameters). Without importing torch.distributed.tensor:
-    that import (sympy, torch.fx's symbolic shapes) costs a learner ~50 MB of memory and 0.6 s
-    of start-up, and a DTensor exists only once its module has been imported."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(mod, "DTensor", None) if mod is not None else None
-    return cls is not None and isinstance(t, cls)
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 class Island:
