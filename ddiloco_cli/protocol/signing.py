@@ -27,6 +27,7 @@ payload's bounded header.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -36,11 +37,11 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import InvalidPayloadError, ProtocolError, UsageError
@@ -66,6 +67,19 @@ class SignatureError(ProtocolError):
 
 
 # ---------------------------------------------------------------------- keys
+@functools.cache
+def _ed25519() -> SimpleNamespace:
+    """cryptography's ed25519 keys, serialization and InvalidSignature, imported on first use: a
+    run without signatures never loads them (4.5 MB of every learner's and syncer's memory)."""
+    from cryptography.exceptions import InvalidSignature  # noqa: PLC0415 - see above
+    from cryptography.hazmat.primitives import serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: PLC0415
+        Ed25519PrivateKey, Ed25519PublicKey)
+
+    return SimpleNamespace(InvalidSignature=InvalidSignature, serialization=serialization,
+                           Ed25519PrivateKey=Ed25519PrivateKey, Ed25519PublicKey=Ed25519PublicKey)
+
+
 @dataclass(frozen=True)
 class Signer:
     """A private key and its public key (64 lowercase hex digits)."""
@@ -76,6 +90,7 @@ class Signer:
 
     @classmethod
     def from_private(cls, private: Ed25519PrivateKey, *, path: Path | None = None) -> "Signer":
+        serialization = _ed25519().serialization
         raw = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return cls(private, raw.hex(), path)
 
@@ -92,7 +107,9 @@ def new_key(path: str | os.PathLike) -> Signer:
     """Create an ed25519 keypair: the private key as PEM (PKCS#8) at ``path``, mode
     0600, never overwriting; the public key as hex at ``path.pub``."""
     path = Path(path).expanduser()
-    signer = Signer.from_private(Ed25519PrivateKey.generate(), path=path)
+    crypto = _ed25519()
+    serialization = crypto.serialization
+    signer = Signer.from_private(crypto.Ed25519PrivateKey.generate(), path=path)
     pem = signer.private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption())
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -125,11 +142,12 @@ def load_key(path: str | os.PathLike, *, what: str = "key") -> Signer:
         private_path = str(path).removesuffix(".pub")
         raise UsageError(f"{what} {path}: this is a public key; pass the private key file"
                          f"{f' ({private_path})' if private_path != str(path) else ''}")
+    crypto = _ed25519()
     try:
-        private = serialization.load_pem_private_key(data, password=None)
+        private = crypto.serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{what} {path}: not an unencrypted PEM private key ({exc})") from None
-    if not isinstance(private, Ed25519PrivateKey):
+    if not isinstance(private, crypto.Ed25519PrivateKey):
         raise UsageError(f"{what} {path}: not an ed25519 key (create one with `ddiloco keys new`)")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise UsageError(f"{what} {path}: other users can read this private key (mode {stat.S_IMODE(mode):o}); "
@@ -183,10 +201,11 @@ def _check(sig: Any, msg_for_key, *, allowed: Collection[str], where: str) -> st
         raise SignatureError(f"{where}: signed by key {sig['key'][:16]}..., but " + (
             "that is not the key admitted for its writer" if allowed else
             "its writer is not admitted to this run (`ddiloco admit URL ID PUBKEY`)"))
+    crypto = _ed25519()
     try:
-        Ed25519PublicKey.from_public_bytes(bytes.fromhex(sig["key"])).verify(bytes.fromhex(sig["sig"]),
-                                                                             msg_for_key(sig["key"]))
-    except InvalidSignature:
+        crypto.Ed25519PublicKey.from_public_bytes(bytes.fromhex(sig["key"])).verify(bytes.fromhex(sig["sig"]),
+                                                                                    msg_for_key(sig["key"]))
+    except crypto.InvalidSignature:
         raise SignatureError(f"{where}: forged or altered: the signature does not match its content") from None
     return sig["key"]
 

@@ -441,3 +441,17 @@ def test_status_lists_only_verified_learners_A3(keys, tmp_path):
     status = run_status(store)
     assert [r["learner_id"] for r in status["learners"]] == ["a"]
     assert any("learner fake: heartbeat not signed" in e for e in status["errors"])
+
+
+def test_a_learner_and_a_syncer_load_cryptography_only_when_a_key_is_used():
+    """cryptography is imported on first use (4.5 MB of every process's memory otherwise)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; import ddiloco_cli.learner.learn, ddiloco_cli.syncer.core; "
+            "print('cryptography' in sys.modules); from ddiloco_cli.protocol import signing; "
+            "signing.parse_public_key('ab' * 32); print('cryptography' in sys.modules); "
+            "signing._ed25519(); print('cryptography' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", "False", "True"]
