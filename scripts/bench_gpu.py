@@ -1,6 +1,6 @@
 """The learner's cost on a CUDA device: ddiloco's learner loop against the same plain loop,
 wall time per step as a user measures it (steps per second), on a model large enough for
-~100 ms steps (benchlib's ``big``: an 85M-parameter GPT, batch 32 x 256 tokens; ``--task mid``
+~100 ms steps (benchtasks' ``big``: an 85M-parameter GPT, batch 32 x 256 tokens; ``--task mid``
 for a quick check).
 
 Three arms, each a fresh process, interleaved (the order rotates every round) for --reps rounds,
