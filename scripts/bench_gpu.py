@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 from bench_overhead import INNER_LR, REPO, SEED, TASKS, WARMUP, init_bench_run  # noqa: E402
+from overheadlib import record_cost_reports, steady_reports  # noqa: E402
 
 from ddiloco_cli.protocol import layout  # noqa: E402
 
@@ -78,23 +79,13 @@ def plain_worker(args) -> dict:
 def ddiloco_worker(args) -> dict:
     from ddiloco_cli.learner import Learner, LearnerOptions
     from ddiloco_cli.learner import island, receiver
-    from ddiloco_cli.learner.stats import CostMeter
     from ddiloco_cli.store import open_store
 
     if args.worker == "blocking":  # the copies as they were: blocking, pageable
         gather, difference = island.gather_fragment, receiver.difference
         island.gather_fragment = lambda plan, p, params, non_blocking=False: gather(plan, p, params)
         receiver.difference = lambda a, b, pin=False: difference(a, b)
-    reports: list[dict] = []
-    fields = CostMeter.fields
-
-    def report(self, step, workers):
-        out = fields(self, step, workers)
-        if out and args.skip < step <= args.steps:
-            reports.append(out)
-        return out
-
-    CostMeter.fields = report
+    reports = record_cost_reports()
     marks: dict = {}
     learner = Learner(open_store(args.url), options=LearnerOptions(
         learner_id=args.learner_id, steps=args.steps, log_every=10**9, task=TASKS[args.task][0], device=args.device),
@@ -102,7 +93,8 @@ def ddiloco_worker(args) -> dict:
     reason = learner.train()
     s = learner.stats
     return {"marks": marks, "reason": reason, "versions_received": sum(1 for v in s.versions.values() if v > 0),
-            "blocked_s": s.blocked_s, "num_contributions": s.num_contributions, "cost_reports": reports}
+            "blocked_s": s.blocked_s, "num_contributions": s.num_contributions,
+            "cost_reports": steady_reports(reports, skip=args.skip, steps=args.steps)}
 
 
 def run_arm(arm: str, rep: int, args, url: str, workdir: str) -> dict:
@@ -177,9 +169,7 @@ def main() -> None:
               f"{result[arm]['versions_received']}")
     result["plain_ms_per_step"] = statistics.median(r["ms_per_step"] for r in by["plain"].values())
     print(f"plain   : {result['plain_ms_per_step']:.2f} ms/step")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    benchlib.write_result(result, json_path=args.json, workdir=workdir, keep_workdir=False)
 
 
 if __name__ == "__main__":

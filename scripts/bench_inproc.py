@@ -157,9 +157,7 @@ def main() -> None:
         print(f"{what}, ddiloco / plain, median of {len(pairs)} pairs: {100 * result[key]['median']:+.2f}% "
               f"(quartiles {100 * q[0]:+.2f}% .. {100 * q[2]:+.2f}%)")
     print(f"load {load0:.2f} -> {result['load_after']:.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    benchlib.write_result(result, json_path=args.json, workdir=workdir, keep_workdir=False)
 
 
 if __name__ == "__main__":

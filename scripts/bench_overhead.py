@@ -70,6 +70,8 @@ from overheadlib import (  # noqa: E402
     print_breakdown,
     print_headline,
     profile_threads,
+    record_cost_reports,
+    steady_reports,
     thread_cpu_s,
     thread_faults,
     thread_switches,
@@ -239,17 +241,7 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
         start_receiver(self)
 
     Receiver.start = start
-    from ddiloco_cli.learner.stats import CostMeter
-
-    reports: list[tuple[int, dict]] = []  # the learner's own cost reports (its heartbeats' fields), by step
-    report_fields = CostMeter.fields
-
-    def fields(self, step: int, workers) -> dict:
-        out = report_fields(self, step, workers)
-        reports.append((step, out))
-        return out
-
-    CostMeter.fields = fields
+    reports = record_cost_reports()  # the learner's own cost reports (its heartbeats' fields), by step
     stamps, marks = [_stamp()], {}
     threads: dict[str, float] = {}
     at_last_step: dict[str, float] = {}
@@ -284,7 +276,7 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
            max_version=max(s.versions.values(), default=0), thread_cpu_s=threads, timers=calls_at_last_step,
            thread_cpu_s_at_skip=threads_at_skip, at_skip=at_skip, marks=marks,
            # the heartbeats' reports of the steady state (written after step `skip`, up to the last step)
-           cost_reports=[f for step, f in reports if skip < step <= steps and f], **at_last_step)
+           cost_reports=steady_reports(reports, skip=skip, steps=steps), **at_last_step)
 
 
 def _write(out: str, **rec) -> None:

@@ -178,6 +178,28 @@ def time_functions() -> dict[str, list[float]]:
     return spent
 
 
+def record_cost_reports() -> list[tuple[int, dict]]:
+    """From now on, every cost report the learner's heartbeats carry (``CostMeter.fields``: what
+    `status` shows), with the step it was made at, appended to the list returned."""
+    from ddiloco_cli.learner.stats import CostMeter
+
+    reports: list[tuple[int, dict]] = []
+    fields = CostMeter.fields
+
+    def recorded(self, step: int, workers) -> dict:
+        out = fields(self, step, workers)
+        reports.append((step, out))
+        return out
+
+    CostMeter.fields = recorded
+    return reports
+
+
+def steady_reports(reports: list[tuple[int, dict]], *, skip: int, steps: int) -> list[dict]:
+    """The non-empty reports made after step ``skip``, up to step ``steps``: the steady state's."""
+    return [f for step, f in reports if skip < step <= steps and f]
+
+
 def headline(res: dict, args) -> dict:
     """What a user measures: per interleaved A/B round, the ddiloco arm's steady-state wall time
     per step over the plain arm's, and all-thread CPU per step likewise; their medians over the
