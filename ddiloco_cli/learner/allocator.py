@@ -29,10 +29,13 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 * 2**20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 256 * 2**20
+ARENAS = 1  # every thread allocates from the main heap (see tune)
 ENV_OPT_OUT = "DDILOCO_MALLOC_TUNING"
 GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+ARENA_ENV = "MALLOC_ARENA_MAX"
 
 _lock = threading.Lock()
 _done: bool | None = None
@@ -64,7 +67,14 @@ def wanted(environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
 
 def tune(environ: Mapping[str, str] = os.environ, *, libc: ctypes.CDLL | None = None) -> bool:
     """Fix glibc's mmap and trim thresholds for this process (once; later calls return the first
-    call's answer). Returns whether they were set."""
+    call's answer). Returns whether they were set.
+
+    With them it also keeps every thread that allocates from now on in the main heap (one
+    arena, unless ``MALLOC_ARENA_MAX`` is set in the environment): glibc gives each new thread
+    that allocates its own arena, and with the fixed thresholds each arena keeps what its thread
+    freed; the learner's worker threads (upload, receive, the start-up read's) then hold their
+    fragment-sized buffers' pages apart from the training thread's, 9-10 MB of the 3.2M-parameter
+    GPT's peak (docs/learner.md, "The allocator"). Call it before those threads start."""
     global _done
     with _lock:
         if _done is not None:
@@ -80,8 +90,9 @@ def tune(environ: Mapping[str, str] = os.environ, *, libc: ctypes.CDLL | None = 
         else:
             _done = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
                 libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-            log.debug("allocator thresholds %s: mmap %d, trim %d", "set" if _done else "refused by mallopt",
-                      MMAP_THRESHOLD, TRIM_THRESHOLD)
+            arenas = _done and ARENA_ENV not in environ and bool(libc.mallopt(M_ARENA_MAX, ARENAS))
+            log.debug("allocator thresholds %s: mmap %d, trim %d; arenas %s", "set" if _done else "refused by mallopt",
+                      MMAP_THRESHOLD, TRIM_THRESHOLD, ARENAS if arenas else "left as they are")
         return _done
 
 

@@ -75,9 +75,53 @@ def test_tune_sets_both_thresholds_once():
         assert allocator.tune({}, libc=Libc()) is True
         assert allocator.tune({}, libc=Libc()) is True  # the first call's answer; no second mallopt
         assert calls == [(allocator.M_MMAP_THRESHOLD, allocator.MMAP_THRESHOLD),
+                         (allocator.M_TRIM_THRESHOLD, allocator.TRIM_THRESHOLD),
+                         (allocator.M_ARENA_MAX, allocator.ARENAS)]
+        calls.clear()
+        allocator._reset_for_tests()
+        assert allocator.tune({allocator.ARENA_ENV: "4"}, libc=Libc()) is True  # the user's arenas stay
+        assert calls == [(allocator.M_MMAP_THRESHOLD, allocator.MMAP_THRESHOLD),
                          (allocator.M_TRIM_THRESHOLD, allocator.TRIM_THRESHOLD)]
     finally:
         allocator._reset_for_tests()
+
+
+# a fresh process: where a worker thread's 1 MiB block comes from. Tuned, every thread allocates
+# from the main heap (the brk [heap]), so what a worker frees the training thread reuses; with
+# the thresholds alone (the user's MALLOC_ARENA_MAX) the thread gets an arena of its own, whose
+# freed pages no other thread reuses
+THREADED = r"""
+import ctypes, json, threading
+from ddiloco_cli.learner import allocator
+tuned = allocator.tune()
+def heap():
+    with open("/proc/self/maps") as f:
+        return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f
+                if line.rstrip().endswith("[heap]")]
+got = {}
+def work():
+    block = bytearray(1 << 20)
+    address = ctypes.addressof((ctypes.c_char * len(block)).from_buffer(block))
+    got["in_heap"] = any(lo <= address < hi for lo, hi in heap())
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(json.dumps({"tuned": tuned, **got}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="arenas are glibc's")
+def test_tuned_worker_threads_allocate_from_the_main_heap():
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*allocator.GLIBC_ENV, allocator.ARENA_ENV, allocator.ENV_OPT_OUT)}
+
+    def run(extra):
+        out = subprocess.run([sys.executable, "-c", THREADED], env={**env, **extra}, capture_output=True, text=True,
+                             check=True, timeout=120)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert run({}) == {"tuned": True, "in_heap": True}
+    assert run({allocator.ARENA_ENV: "8"}) == {"tuned": True, "in_heap": False}
 
 
 # a fresh tuned process: 64 MiB of 1 MiB blocks freed stay in the heap (the trim threshold keeps
