@@ -495,7 +495,7 @@ def main() -> None:
             res = bench_config(codec=c, m=int(m), rounds=args.rounds, warmup=args.warmup, root=root,
                                store_kind=args.store, num_fragments=args.fragments, profile=True,
                                decode_threads=args.decode_threads, zstd_level=args.contribution_zstd_level,
-                               codec_qmax=args.codec_qmax)
+                               digest=args.digest, codec_qmax=args.codec_qmax)
             print(res.pop("profile"))
             results.append(res)
         else:
