@@ -62,7 +62,8 @@ class CostMeter:
     adds, the bookkeeping; with the waits in it: a device's copies, a worker thread that took
     the core or the GIL), ``sync_step_cpu_ms``, that thread's CPU time in it, and
     ``sync_worker_cpu_ms``, the CPU of ddiloco's worker threads (encoding and uploads, polls and
-    decoding, heartbeats)."""
+    decoding, heartbeats) and of the thread that makes an S3 or GCS bucket's requests for them
+    (``store.base.io_threads``)."""
 
     def __init__(self) -> None:
         # added to by the training thread, read by the heartbeat thread

@@ -33,10 +33,15 @@ Backends do not retry: they raise ``TransientStoreError`` for a failure worth
 retrying (timeout, 5xx, throttling, a full or read-only disk) and
 ``StoreAccessError`` for one a user must fix. ``open_store`` wraps every backend
 in one retry policy (``store/retry.py``).
+
+A backend whose requests run on threads of its own (S3 and GCS: an event loop)
+names them with an optional ``io_threads()`` (``io_threads(store)``), so that a
+learner's cost report counts their CPU.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -92,6 +97,14 @@ class Store(Protocol):
 
     def now(self) -> float: ...
 
+
+
+def io_threads(store: Store) -> list[threading.Thread]:
+    """The threads that make ``store``'s requests for its callers (an S3 or GCS store's event
+    loop, ``fsspec_store.io_loop``), through any wrappers; none for a local or in-memory store,
+    whose calls run on the calling thread."""
+    get = getattr(store, "io_threads", None)
+    return list(get()) if callable(get) else []
 
 
 class StoreWrapper:
