@@ -20,7 +20,8 @@ backend: ``retry_attempts``, ``retry_base_delay_s``, ``retry_max_delay_s``,
 ``retry_deadline_s`` (the retry policy) and ``faults`` (fault injection; also
 the ``DDILOCO_STORE_FAULTS`` environment variable). For the cloud backends:
 ``connect_timeout_s``, ``read_timeout_s``, ``endpoint_url``, ``anon``,
-``key``/``secret``/``token``, ``region_name``, ``expect_100_continue`` (S3),
+``key``/``secret``/``token``, ``region_name``, ``expect_100_continue`` and
+``fast_requests`` (S3: ``store/s3fast.py``),
 ``project``/``token`` (GCS); an unknown option is refused (``BACKEND_OPTIONS``),
 naming the closest known one. Environment variables are
 honoured as usual: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and the AWS
@@ -115,7 +116,7 @@ def parse_storage_options(pairs: list[str]) -> dict:
 _COMMON_OPTIONS = ("connect_timeout_s", "read_timeout_s", "endpoint_url", "anon", "token", "requester_pays")
 BACKEND_OPTIONS = {
     "s3": (*_COMMON_OPTIONS, "key", "secret", "region_name", "region", "expect_100_continue", "profile",
-           "use_ssl", "config_kwargs", "client_kwargs", "s3_additional_kwargs"),
+           "use_ssl", "config_kwargs", "client_kwargs", "s3_additional_kwargs", "fast_requests"),
     "gs": (*_COMMON_OPTIONS, "project", "access", "consistency"),
 }
 

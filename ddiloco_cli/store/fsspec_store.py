@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import errno
+import logging
 import os
 import threading
 import time
@@ -54,7 +55,7 @@ from typing import Callable, TypeVar
 
 from ddiloco_cli.errors import StoreAccessError, UsageError
 from ddiloco_cli.protocol import layout
-from ddiloco_cli.store import check_key
+from ddiloco_cli.store import check_key, s3fast
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, TransientStoreError, UnreadableObjectError
 from ddiloco_cli.store.retry import DEFAULT_POLICY, RetryPolicy, retrying
 
@@ -63,6 +64,7 @@ from ddiloco_cli.store.retry import DEFAULT_POLICY, RetryPolicy, retrying
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _S3_SINGLE_PUT_MAX_BYTES = 5 * 2**30
 _GCS_DEFAULT_CHUNK_BYTES = 50 * 2**20
@@ -209,16 +211,21 @@ class _FsspecStore:
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        self._call(lambda: self._fs.pipe_file(path, bytes(data)), what=f"put {key}")
+        self._call(lambda: self._write(path, bytes(data)), what=f"put {key}")
+
+    def _write(self, path: str, data: bytes) -> None:
+        self._fs.pipe_file(path, data)
+
+    def _read(self, path: str, max_bytes: int | None) -> bytes:
+        if max_bytes is None:
+            return self._fs.cat_file(path)
+        # one ranged GET of at most max_bytes + 1 bytes: enough to tell "too large"
+        return self._fs.cat_file(path, start=0, end=max_bytes + 1)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         path = self._path(key)
-        if max_bytes is None:
-            read = lambda: self._fs.cat_file(path)  # noqa: E731
-        else:  # one ranged GET of at most max_bytes + 1 bytes: enough to tell "too large"
-            read = lambda: self._fs.cat_file(path, start=0, end=max_bytes + 1)  # noqa: E731
         try:
-            data = self._call(read, what=f"get {key}")
+            data = self._call(lambda: self._read(path, max_bytes), what=f"get {key}")
         except FileNotFoundError:
             raise NotFound(key) from None
         except Exception as exc:
@@ -302,10 +309,12 @@ class S3Store(_FsspecStore):
 
         opts = dict(options or {})
         connect_timeout_s, read_timeout_s = _pop_timeouts(opts)
+        fast = opts.pop("fast_requests", True)
         session = AioSession()
         if not opts.pop("expect_100_continue", False):
             session.unregister("before-call.s3", add_expect_header)
-        config_kwargs = {**dict(opts.pop("config_kwargs", None) or {}), "connect_timeout": connect_timeout_s,
+        user_config = dict(opts.pop("config_kwargs", None) or {})
+        config_kwargs = {**user_config, "connect_timeout": connect_timeout_s,
                          "read_timeout": read_timeout_s, "retries": {"total_max_attempts": 1}}
         endpoint = (
             opts.pop("endpoint_url", None)
@@ -313,6 +322,12 @@ class S3Store(_FsspecStore):
             or os.environ.get("AWS_ENDPOINT_URL")
         )
         client_kwargs = dict(opts.pop("client_kwargs", None) or {})
+        # the fast path (s3fast.py) only where s3fs would do nothing it does not: no client or
+        # config options of the user's own, no s3fs option but credentials
+        fast_ok, fast_why = s3fast.wanted({**opts, **({"config_kwargs": 1} if user_config else {}),
+                                           **({"client_kwargs": 1} if client_kwargs else {})})
+        if not _true(fast):
+            fast_ok, fast_why = False, "fast_requests=false"
         region = opts.pop("region_name", None) or opts.pop("region", None)
         if region:
             client_kwargs["region_name"] = region
@@ -328,12 +343,54 @@ class S3Store(_FsspecStore):
         )
         fs.retries = 1  # s3fs's own retry loop (a class attribute, not an init option): one attempt
         super().__init__(bucket, prefix, fs=fs, endpoint=endpoint, policy=policy)
+        self._fast: s3fast.FastS3 | None = None
+        if fast_ok:
+            try:
+                self._fast = s3fast.from_s3fs(fs, bucket, options=opts, loop=io_loop(),
+                                              connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - s3fs serves every call then
+                fast_why = _one_line(exc)
+        if self._fast is None:
+            log.debug("%s: every request through s3fs (%s)", self.url, fast_why)
+
+    def _object_key(self, path: str) -> str:
+        return path[len(self.bucket) + 1 :]
+
+    def _fast_failed(self, exc: BaseException) -> None:
+        """An answer the fast path does not expect: s3fs makes this store's requests from now on."""
+        if self._fast is not None:
+            log.warning("%s: %s; making every request through s3fs from now on", self._where(), exc)
+            self._fast = None
+
+    def _read(self, path: str, max_bytes: int | None) -> bytes:
+        if self._fast is not None:
+            try:
+                return self._fast.get(self._object_key(path), max_bytes)
+            except s3fast.Unexpected as exc:
+                self._fast_failed(exc)
+        return super()._read(path, max_bytes)
+
+    def _write(self, path: str, data: bytes) -> None:
+        if self._fast is not None:
+            try:
+                self._fast.put(self._object_key(path), data, create=False)
+                return
+            except s3fast.Unexpected as exc:
+                self._fast_failed(exc)
+        super()._write(path, data)
 
     def _probe_bucket(self) -> None:
         kw = {"Prefix": self.prefix + "/"} if self.prefix else {}
         self._fs.call_s3("list_objects_v2", Bucket=self.bucket, MaxKeys=1, **kw)
 
     def _create(self, path: str, data: bytes) -> None:
+        if self._fast is not None and len(data) <= _S3_SINGLE_PUT_MAX_BYTES:
+            try:
+                if not self._fast.put(self._object_key(path), data, create=True):
+                    raise FileExistsError(path)
+                return
+            except s3fast.Unexpected as exc:
+                self._fast_failed(exc)
         # chunksize chosen so that s3fs sends a single conditional PUT up to 5 GiB
         chunksize = max(50 * 2**20, min(len(data), _S3_SINGLE_PUT_MAX_BYTES) // 2 + 1)
         self._fs.pipe_file(path, data, mode="create", chunksize=chunksize)
@@ -477,6 +534,13 @@ def _is_aiohttp_error(exc: BaseException) -> bool:
     except ImportError:
         return False
     return isinstance(exc, aiohttp.ClientError)
+
+
+def _true(value) -> bool:
+    """A storage option's truth (``-o name=false`` may arrive as the string)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)
 
 
 def _one_line(exc: BaseException) -> str:
