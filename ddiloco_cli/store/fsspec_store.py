@@ -324,7 +324,8 @@ class S3Store(_FsspecStore):
         client_kwargs = dict(opts.pop("client_kwargs", None) or {})
         # the fast path (s3fast.py) only where s3fs would do nothing it does not: no client or
         # config options of the user's own, no s3fs option but credentials
-        fast_ok, fast_why = s3fast.wanted({**opts, **({"config_kwargs": 1} if user_config else {}),
+        fast_ok, fast_why = s3fast.wanted({**{k: v for k, v in opts.items() if k not in ("region_name", "region")},
+                                           **({"config_kwargs": 1} if user_config else {}),
                                            **({"client_kwargs": 1} if client_kwargs else {})})
         if not _true(fast):
             fast_ok, fast_why = False, "fast_requests=false"
@@ -342,8 +343,8 @@ class S3Store(_FsspecStore):
             **opts,
         )
         fs.retries = 1  # s3fs's own retry loop (a class attribute, not an init option): one attempt
-        super().__init__(bucket, prefix, fs=fs, endpoint=endpoint, policy=policy)
         self._fast: s3fast.FastS3 | None = None
+        super().__init__(bucket, prefix, fs=fs, endpoint=endpoint, policy=policy)
         if fast_ok:
             try:
                 self._fast = s3fast.from_s3fs(fs, bucket, options=opts, loop=io_loop(),
@@ -363,17 +364,19 @@ class S3Store(_FsspecStore):
             self._fast = None
 
     def _read(self, path: str, max_bytes: int | None) -> bytes:
-        if self._fast is not None:
+        fast = self._fast  # (another thread may turn it off meanwhile)
+        if fast is not None:
             try:
-                return self._fast.get(self._object_key(path), max_bytes)
+                return fast.get(self._object_key(path), max_bytes)
             except s3fast.Unexpected as exc:
                 self._fast_failed(exc)
         return super()._read(path, max_bytes)
 
     def _write(self, path: str, data: bytes) -> None:
-        if self._fast is not None:
+        fast = self._fast
+        if fast is not None:
             try:
-                self._fast.put(self._object_key(path), data, create=False)
+                fast.put(self._object_key(path), data, create=False)
                 return
             except s3fast.Unexpected as exc:
                 self._fast_failed(exc)
@@ -384,9 +387,10 @@ class S3Store(_FsspecStore):
         self._fs.call_s3("list_objects_v2", Bucket=self.bucket, MaxKeys=1, **kw)
 
     def _create(self, path: str, data: bytes) -> None:
-        if self._fast is not None and len(data) <= _S3_SINGLE_PUT_MAX_BYTES:
+        fast = self._fast
+        if fast is not None and len(data) <= _S3_SINGLE_PUT_MAX_BYTES:
             try:
-                if not self._fast.put(self._object_key(path), data, create=True):
+                if not fast.put(self._object_key(path), data, create=True):
                     raise FileExistsError(path)
                 return
             except s3fast.Unexpected as exc:

@@ -155,3 +155,11 @@ def test_the_path_can_be_turned_off_and_s3fs_alone_keeps_the_contract(store_url)
         store.get("missing")
     fast = open_store(url)  # the same objects through the path
     assert _backend(fast)._fast is not None and fast.get("c/1") == b"one" and fast.get("h") == b"x" * 100
+
+
+@pytest.mark.s3
+def test_a_region_option_keeps_the_path_and_other_s3fs_options_turn_it_off(store_url):
+    assert _backend(open_store(store_url("s3"), options={"region_name": "us-east-1"}))._fast is not None
+    off = open_store(store_url("s3"), options={"s3_additional_kwargs": {"StorageClass": "STANDARD"}})
+    assert _backend(off)._fast is None
+    assert off.put_if_absent("k", b"v") and off.get("k") == b"v"
