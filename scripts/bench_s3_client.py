@@ -162,9 +162,10 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="bench_s3_client_")
     os.makedirs(os.path.join(workdir, "moto"))
     launcher = Launcher(os.path.join(workdir, "moto"))
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
     endpoint = start_moto(launcher)
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
     if _pinned(0):
         os.sched_setaffinity(0, {0})
     load0 = os.getloadavg()[0]
