@@ -139,6 +139,18 @@ def test_bench_store_smoke(tmp_path):
         assert set(r["median_ms"]) == {"expect", "no-expect"} and all(v > 0 for v in r["median_ms"].values())
 
 
+def test_bench_s3_client_smoke(tmp_path):
+    """Client CPU per request of the S3 store, lean path and s3fs, every kind a learner makes."""
+    out = tmp_path / "s3client.json"
+    text = _run("bench_s3_client.py", "--requests", "6", "--block", "3", "--json", str(out))
+    assert "S3 client CPU per request" in text
+    rep = json.loads(out.read_text())
+    assert len(rep["requests"]) == 5
+    for arms in rep["requests"].values():
+        assert set(arms) == {"fast", "s3fs"}
+        assert all(a["cpu_ms"] > 0 and a["wall_ms"] > 0 for a in arms.values())
+
+
 def test_bench_join_smoke(tmp_path):
     """A starting learner's read of the model from moto S3 through a link proxy, both arms: the
     values are checked equal inside the script; the report has each chain length."""
