@@ -66,6 +66,7 @@ class FastS3:
         from botocore.httpsession import get_cert_path
 
         self.base_url, self.region, self.credentials = base_url, region, credentials
+        self.user_agent = user_agent()
         self._pool = urllib3.PoolManager(
             num_pools=4, maxsize=8, retries=False, ca_certs=get_cert_path(True),
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s))
@@ -79,7 +80,8 @@ class FastS3:
         from botocore.awsrequest import AWSRequest
 
         url = self.base_url + quote(key, safe="/~")
-        request = AWSRequest(method=method, url=url, data=body, headers=dict(headers or {}))
+        request = AWSRequest(method=method, url=url, data=body,
+                             headers={"User-Agent": self.user_agent, **(headers or {})})
         if self.credentials is not None:  # None: anonymous
             S3SigV4Auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
         try:
@@ -112,6 +114,17 @@ class FastS3:
         if create and status == 412:
             return False
         _transient_or_unexpected(status, "PUT", key, body)
+
+
+def user_agent(environ: Mapping[str, str] = os.environ) -> str:
+    """ddiloco's and botocore's versions, and ``app/NAME`` from ``AWS_SDK_UA_APP_ID`` as botocore
+    adds it (bucket logs and the tests' request log tell processes apart by it)."""
+    import botocore
+
+    from ddiloco_cli import __version__
+
+    app = environ.get("AWS_SDK_UA_APP_ID", "").strip()
+    return f"ddiloco/{__version__} botocore/{botocore.__version__}" + (f" app/{app}" if app else "")
 
 
 def _transient_or_unexpected(status: int, method: str, key: str, body: bytes) -> None:

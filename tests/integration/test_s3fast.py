@@ -56,7 +56,8 @@ def _fast(srv, region="us-west-2") -> s3fast.FastS3:
                          credentials=Credentials("AKIDEXAMPLE", "secret"), connect_timeout_s=5, read_timeout_s=5)
 
 
-def test_a_get_is_signed_ranged_when_bounded_and_its_answers_read(server):
+def test_a_get_is_signed_ranged_when_bounded_and_its_answers_read(server, monkeypatch):
+    monkeypatch.setenv("AWS_SDK_UA_APP_ID", "learner-7")
     fast = _fast(server)
     error = b"<?xml version='1.0'?><Error><Code>PermanentRedirect</Code></Error>"
     server.script += [(200, b"whole"), (206, b"part"), (404, b""), (416, b""), (503, b"<Error><Code>SlowDown</Code>"),
@@ -76,6 +77,7 @@ def test_a_get_is_signed_ranged_when_bounded_and_its_answers_read(server):
     auth = h0["Authorization"]
     assert auth.startswith("AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/") and "/us-west-2/s3/aws4_request" in auth
     assert "x-amz-content-sha256" in {k.lower() for k in h0}
+    assert h0["User-Agent"].startswith("ddiloco/") and h0["User-Agent"].endswith(" app/learner-7")
 
 
 def test_a_create_sends_if_none_match_and_reads_a_conflict(server):
