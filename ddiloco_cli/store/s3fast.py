@@ -72,9 +72,11 @@ class FastS3:
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s))
         self._errors = (urllib3.exceptions.HTTPError, OSError)
 
-    def request(self, method: str, key: str, *, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        """(status, body) of one request; connection failures and timeouts raised as
+    def request(self, method: str, key: str, *, body: bytes | None = None, headers: dict[str, str] | None = None,
+                max_read: int | None = None) -> tuple[int, bytes]:
+        """(status, body) of one request, at most ``max_read`` bytes of the body read (a server
+        that ignores a Range header cannot make a bounded read take a whole large object: the
+        connection is dropped instead); connection failures and timeouts raised as
         TransientStoreError."""
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
@@ -86,15 +88,22 @@ class FastS3:
             S3SigV4Auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
         try:
             response = self._pool.request(method, url, body=body, headers=dict(request.headers.items()),
-                                          redirect=False, preload_content=True)
+                                          redirect=False, preload_content=False)
+            try:
+                data = response.read() if max_read is None else response.read(max_read)
+                if max_read is not None and len(data) == max_read and response.read(1):
+                    response.close()  # more than asked for: not read, the connection not reused
+                    return response.status, data
+            finally:
+                response.release_conn()
         except self._errors as exc:
             raise TransientStoreError(f"{method} {key}: {type(exc).__name__}: {exc}") from exc
-        return response.status, response.data
+        return response.status, data
 
     def get(self, key: str, max_bytes: int | None) -> bytes:
         """The object (at most its first max_bytes + 1 bytes); FileNotFoundError when missing."""
         headers = {} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"}
-        status, data = self.request("GET", key, headers=headers)
+        status, data = self.request("GET", key, headers=headers, max_read=None if max_bytes is None else max_bytes + 1)
         if status == 200 or (status == 206 and max_bytes is not None):
             return data
         if status == 404:

@@ -80,6 +80,13 @@ def test_a_get_is_signed_ranged_when_bounded_and_its_answers_read(server, monkey
     assert h0["User-Agent"].startswith("ddiloco/") and h0["User-Agent"].endswith(" app/learner-7")
 
 
+def test_a_bounded_read_stops_at_its_bound_when_the_server_ignores_the_range(server):
+    fast = _fast(server)
+    server.script += [(200, b"x" * 100_000), (200, b"small")]
+    assert fast.get("run/big", 9) == b"x" * 10  # max_bytes + 1: the caller then refuses it as too large
+    assert fast.get("run/small", 9) == b"small"  # a fresh connection serves the next request
+
+
 def test_a_create_sends_if_none_match_and_reads_a_conflict(server):
     fast = _fast(server)
     server.script += [(200, b""), (412, b""), (409, b"<Error><Code>ConditionalRequestConflict</Code>"),
