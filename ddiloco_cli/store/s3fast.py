@@ -11,24 +11,21 @@ probe, a listing's HEAD) stays on s3fs.
 It takes the addressing and the signing region from s3fs's own client (a presigned URL of a
 probe key: virtual-hosted or path style, custom endpoint, the region botocore chose), and the
 credentials from botocore's default chain or the store's ``key`` / ``secret`` / ``token`` /
-``profile`` options (not anonymous access). It is used only where it can do exactly what s3fs would: not with other
-s3fs options (server-side encryption headers, requester pays, another signature version), not
-behind a proxy named in the environment, and not with ``-o fast_requests=false`` or
-``DDILOCO_S3_FAST=0``. Any answer it does not expect (a redirect to another region, an error
+``profile`` options. It is used only where it can do exactly what s3fs would: not with other s3fs
+options (anonymous access, server-side encryption headers, requester pays, another signature
+version), not behind a proxy named in the environment, and not with ``-o fast_requests=false``
+or ``DDILOCO_S3_FAST=0``. Any answer it does not expect (a redirect to another region, an error
 it cannot classify, a refused signature) turns it off for the store's lifetime with a warning,
 and the call is made again through s3fs, which then decides: never worse than s3fs alone."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from ddiloco_cli.store.base import TransientStoreError
-
-log = logging.getLogger(__name__)
 
 ENV_OFF = "DDILOCO_S3_FAST"
 PROBE_KEY = "ddiloco-addressing-probe"
