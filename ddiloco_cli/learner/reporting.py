@@ -43,7 +43,7 @@ class Reporting:
         threads (the deterministic simulation) reports none."""
         if not self.opts.threads or self._uploader is None:
             return {}
-        # with the thread that makes the bucket's requests for them (S3, GCS: ~2.6 ms of CPU a request)
+        # with the thread that makes the bucket's requests for them (GCS's; S3's but GETs and PUTs)
         workers = [*self._uploader.threads, self._receiver, self._writer, *io_threads(self.store)]
         return self._cost.fields(self.stats.step, [w for w in workers if w is not None])
 
