@@ -33,36 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import Launcher, free_port, write_result  # noqa: E402
+from benchlib import Launcher, pinned, start_moto, write_result  # noqa: E402
 
 BUCKET = "bench-s3-client"
 ARMS = ("fast", "s3fs")
-
-
-def _pinned(cpu: int) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if (os.cpu_count() or 1) > 1 and _has("taskset") else []
-
-
-def _has(tool: str) -> bool:
-    return any(os.access(os.path.join(d, tool), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
-
-
-def start_moto(launcher: Launcher) -> str:
-    import boto3
-
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    proc = launcher.spawn("moto", [*_pinned(1), str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1",
-                                   "-p", str(port)])
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-            return endpoint
-        except Exception:  # noqa: BLE001 - not up yet
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"moto_server did not start; see {launcher.log_dir}/moto.log") from None
-            time.sleep(0.3)
 
 
 def request_costs(n: int, block: int) -> dict:
@@ -121,13 +95,13 @@ def learner_costs(endpoint: str, workdir: str, rounds: int, steps: int) -> list[
     env = {**os.environ}
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
     launcher = Launcher(os.path.join(workdir, "logs"), env=env, cwd=str(Path(__file__).resolve().parent.parent))
-    syncer = launcher.spawn("syncer", [*_pinned(1), str(Path(sys.executable).with_name("ddiloco")), "sync", url])
+    syncer = launcher.spawn("syncer", [*pinned(1), str(Path(sys.executable).with_name("ddiloco")), "sync", url])
     out = []
     try:
         for r in range(rounds):
             for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
                 learner_id = f"{arm}-{r}"
-                cmd = [*_pinned(0), str(Path(sys.executable).with_name("ddiloco")), "learn", url, "--steps", str(steps),
+                cmd = [*pinned(0), str(Path(sys.executable).with_name("ddiloco")), "learn", url, "--steps", str(steps),
                        "--learner-id", learner_id, "--task", "scripts/benchtasks.py:mid", "--threads", "1"]
                 if arm == "s3fs":
                     cmd += ["-o", "fast_requests=false"]
@@ -164,9 +138,9 @@ def main() -> None:
     launcher = Launcher(os.path.join(workdir, "moto"))
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"})
-    endpoint = start_moto(launcher)
+    endpoint = start_moto(launcher, bucket=BUCKET, cpu=1, timeout_s=60)
     os.environ["AWS_ENDPOINT_URL"] = endpoint
-    if _pinned(0):
+    if pinned(0):
         os.sched_setaffinity(0, {0})
     load0 = os.getloadavg()[0]
     result: dict = {"load_before": load0}

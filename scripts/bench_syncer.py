@@ -34,6 +34,7 @@ M_max = throughput * H * step_s / 1e9 learners.
     .venv/bin/python scripts/bench_syncer.py --profile int4:8              # cProfile one config (main thread)
     .venv/bin/python scripts/bench_syncer.py --codecs int4 --ms 8 --shards 1,2   # scaling over sharded processes
     .venv/bin/python scripts/bench_syncer.py --codecs int4,sparse --ms 4,8       # sparse (Top-k 2%) against int4
+    .venv/bin/python scripts/bench_syncer.py --codecs int4 --ms 16 --store s3    # on S3 (moto); s3-s3fs: s3fs alone
 """
 
 from __future__ import annotations
@@ -276,9 +277,15 @@ def _write_contributions(store, run: dict, plan, *, fragment: int, m: int, seq: 
     return nbytes
 
 
+S3_BUCKET = "bench-syncer"
+
+
 def _run_url(*, codec: str, m: int, root: str, store_kind: str) -> str:
-    return f"memory://bench-syncer-{codec}-{m}-{time.monotonic_ns()}" if store_kind == "memory" else \
-        os.path.join(root, f"{codec}-m{m}")
+    if store_kind == "memory":
+        return f"memory://bench-syncer-{codec}-{m}-{time.monotonic_ns()}"
+    if store_kind.startswith("s3"):  # moto, started by main (--store s3 / s3-s3fs)
+        return f"s3://{S3_BUCKET}/{codec}-m{m}-{time.monotonic_ns()}"
+    return os.path.join(root, f"{codec}-m{m}")
 
 
 def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, store_kind: str,
@@ -355,7 +362,7 @@ def bench_config(*, codec: str, m: int, rounds: int, warmup: int, root: str, sto
     cpu_split = {label: CPU.totals.get(label, 0.0) / rounds for label in _part_labels()}
     cpu_split["io"] = CPU.totals.get("io", 0.0) / rounds
     cpu_split["other"] = sum(cpu_times) / rounds - sum(cpu_split.values())
-    if own_run and store_kind != "memory":
+    if own_run and store_kind == "local":
         shutil.rmtree(url, ignore_errors=True)
     out = {
         "codec": codec, "codec_qmax": run.get("codec_qmax"), "m": m, "fragment": fragment, "fragment_numel": n,
@@ -451,7 +458,9 @@ def main() -> None:
     ap.add_argument("--fragments", type=int, default=2, help="P; fragment 0 is benchmarked")
     ap.add_argument("--rounds", type=int, default=10, help="timed merges per config (>= 10 includes a keyframe and a checkpoint)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--store", choices=("local", "memory"), default="local")
+    ap.add_argument("--store", choices=("local", "memory", "s3", "s3-s3fs"), default="local",
+                    help="s3: a moto server on CPU 1 (the service's CPU is not the syncer's), the store's lean "
+                         "GET/PUT path; s3-s3fs: the same through s3fs alone (DDILOCO_S3_FAST=0)")
     ap.add_argument("--root", default=None, help="directory for local stores (default: a temp dir)")
     ap.add_argument("--profile", default=None, help="codec:M to cProfile (prints the top functions)")
     ap.add_argument("--decode-threads", type=int, default=None,
@@ -478,6 +487,17 @@ def main() -> None:
     os.environ[benchlib.STACK_WIDTH_ENV] = str(args.width)
     os.environ[benchlib.STACK_LAYERS_ENV] = str(args.layers)
     root = args.root or tempfile.mkdtemp(prefix="bench-syncer-")
+    moto = None
+    if args.store.startswith("s3"):
+        os.makedirs(os.path.join(root, "moto"), exist_ok=True)
+        moto = benchlib.Launcher(os.path.join(root, "moto"))
+        os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1"})
+        os.environ["AWS_ENDPOINT_URL"] = benchlib.start_moto(moto, bucket=S3_BUCKET, cpu=1, timeout_s=60)
+        if args.store == "s3-s3fs":
+            os.environ["DDILOCO_S3_FAST"] = "0"
+        if benchlib.pinned(0):
+            os.sched_setaffinity(0, {0})
     load = os.getloadavg()
     results = []
     if args.shard_of:
@@ -511,6 +531,8 @@ def main() -> None:
                     for k in (int(x) for x in (args.shards or "").split(",") if x):
                         shard_results.append(bench_shards(codec=c, m=m, shards=k, args=args, root=root))
     finally:
+        if moto is not None:
+            moto.close()
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
     load_after = os.getloadavg()

@@ -232,15 +232,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto(launcher: Launcher, *, bucket: str, timeout_s: float = 30) -> str:
+def pinned(cpu: int | None) -> list[str]:
+    """The ``taskset`` prefix that runs a command on CPU ``cpu`` (nothing: None, one CPU, or no taskset)."""
+    if cpu is None or (os.cpu_count() or 1) < 2 or shutil.which("taskset") is None:
+        return []
+    return ["taskset", "-c", str(cpu)]
+
+
+def start_moto(launcher: Launcher, *, bucket: str, timeout_s: float = 30, cpu: int | None = None) -> str:
     """Start moto's S3 server (its stock ``moto_server``) on a free port as process "moto"
-    of ``launcher``, wait until it serves, create ``bucket``; returns the endpoint URL."""
+    of ``launcher`` (on CPU ``cpu``: it stands for the service, whose CPU is not the client's),
+    wait until it serves, create ``bucket``; returns the endpoint URL."""
     import boto3
 
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    proc = launcher.spawn("moto", [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1",
-                                   "-p", str(port)])
+    proc = launcher.spawn("moto", [*pinned(cpu), str(Path(sys.executable).with_name("moto_server")), "-H",
+                                   "127.0.0.1", "-p", str(port)])
     deadline = time.monotonic() + timeout_s
     while True:
         try:

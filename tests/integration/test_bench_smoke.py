@@ -46,6 +46,20 @@ def test_bench_syncer_smoke(tmp_path):
         assert r["published_payloads"] >= 1 and len(r["published_digest"]) == 64
 
 
+def test_bench_syncer_on_s3_publishes_what_it_publishes_on_a_local_bucket(tmp_path):
+    """--store s3 (moto; the lean GET/PUT path) and s3-s3fs: the syncer's published payloads are
+    the same bytes as on a local bucket."""
+    digests = {}
+    for store in ("local", "s3", "s3-s3fs"):
+        out = tmp_path / f"{store}.json"
+        _run("bench_syncer.py", "--width", "64", "--layers", "4", "--rounds", "2", "--warmup", "1", "--codecs", "int4",
+             "--ms", "2", "--digest", "--store", store, "--json", str(out), timeout_s=240)
+        (r,) = json.loads(out.read_text())["results"]
+        assert r["param_contribs_per_cpu_s"] > 0 and r["cpu_split_s_per_merge"]["io"] > 0
+        digests[store] = (r["published_payloads"], r["published_digest"])
+    assert digests["s3"] == digests["local"] == digests["s3-s3fs"]
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="pins to CPU 0 and CPU 1")
 def test_bench_overhead_interference_smoke(tmp_path):
     """--interference: the plain loop alone and beside each neighbour, every round recorded."""
