@@ -82,9 +82,9 @@ def request_costs(n: int, block: int) -> dict:
     return out
 
 
-def learner_costs(endpoint: str, workdir: str, rounds: int, steps: int) -> list[dict]:
-    """One `ddiloco learn` process per arm and round on one run, the syncer serving it."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+def learner_costs(workdir: str, rounds: int, steps: int) -> list[dict]:
+    """One `ddiloco learn` process per arm and round on one run, the syncer serving it (the
+    bucket's endpoint and credentials from the environment)."""
     from bench_overhead import init_bench_run
 
     from ddiloco_cli.ops.observe import run_status
@@ -138,8 +138,7 @@ def main() -> None:
     launcher = Launcher(os.path.join(workdir, "moto"))
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"})
-    endpoint = start_moto(launcher, bucket=BUCKET, cpu=1, timeout_s=60)
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    os.environ["AWS_ENDPOINT_URL"] = start_moto(launcher, bucket=BUCKET, cpu=1, timeout_s=60)
     if pinned(0):
         os.sched_setaffinity(0, {0})
     load0 = os.getloadavg()[0]
@@ -156,7 +155,7 @@ def main() -> None:
                   f"{f['wall_ms']:>9.3f} {s['wall_ms']:>9.3f}")
         if args.learner:
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-            runs = learner_costs(endpoint, workdir, args.rounds, args.steps)
+            runs = learner_costs(workdir, args.rounds, args.steps)
             result["learner"] = runs
             print("\nA learner on this S3 bucket (its own report, the last heartbeat), median over rounds:")
             for arm in ARMS:
