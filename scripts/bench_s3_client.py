@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import Launcher, pinned, start_moto, write_result  # noqa: E402
+from benchlib import Launcher, moto_for_this_process, pinned, write_result  # noqa: E402
 
 BUCKET = "bench-s3-client"
 ARMS = ("fast", "s3fs")
@@ -134,11 +134,7 @@ def main() -> None:
     args = ap.parse_args()
 
     workdir = tempfile.mkdtemp(prefix="bench_s3_client_")
-    os.makedirs(os.path.join(workdir, "moto"))
-    launcher = Launcher(os.path.join(workdir, "moto"))
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
-    os.environ["AWS_ENDPOINT_URL"] = start_moto(launcher, bucket=BUCKET, cpu=1, timeout_s=60)
+    launcher = moto_for_this_process(workdir, bucket=BUCKET)
     if pinned(0):
         os.sched_setaffinity(0, {0})
     load0 = os.getloadavg()[0]

@@ -489,11 +489,7 @@ def main() -> None:
     root = args.root or tempfile.mkdtemp(prefix="bench-syncer-")
     moto = None
     if args.store.startswith("s3"):
-        os.makedirs(os.path.join(root, "moto"), exist_ok=True)
-        moto = benchlib.Launcher(os.path.join(root, "moto"))
-        os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1"})
-        os.environ["AWS_ENDPOINT_URL"] = benchlib.start_moto(moto, bucket=S3_BUCKET, cpu=1, timeout_s=60)
+        moto = benchlib.moto_for_this_process(root, bucket=S3_BUCKET)
         if args.store == "s3-s3fs":
             os.environ["DDILOCO_S3_FAST"] = "0"
         if benchlib.pinned(0):

@@ -262,6 +262,19 @@ def start_moto(launcher: Launcher, *, bucket: str, timeout_s: float = 30, cpu: i
             time.sleep(0.3)
 
 
+def moto_for_this_process(workdir: str, *, bucket: str, cpu: int | None = 1) -> Launcher:
+    """A moto S3 server (on CPU ``cpu``) holding ``bucket``, and this process's environment set to
+    reach it (``AWS_ENDPOINT_URL``, test credentials, us-east-1: child processes inherit them).
+    Returns its launcher: ``close()`` it when done."""
+    log_dir = os.path.join(workdir, "moto")
+    os.makedirs(log_dir, exist_ok=True)
+    launcher = Launcher(log_dir)
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ["AWS_ENDPOINT_URL"] = start_moto(launcher, bucket=bucket, cpu=cpu, timeout_s=60)
+    return launcher
+
+
 def init_args(url: str, **flags: Any) -> list[str]:
     """The command line `ddiloco init URL --flag value ...` for ``flags`` (underscores become
     dashes; True is a bare flag, False its --no- form, None leaves it out)."""

@@ -193,7 +193,7 @@ def _open_backend(url: str, *, options: dict, policy) -> Store:
             raise UsageError(f"{url!r} names no bucket; write {scheme}://BUCKET/PREFIX")
         prefix = prefix.strip("/")
         if scheme == "s3":
-            from ddiloco_cli.store.fsspec_store import S3Store
+            from ddiloco_cli.store.s3_store import S3Store
 
             return S3Store(bucket, prefix, options=options, policy=policy)
         from ddiloco_cli.store.fsspec_store import GCSStore

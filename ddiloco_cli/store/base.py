@@ -101,7 +101,7 @@ class Store(Protocol):
 
 def io_threads(store: Store) -> list[threading.Thread]:
     """The threads that make ``store``'s requests for its callers (an S3 or GCS store's event
-    loop, ``fsspec_store.io_loop``), through any wrappers; none for a local or in-memory store,
+    loop, ``ioloop.io_loop``), through any wrappers; none for a local or in-memory store,
     whose calls run on the calling thread."""
     get = getattr(store, "io_threads", None)
     return list(get()) if callable(get) else []

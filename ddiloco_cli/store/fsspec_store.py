@@ -1,4 +1,4 @@
-"""S3 and GCS buckets through s3fs / gcsfs.
+"""S3 and GCS buckets through s3fs / gcsfs: the logic both share, and the GCS store.
 
 Create-only writes map to the services' own preconditions:
 
@@ -31,23 +31,16 @@ Listings never come from a cache (``use_listings_cache=False``) and every
 store gets its own filesystem instance (``skip_instance_cache=True``).
 
 The requests of every S3 and GCS store in a process run on one event loop of
-ddiloco's own, in its thread ``ddiloco-io`` (``io_loop``), not on fsspec's loop,
-which every fsspec filesystem of the process shares: what the clients cost (s3fs
-about 2.5 ms of CPU a request, gcsfs about 0.5) is then counted where it belongs,
-in a learner's cost report (``io_threads``), and a training script's own fsspec
-reads (a dataset streamed from a bucket) do not queue behind the learner's
-uploads. The S3 store's GETs and PUTs take a leaner path on the calling thread
-(``s3fast.py``).
+ddiloco's own (``ioloop.py``). The S3 store (``s3_store.py``) makes its GETs and
+PUTs on a leaner path on the calling thread (``s3fast.py``).
+
 Object times (``ObjectInfo.mtime_s``, ``now()``) are the service's clock:
 S3 ``LastModified`` (whole seconds), GCS ``updated`` (microseconds).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import errno
-import logging
 import os
 import threading
 import time
@@ -56,8 +49,9 @@ from typing import Callable, TypeVar
 
 from ddiloco_cli.errors import StoreAccessError, UsageError
 from ddiloco_cli.protocol import layout
-from ddiloco_cli.store import check_key, s3fast
+from ddiloco_cli.store import check_key
 from ddiloco_cli.store.base import NotFound, ObjectInfo, ObjectTooLargeError, TransientStoreError, UnreadableObjectError
+from ddiloco_cli.store.ioloop import io_loop, io_thread
 from ddiloco_cli.store.retry import DEFAULT_POLICY, RetryPolicy, retrying
 
 # gcsfs otherwise probes every bucket for zonal/HNS support, which hangs ~60 s per
@@ -65,9 +59,7 @@ from ddiloco_cli.store.retry import DEFAULT_POLICY, RetryPolicy, retrying
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
-_S3_SINGLE_PUT_MAX_BYTES = 5 * 2**30
 _GCS_DEFAULT_CHUNK_BYTES = 50 * 2**20
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_READ_TIMEOUT_S = 20.0
@@ -82,34 +74,6 @@ def _pop_timeouts(opts: dict) -> tuple[float, float]:
             raise UsageError(f"storage option {name}={value!r} must be a positive number of seconds")
         out.append(float(value))
     return out[0], out[1]
-
-
-_io: dict[str, asyncio.AbstractEventLoop | threading.Thread | None] = {"loop": None, "thread": None}
-_io_lock = threading.Lock()
-
-
-def io_loop() -> asyncio.AbstractEventLoop:
-    """The event loop the S3 and GCS stores of this process run their requests on, running in a
-    daemon thread of its own, ``ddiloco-io`` (started on first use)."""
-    with _io_lock:
-        loop = _io["loop"]
-        if loop is None:
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name="ddiloco-io", daemon=True)
-            thread.start()
-            _io.update(loop=loop, thread=thread)
-        return loop  # type: ignore[return-value]
-
-
-def _forget_io_loop_after_fork() -> None:
-    """A forked child has the parent's loop object but not its thread: it starts its own."""
-    global _io_lock
-    _io_lock = threading.Lock()
-    _io.update(loop=None, thread=None)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_io_loop_after_fork)
 
 
 class _FsspecStore:
@@ -150,8 +114,8 @@ class _FsspecStore:
     def io_threads(self) -> list[threading.Thread]:
         """The threads that make this store's requests (the calling thread only waits for them):
         ``ddiloco-io``, shared by every S3 and GCS store of the process."""
-        thread = _io["thread"]
-        return [thread] if isinstance(thread, threading.Thread) and thread.is_alive() else []
+        thread = io_thread()
+        return [thread] if thread is not None and thread.is_alive() else []
 
     # -- plumbing ----------------------------------------------------------
     def _where(self) -> str:
@@ -299,132 +263,6 @@ class _FsspecStore:
         return store_s + (time.monotonic() - t0)
 
 
-class S3Store(_FsspecStore):
-    scheme = "s3"
-
-    def __init__(self, bucket: str, prefix: str, *, options: dict | None = None,
-                 policy: RetryPolicy = DEFAULT_POLICY):
-        import s3fs
-        from aiobotocore.session import AioSession
-        from botocore.handlers import add_expect_header
-
-        opts = dict(options or {})
-        connect_timeout_s, read_timeout_s = _pop_timeouts(opts)
-        fast = opts.pop("fast_requests", True)
-        session = AioSession()
-        if not opts.pop("expect_100_continue", False):
-            session.unregister("before-call.s3", add_expect_header)
-        user_config = dict(opts.pop("config_kwargs", None) or {})
-        config_kwargs = {**user_config, "connect_timeout": connect_timeout_s,
-                         "read_timeout": read_timeout_s, "retries": {"total_max_attempts": 1}}
-        endpoint = (
-            opts.pop("endpoint_url", None)
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-        )
-        client_kwargs = dict(opts.pop("client_kwargs", None) or {})
-        # the fast path (s3fast.py) only where s3fs would do nothing it does not: no client or
-        # config options of the user's own, no s3fs option but credentials
-        fast_ok, fast_why = s3fast.wanted({**{k: v for k, v in opts.items() if k not in ("region_name", "region")},
-                                           **({"config_kwargs": 1} if user_config else {}),
-                                           **({"client_kwargs": 1} if client_kwargs else {})})
-        if not _true(fast):
-            fast_ok, fast_why = False, "fast_requests=false"
-        region = opts.pop("region_name", None) or opts.pop("region", None)
-        if region:
-            client_kwargs["region_name"] = region
-        fs = s3fs.S3FileSystem(
-            endpoint_url=endpoint,
-            client_kwargs=client_kwargs,
-            config_kwargs=config_kwargs,
-            session=session,
-            loop=io_loop(),
-            use_listings_cache=False,
-            skip_instance_cache=True,
-            **opts,
-        )
-        fs.retries = 1  # s3fs's own retry loop (a class attribute, not an init option): one attempt
-        self._fast: s3fast.FastS3 | None = None
-        super().__init__(bucket, prefix, fs=fs, endpoint=endpoint, policy=policy)
-        if fast_ok:
-            try:
-                self._fast = s3fast.from_s3fs(fs, bucket, options=opts, loop=io_loop(),
-                                              connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - s3fs serves every call then
-                fast_why = _one_line(exc)
-        if self._fast is None:
-            log.debug("%s: every request through s3fs (%s)", self.url, fast_why)
-
-    def _object_key(self, path: str) -> str:
-        return path[len(self.bucket) + 1 :]
-
-    def _fast_failed(self, exc: BaseException) -> None:
-        """An answer the fast path does not expect: s3fs makes this store's requests from now on."""
-        if self._fast is not None:
-            log.warning("%s: %s; making every request through s3fs from now on", self._where(), exc)
-            self._fast = None
-
-    def _read(self, path: str, max_bytes: int | None) -> bytes:
-        fast = self._fast  # (another thread may turn it off meanwhile)
-        if fast is not None:
-            try:
-                return fast.get(self._object_key(path), max_bytes)
-            except s3fast.Unexpected as exc:
-                self._fast_failed(exc)
-        return super()._read(path, max_bytes)
-
-    def _write(self, path: str, data: bytes) -> None:
-        fast = self._fast
-        if fast is not None:
-            try:
-                fast.put(self._object_key(path), data, create=False)
-                return
-            except s3fast.Unexpected as exc:
-                self._fast_failed(exc)
-        super()._write(path, data)
-
-    def _probe_bucket(self) -> None:
-        kw = {"Prefix": self.prefix + "/"} if self.prefix else {}
-        self._fs.call_s3("list_objects_v2", Bucket=self.bucket, MaxKeys=1, **kw)
-
-    def _create(self, path: str, data: bytes) -> None:
-        fast = self._fast
-        if fast is not None and len(data) <= _S3_SINGLE_PUT_MAX_BYTES:
-            try:
-                if not fast.put(self._object_key(path), data, create=True):
-                    raise FileExistsError(path)
-                return
-            except s3fast.Unexpected as exc:
-                self._fast_failed(exc)
-        # chunksize chosen so that s3fs sends a single conditional PUT up to 5 GiB
-        chunksize = max(50 * 2**20, min(len(data), _S3_SINGLE_PUT_MAX_BYTES) // 2 + 1)
-        self._fs.pipe_file(path, data, mode="create", chunksize=chunksize)
-
-    def _is_empty_range(self, exc: BaseException) -> bool:
-        return _s3_status(exc.__cause__) == 416 or "InvalidRange" in str(getattr(exc.__cause__, "response", ""))
-
-    def _is_access_error(self, exc: BaseException) -> bool:
-        import botocore.exceptions as bce
-
-        return isinstance(exc, (PermissionError, bce.NoCredentialsError, bce.PartialCredentialsError))
-
-    def _is_transient(self, exc: BaseException) -> bool:
-        import botocore.exceptions as bce
-
-        if isinstance(exc, (TimeoutError, ConnectionError, bce.HTTPClientError, bce.ConnectionError)):
-            return True
-        if _is_aiohttp_error(exc):
-            return True
-        if isinstance(exc, OSError) and exc.errno in (errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO)):
-            return True
-        status = _s3_status(exc.__cause__)
-        return status == 429 or (status is not None and status >= 500)
-
-    @staticmethod
-    def _mtime_s(info: dict) -> float:
-        return _to_epoch_s(info["LastModified"])
-
-
 class GCSStore(_FsspecStore):
     scheme = "gs"
 
@@ -526,26 +364,12 @@ def _to_epoch_s(value) -> float:
     return value.timestamp()
 
 
-def _s3_status(exc: BaseException | None) -> int | None:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None
-    return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
 def _is_aiohttp_error(exc: BaseException) -> bool:
     try:
         import aiohttp
     except ImportError:
         return False
     return isinstance(exc, aiohttp.ClientError)
-
-
-def _true(value) -> bool:
-    """A storage option's truth (``-o name=false`` may arrive as the string)."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off")
-    return bool(value)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -21,7 +21,7 @@ and the call is made again through s3fs, which then decides: never worse than s3
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -39,9 +39,9 @@ class Unexpected(Exception):
     """An answer this path does not handle: the store turns it off and asks s3fs."""
 
 
-def wanted(options: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
-    """Whether the fast path may serve a store opened with these (remaining) s3fs options; why
-    not when not."""
+def wanted(options: Iterable[str], environ: Mapping[str, str] = os.environ) -> tuple[bool, str]:
+    """Whether the fast path may serve a store opened with the s3fs options named (those left
+    for s3fs); why not when not."""
     if environ.get(ENV_OFF, "1").strip().lower() in ("0", "false", "no", "off"):
         return False, f"{ENV_OFF}={environ[ENV_OFF]}"
     other = sorted(k for k in options if k not in CREDENTIAL_OPTIONS)
@@ -60,6 +60,8 @@ class FastS3:
     def __init__(self, *, base_url: str, region: str, credentials: Any, connect_timeout_s: float,
                  read_timeout_s: float):
         import urllib3
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
         from botocore.httpsession import get_cert_path
 
         self.base_url, self.region, self.credentials = base_url, region, credentials
@@ -68,6 +70,7 @@ class FastS3:
             num_pools=4, maxsize=8, retries=False, ca_certs=get_cert_path(True),
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s))
         self._errors = (urllib3.exceptions.HTTPError, OSError)
+        self._request, self._auth = AWSRequest, S3SigV4Auth  # (imported once, not on every request)
 
     def request(self, method: str, key: str, *, body: bytes | None = None, headers: dict[str, str] | None = None,
                 max_read: int | None = None) -> tuple[int, bytes]:
@@ -75,14 +78,10 @@ class FastS3:
         that ignores a Range header cannot make a bounded read take a whole large object: the
         connection is dropped instead); connection failures and timeouts raised as
         TransientStoreError."""
-        from botocore.auth import S3SigV4Auth
-        from botocore.awsrequest import AWSRequest
-
         url = self.base_url + quote(key, safe="/~")
-        request = AWSRequest(method=method, url=url, data=body,
-                             headers={"User-Agent": self.user_agent, **(headers or {})})
-        if self.credentials is not None:  # None: anonymous
-            S3SigV4Auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
+        request = self._request(method=method, url=url, data=body,
+                                headers={"User-Agent": self.user_agent, **(headers or {})})
+        self._auth(self.credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
         try:
             response = self._pool.request(method, url, body=body, headers=dict(request.headers.items()),
                                           redirect=False, preload_content=False)

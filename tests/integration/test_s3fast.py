@@ -142,7 +142,7 @@ def test_an_unexpected_answer_turns_the_path_off_and_s3fs_serves_the_call(store_
     real = backend._fast
     backend._fast = _fast(server)  # answers from elsewhere: a redirect to another region
     server.script.append((301, b"<Error><Code>PermanentRedirect</Code></Error>"))
-    with caplog.at_level(logging.WARNING, logger="ddiloco_cli.store.fsspec_store"):
+    with caplog.at_level(logging.WARNING, logger="ddiloco_cli.store.s3_store"):
         assert store.get("m/0.json") == b"manifest"  # through s3fs
     assert backend._fast is None and "through s3fs from now on" in caplog.text
     assert not store.put_if_absent("c/1", b"two") and store.put_if_absent("c/1", b"one")

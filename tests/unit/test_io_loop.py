@@ -1,4 +1,4 @@
-"""The S3 / GCS stores' event loop (fsspec_store.io_loop): one thread a process, and a forked
+"""The S3 / GCS stores' event loop (ioloop.io_loop): one thread a process, and a forked
 child gets a loop of its own (the parent's thread does not exist there: a request on the
 parent's loop would never run)."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ddiloco_cli.store.fsspec_store import io_loop
+from ddiloco_cli.store.ioloop import io_loop
 
 
 def _runs(loop: asyncio.AbstractEventLoop) -> bool:
