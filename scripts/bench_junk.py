@@ -90,14 +90,21 @@ def _payload(store, run, learner_id: str, seq: int, base: int, *, numel: int | N
     return key, data
 
 
-def _serve(store, keys, name: str):
+def _serve(store, keys, name: str, counts: _Counts) -> tuple[Syncer, threading.Event, threading.Thread, float]:
+    """A syncer serving in a thread; returns when it has restored, with the moment it had.
+
+    The counts are reset on the syncer's own thread between its restore and its first poll:
+    reset from here instead, a first poll that ran before this thread woke would be lost."""
     s = Syncer(store, options=SyncerOptions(syncer_id=name, fragments=[0], poll_s=0.02, gc=False,
                                             key_path=str(keys["syncer"].path)))
     serving = threading.Event()
     start = s.start
+    t_serving: list[float] = []
 
     def started() -> None:
         start()
+        counts.take()
+        t_serving.append(time.monotonic())
         serving.set()
 
     s.start = started
@@ -106,7 +113,7 @@ def _serve(store, keys, name: str):
     thread.start()
     if not serving.wait(WAIT_CEILING_S):
         raise SystemExit(f"syncer {name} did not start within {WAIT_CEILING_S} s")
-    return s, stop, thread
+    return s, stop, thread, t_serving[0]
 
 
 def _wait_version(store, version: int) -> float:
@@ -146,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = _Counts()
     out = []
 
-    s, stop, thread = _serve(store, keys, "flood")
-    counts.take()
+    s, stop, thread, _ = _serve(store, keys, "flood", counts)
     for key, data in junk:
         store.put_if_absent(key, data)
     key, data = _payload(store, run, "a", 1, 0, numel=None, signer=keys["a"])
@@ -162,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for seq, phase in ((2, "cold"), (3, "restart")):
         key, data = _payload(store, run, "a", seq, seq - 1, numel=None, signer=keys["a"])
         store.put_if_absent(key, data)
-        s, stop, thread = _serve(store, keys, phase)
-        t = time.monotonic()  # serving: restored, the junk not yet seen
-        counts.take()
+        s, stop, thread, t = _serve(store, keys, phase, counts)  # t: restored, the junk not yet seen
         out.append(_phase(phase, s, t, store, seq, counts, args.junk, len(data)))
         stop.set()
         thread.join()
