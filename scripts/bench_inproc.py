@@ -23,6 +23,7 @@ both arms. All-thread CPU per step (the process's CPU clock) is compared the sam
     .venv/bin/python scripts/bench_inproc.py --procs 1 --pairs 4   # smoke
     .venv/bin/python scripts/bench_inproc.py --task tiny --steps 48 --skip 8 --json /tmp/inproc.json
     .venv/bin/python scripts/bench_inproc.py --threads 2 --procs 1 --pairs 16    # the learner on both CPUs
+    .venv/bin/python scripts/bench_inproc.py --workers-cpu         # its worker threads on a core of their own
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
-from bench_overhead import INNER_LR, REPO, SEED, TASKS, WARMUP, _env, _prefix, init_bench_run  # noqa: E402
+from bench_overhead import INNER_LR, REPO, SEED, TASKS, WARMUP, _env, _prefix, init_bench_run, pin_workers  # noqa: E402
 
 THIS = os.path.abspath(__file__)
 
@@ -52,6 +53,10 @@ def worker(args) -> dict:
 
     allocator.tune()
     torch.set_num_threads(args.threads)
+    if args.workers_cpu:
+        pin_workers(1)  # before the session starts its threads
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval / 1e3)
     torch.manual_seed(SEED)
     _, task, batch_size = TASKS[args.task]
     model = task.build_model()
@@ -105,6 +110,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24, help="steps per phase")
     ap.add_argument("--skip", type=int, default=4, help="steps left out at the start of every phase")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2: the learner on both CPUs)")
+    ap.add_argument("--workers-cpu", action="store_true",
+                    help="with 1 torch thread: the training thread on CPU 0, the learner's worker threads on CPU 1 "
+                         "beside the syncer (a learner with a core to spare, as on a GPU host)")
+    ap.add_argument("--switch-interval", type=float, default=0.0, metavar="MS",
+                    help="sys.setswitchinterval in ms (Python's default 5): how long a thread that wants the GIL "
+                         "waits before the holder must drop it; an experiment")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -116,22 +127,25 @@ def main() -> None:
             json.dump(worker(args), f)
         return
     pin = (os.cpu_count() or 1) >= 2
+    if args.workers_cpu and (not pin or args.threads != 1):
+        raise SystemExit("--workers-cpu needs 2 CPUs and 1 torch thread")
     workdir = tempfile.mkdtemp(prefix="bench-inproc-")
     url = os.path.join(workdir, "run")
     init_bench_run(url, args.task)
     launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
     syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(1 if pin else None, nice=10)))
     load0 = os.getloadavg()[0]
-    print(f"task {args.task}, {args.threads} torch thread(s): {args.procs} process(es) x {args.pairs} pairs x {args.steps} steps a phase "
+    print(f"task {args.task}, {args.threads} torch thread(s){'; worker threads on CPU 1' if args.workers_cpu else ''}: {args.procs} process(es) x {args.pairs} pairs x {args.steps} steps a phase "
           f"({args.skip} left out); load {load0:.2f}", flush=True)
     procs = []
     try:
         for i in range(args.procs):
             out = os.path.join(workdir, f"proc{i}.json")
-            cpus = ("0" if args.threads == 1 else "0,1") if pin else None
+            cpus = ("0" if args.threads == 1 and not args.workers_cpu else "0,1") if pin else None
             subprocess.run([*_prefix(cpus), sys.executable, THIS, "--worker", "--out", out, "--url", url,
                             "--learner-id", f"inproc-{i}", "--task", args.task, "--steps", str(args.steps),
-                            "--skip", str(args.skip), "--pairs", str(args.pairs), "--threads", str(args.threads)],
+                            "--skip", str(args.skip), "--pairs", str(args.pairs), "--threads", str(args.threads),
+                            "--switch-interval", str(args.switch_interval), *(["--workers-cpu"] if args.workers_cpu else [])],
                            check=True, env=_env(args.threads), cwd=str(REPO))
             with open(out) as f:
                 rec = json.load(f)
@@ -145,7 +159,7 @@ def main() -> None:
         syncer.terminate()
         syncer.wait(timeout=60)
         launcher.close()
-    result: dict = {"task": args.task, "threads": args.threads, "load_before": load0, "load_after": os.getloadavg()[0], "processes": procs}
+    result: dict = {"task": args.task, "threads": args.threads, "workers_cpu": args.workers_cpu, "load_before": load0, "load_after": os.getloadavg()[0], "processes": procs}
     for key, what in (("median_ms", "wall time per step"), ("p10_ms", "fastest tenth of the steps"),
                       ("cpu_ms", "all-thread CPU per step")):
         pairs = []

@@ -1,5 +1,5 @@
 """What the S3 client costs a learner: client CPU per request of the S3 store, with its lean
-request path (store/s3fast.py: botocore's signer and a urllib3 pool on the calling thread) and
+request path (store/s3fast.py: our SigV4 signer and a urllib3 pool on the calling thread) and
 through s3fs alone (``-o fast_requests=false``: aiobotocore on the store's event-loop thread);
 and, with --learner, a real `ddiloco learn` on that bucket, either way, reporting what the
 learner says ddiloco costs its steps (its heartbeat's fields, which count the thread that makes
@@ -10,7 +10,8 @@ service: its CPU is not the client's); this process on CPU 0. The two arms alter
 of --block requests of each kind (A/B interleaved); CPU is this process's (all threads: the
 s3fs arm's requests run on its loop thread), wall the caller's. The kinds are a learner's per
 step: a manifest GET (1.3 kB), the GET of the next, missing one, a bounded GET, a
-contribution's create-only PUT (21 kB), a heartbeat PUT (1 kB).
+contribution's create-only PUT (21 kB), a heartbeat PUT (1 kB). First, the signer alone: CPU per
+signature of ours (store/sigv4.py) against botocore's S3SigV4Auth, which the path used before.
 
 Learner (--learner): P = H = 24, int4, the 3.2M-parameter GPT, 1 torch thread on CPU 0, a
 `ddiloco sync` and moto on CPU 1; one learner process per arm and round, alternating.
@@ -82,6 +83,42 @@ def request_costs(n: int, block: int) -> dict:
     return out
 
 
+def signer_costs(n: int) -> dict:
+    """CPU per signature of a GET and a 21 kB PUT: the lean path's signer (store/sigv4.py) against
+    botocore's S3SigV4Auth as the path used it before (a request object, ``add_auth``), alternating
+    in blocks of 50."""
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    from ddiloco_cli.store.sigv4 import Signer
+
+    creds = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "token")
+    base, path = "http://127.0.0.1:5000", "/bucket/run/fragments/p00003/manifests/00000000000000000012.json"
+    ours = Signer(creds.get_frozen_credentials, "us-east-1")
+    bodies = {"GET": None, "PUT 21 kB": os.urandom(21000)}
+
+    def botocore_sign(method: str, body: bytes | None) -> None:
+        request = AWSRequest(method=method, url=base + path, data=body, headers={"User-Agent": "bench"})
+        S3SigV4Auth(creds.get_frozen_credentials(), "s3", "us-east-1").add_auth(request)
+        dict(request.headers.items())
+
+    arms = {"ours": lambda m, b: ours.sign(m, "127.0.0.1:5000", path, {"User-Agent": "bench"}, b),
+            "botocore": botocore_sign}
+    out = {}
+    for kind, body in bodies.items():
+        method = kind.split()[0]
+        cpu: dict[str, list[float]] = {a: [] for a in arms}
+        for b in range(0, n, 50):
+            for arm, sign in (arms.items() if (b // 50) % 2 == 0 else reversed(arms.items())):
+                c0 = time.process_time()
+                for _ in range(50):
+                    sign(method, body)
+                cpu[arm].append((time.process_time() - c0) / 50)
+        out[kind] = {arm: 1e3 * statistics.median(v) for arm, v in cpu.items()}
+    return out
+
+
 def learner_costs(workdir: str, rounds: int, steps: int) -> list[dict]:
     """One `ddiloco learn` process per arm and round on one run, the syncer serving it (the
     bucket's endpoint and credentials from the environment)."""
@@ -140,6 +177,11 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     result: dict = {"load_before": load0}
     try:
+        signers = signer_costs(max(100, 5 * args.requests))
+        result["signers"] = signers
+        print("SigV4 signing, CPU per request (ms): " + "; ".join(
+            f"{kind} ours {v['ours']:.3f} botocore {v['botocore']:.3f} ({v['botocore'] / v['ours']:.1f}x)"
+            for kind, v in signers.items()))
         costs = request_costs(args.requests, args.block)
         result["requests"] = costs
         print(f"\nS3 client CPU per request (this process, all threads; moto on its own CPU), median of blocks of "

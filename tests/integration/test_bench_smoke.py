@@ -157,9 +157,11 @@ def test_bench_s3_client_smoke(tmp_path):
     """Client CPU per request of the S3 store, lean path and s3fs, every kind a learner makes."""
     out = tmp_path / "s3client.json"
     text = _run("bench_s3_client.py", "--requests", "6", "--block", "3", "--json", str(out))
-    assert "S3 client CPU per request" in text
+    assert "S3 client CPU per request" in text and "SigV4 signing" in text
     rep = json.loads(out.read_text())
     assert len(rep["requests"]) == 5
+    assert set(rep["signers"]) == {"GET", "PUT 21 kB"}
+    assert all(v["ours"] > 0 and v["botocore"] > 0 for v in rep["signers"].values())
     for arms in rep["requests"].values():
         assert set(arms) == {"fast", "s3fs"}
         assert all(a["cpu_ms"] > 0 and a["wall_ms"] > 0 for a in arms.values())
