@@ -63,7 +63,9 @@ class Poller:
         """Load every new contribution above its learner's high-water mark, oldest first, into
         the pending set: the known learners' ones first, then at most UNKNOWN_PER_POLL of
         other ids (``_order``); the rest stay unseen until the next poll. A key at or below
-        the mark that was not listed before (``late``) is refused. Returns how many keys count
+        the mark is refused as late when it was not listed before, or when the first LIST after
+        reading the ledger finds it in no manifest read (``FragmentState.ledger_window``: lost
+        before this syncer started, e.g. by one that restarted). Returns how many keys count
         as new: those not seen before and, at the first LIST after a merge, the listed keys at
         or below the marks (a merge keeps the syncer polling at ``poll_s`` for one more round,
         as it did when ``seen`` was pruned at each commit: the same cadence, the same bits)."""
@@ -84,9 +86,9 @@ class Poller:
                 continue
             if seq > state.high_water.get(learner_id, -1):
                 fresh.append((seq, learner_id, info))
-            elif first:
-                state.seen.add(info.key)  # in a ledger already (or lost before this syncer read it)
-            else:
+            elif first and state.ledger_window.records(info.key, learner_id, seq):
+                state.seen.add(info.key)  # in the ledger already
+            else:  # after a later one of its learner was merged, or lost before this syncer read the ledger
                 fresh.append((seq, learner_id, info))
                 late.add(info.key)
         state.seen.intersection_update(info.key for info in infos)  # keys GC deleted are forgotten

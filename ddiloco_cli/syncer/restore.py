@@ -13,7 +13,7 @@ from ddiloco_cli.protocol.published import keyframe_chain
 from ddiloco_cli.protocol.typed_records import Manifest
 from ddiloco_cli.store.base import NotFound
 from ddiloco_cli.syncer.replay import restore_value
-from ddiloco_cli.syncer.state import FragmentState, SyncContext
+from ddiloco_cli.syncer.state import FragmentState, LedgerWindow, SyncContext
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +57,22 @@ class Restorer:
         if ctx.config.keyframe_rule == "size":
             state.chain = keyframe_chain(reader.manifest, latest)
         norms: list[float] = []  # newest first: the norm bound's running median, as the ledger recorded it
+        named: set[str] = set()
+        floor: dict[str, int] = {}  # the marks of the oldest manifest read; none when the walk reaches version 1
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
             try:
-                entries = Manifest.from_json(reader.manifest(v)).contributions
+                manifest = Manifest.from_json(reader.manifest(v))
             except (NotFound, ProtocolError):
                 break
-            for e in reversed(entries):
+            floor = {} if v == 1 else dict(manifest.high_water)
+            for e in reversed(manifest.contributions):
+                named.add(e.key)
                 if e.used:
                     state.tips.setdefault(e.learner_id, e)
                     if e.norm is not None:
                         norms.append(float(e.norm))
         state.norms.extend(reversed(norms[:state.norms.maxlen]))
+        state.ledger_window = LedgerWindow(frozenset(named), floor)
         return state
 
     def republish_missing(self, version: int, payloads: list[tuple[str, bytes]]) -> None:
@@ -97,9 +102,9 @@ class Restorer:
             return False
         hw = fresh.high_water
         state.current, state.high_water, state.chain = fresh.current, hw, fresh.chain
-        state.shares, state.tips = fresh.shares, fresh.tips
+        state.shares, state.tips, state.ledger_window = fresh.shares, fresh.tips, fresh.ledger_window
         state.pending = {lid: kept for lid, cs in state.pending.items()
                          if (kept := [c for c in cs if c.seq > hw.get(lid, -1)])}
         state.closed = [e for e in state.closed if e.seq > hw.get(e.learner_id, -1)]
-        state.listed = False  # another writer's ledger: its keys below the marks are not late arrivals
+        state.listed = False  # another writer's ledger: its keys below the marks are judged by it, not as late
         return True

@@ -13,7 +13,7 @@ import statistics
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
@@ -33,6 +33,25 @@ from ddiloco_cli.syncer.update import ApplyRules, FragmentValue
 Tensors = dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class LedgerWindow:
+    """The part of a fragment's ledger a syncer read when it restored the fragment: the keys its
+    manifests name (any status) and ``floor``, the high-water marks of the oldest one read (empty
+    when the walk reached the start of the ledger).
+
+    A contribution at or below its learner's mark is in the ledger when a manifest read names it
+    or its seq is at or below the floor; otherwise it was never recorded (marks only rise, and a
+    late arrival is recorded below the mark of the version before its own, so one above the floor
+    cannot be in an older manifest): it was lost before this syncer read the ledger. The audit
+    (``syncer.audit``) reads the whole retained ledger with the same rule."""
+
+    named: frozenset[str] = frozenset()
+    floor: Mapping[str, int] = field(default_factory=dict)
+
+    def records(self, key: str, learner_id: str, seq: int) -> bool:
+        return key in self.named or seq <= self.floor.get(learner_id, -1)
+
+
 @dataclass
 class FragmentState:
     fragment: int
@@ -44,8 +63,11 @@ class FragmentState:
     closed: list[LedgerEntry] = field(default_factory=list)  # superseded/refused entries for the next manifest
     seen: set[str] = field(default_factory=set)  # the listed keys already handled (pruned to each LIST's)
     # whether a LIST has been taken since this state was read from the ledger: the keys at or below
-    # the marks in that first one are in a ledger (or were lost before); a later one is a late arrival
+    # the marks in that first one are in the ledger (``ledger_window.records``) or were lost before this
+    # syncer read it; in a later one such a key is a late arrival. Either way, one not in the ledger
+    # is refused as late ([W9])
     listed: bool = False
+    ledger_window: LedgerWindow = field(default_factory=LedgerWindow)
     merged_since_poll: bool = False  # a version was committed since the last LIST (``Poller.take``)
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
     tips: dict[str, LedgerEntry] = field(default_factory=dict)  # per learner: its last used ledger entry

@@ -444,6 +444,54 @@ def test_high_water_marks_and_superseded_contributions_W9(run_store):
     assert s.states[0].closed == []
 
 
+def test_a_key_lost_before_a_restart_is_refused_as_late_W9(run_store, monkeypatch):
+    """[W9] a contribution at or below its learner's mark that no manifest names (it arrived late
+    while no syncer was listing: its syncer stopped after the merge that passed it) is refused as
+    late by the next syncer, with the reason, and never merged; the keys the ledger names, also
+    those older than the manifests the restore reads (at or below their marks), are not."""
+    from ddiloco_cli.syncer import restore
+
+    monkeypatch.setattr(restore, "TIP_WINDOW", 2)  # a restore reads the two newest manifests
+    beat(run_store, "a")
+    s = live_syncer(run_store, syncer_id="first")
+    for seq in (3, 5, 7):  # versions 1, 2, 3; key 3 is named only by version 1, older than the window
+        contribution(run_store, 0, "a", seq)
+        assert step(s, 0)
+    lost, _, _ = contribution(run_store, 0, "a", 6)  # below the mark 7, and "first" never lists again
+    s.heartbeat(force=True, state="stopped")
+    problems = audit_ledger(run_store, run_id=s.run_id, fragments=[0]).problems
+    assert len(problems) == 1 and problems[0].startswith(f"{lost}: lost")
+    nxt = Syncer(run_store, options=SyncerOptions(syncer_id="next", poll_s=0.01, gc=False))
+    assert nxt.acquire(stop=lambda: False)
+    nxt.restore()
+    window = nxt.states[0].ledger_window
+    assert dict(window.floor) == {"a": 5} and layout.contribution_key(0, "a", 3) not in window.named
+    nxt.poll_contributions()
+    assert nxt.states[0].pending == {} and [e.key for e in nxt.states[0].closed] == [lost]  # only the lost one
+    contribution(run_store, 0, "a", 8)
+    assert step(nxt, 0)
+    by_key = {c["key"]: c for c in ledger.read_manifest(run_store, 0, 4)["contributions"]}
+    assert not by_key[lost]["used"] and by_key[lost]["reason"].startswith("arrived late: seq 6 is at or below")
+    assert audit_ledger(run_store, run_id=s.run_id, fragments=[0]).problems == []
+    again = restored(run_store)  # a later restart refuses nothing twice
+    again.poll_contributions()
+    assert again.states[0].pending == {} and again.states[0].closed == []
+
+
+def test_a_restore_that_reads_the_whole_ledger_has_no_floor_W9(run_store):
+    """[W9] when the restore's walk reaches version 1 it has read every entry: a key below the
+    first merge's mark that no manifest names is refused as late, not taken as recorded."""
+    beat(run_store, "a")
+    s = live_syncer(run_store, syncer_id="first")
+    contribution(run_store, 0, "a", 7)
+    assert step(s, 0)
+    lost, _, _ = contribution(run_store, 0, "a", 6)
+    r = restored(run_store)
+    assert dict(r.states[0].ledger_window.floor) == {}
+    r.poll_contributions()
+    assert [e.key for e in r.states[0].closed] == [lost]
+
+
 # ======================================================== fencing and leases
 def test_higher_overlapping_epoch_fences_F1(run_store):
     """[F1][F3] a syncer that sees a higher epoch overlapping its fragments raises FencedError and
