@@ -80,16 +80,20 @@ def worker(args) -> dict:
         return int(task.num_tokens(batch))
 
     def phase(sync) -> dict:
-        stamps = [(time.perf_counter(), time.process_time())]
+        stamps = [(time.perf_counter(), time.process_time(), time.thread_time())]
         for _ in range(args.steps):
             n_tok = train_step()
             if sync is not None:
                 sync.step(num_tokens=n_tok)
-            stamps.append((time.perf_counter(), time.process_time()))
+            stamps.append((time.perf_counter(), time.process_time(), time.thread_time()))
         steady = stamps[args.skip:]
         dts = [b[0] - a[0] for a, b in zip(steady, steady[1:])]
+        n = len(steady) - 1
+        wall, main_cpu = steady[-1][0] - steady[0][0], steady[-1][2] - steady[0][2]
         return {"median_ms": 1e3 * statistics.median(dts), "p10_ms": 1e3 * sorted(dts)[len(dts) // 10],
-                "cpu_ms": 1e3 * (steady[-1][1] - steady[0][1]) / (len(steady) - 1)}
+                "cpu_ms": 1e3 * (steady[-1][1] - steady[0][1]) / n, "main_cpu_ms": 1e3 * main_cpu / n,
+                # the training thread's time off its CPU a step: waits (the GIL, locks) and preemptions
+                "main_off_cpu_ms": 1e3 * (wall - main_cpu) / n}
 
     phases = []
     with DiLoCoSync(store, model, learner_id=args.learner_id,
@@ -170,6 +174,13 @@ def main() -> None:
         result[key] = {"per_pair": pairs, "median": statistics.median(pairs), "quartiles": [q[0], q[2]]}
         print(f"{what}, ddiloco / plain, median of {len(pairs)} pairs: {100 * result[key]['median']:+.2f}% "
               f"(quartiles {100 * q[0]:+.2f}% .. {100 * q[2]:+.2f}%)")
+    for key, what in (("main_cpu_ms", "the training thread's CPU"), ("main_off_cpu_ms", "the training thread off "
+                                                                     "its CPU (waits, preemptions)")):
+        per_arm = {arm: statistics.median(r[key] for phases in procs for r in phases if r["arm"] == arm)
+                   for arm in ("plain", "ddiloco")}
+        result[key] = per_arm
+        print(f"{what} per step, median of the phases: plain {per_arm['plain']:.2f} ms, "
+              f"ddiloco {per_arm['ddiloco']:.2f} ms")
     print(f"load {load0:.2f} -> {result['load_after']:.2f}")
     benchlib.write_result(result, json_path=args.json, workdir=workdir, keep_workdir=False)
 

@@ -111,7 +111,21 @@ def test_bench_inproc_smoke(tmp_path):
     for key in ("median_ms", "p10_ms", "cpu_ms"):
         assert len(rep[key]["per_pair"]) == 2 and all(math.isfinite(x) for x in rep[key]["per_pair"])
         assert rep[key]["median"] == pytest.approx(sum(rep[key]["per_pair"]) / 2)
-    assert all(r["median_ms"] > 0 and r["cpu_ms"] > 0 for r in phases)
+    # (the clocks are read one after the other: a few microseconds apart)
+    assert all(r["median_ms"] > 0 and r["cpu_ms"] > 0 and 0 < r["main_cpu_ms"] <= r["cpu_ms"] + 0.05
+               and r["main_off_cpu_ms"] >= -0.05 for r in phases)
+    assert set(rep["main_off_cpu_ms"]) == {"plain", "ddiloco"}
+
+
+def test_bench_inproc_workers_cpu_smoke(tmp_path):
+    """The learner's worker threads on a core of their own (where there are two)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs")
+    out = tmp_path / "inproc.json"
+    text = _run("bench_inproc.py", "--procs", "1", "--pairs", "1", "--steps", "6", "--skip", "1", "--task", "tiny",
+                "--workers-cpu", "--switch-interval", "1", "--json", str(out), timeout_s=180)
+    assert "worker threads on CPU 1" in text
+    assert json.loads(out.read_text())["workers_cpu"] is True
 
 
 def test_bench_gpu_runs_its_three_arms_on_the_cpu(tmp_path):
