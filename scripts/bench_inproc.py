@@ -17,7 +17,11 @@ out: the start (the session's threads, the global model's read) and memory (benc
 measures both). Same run as bench_overhead.py: P = H = 24, tau 2, K 1, int4, a real ``ddiloco
 sync`` on CPU 1 at nice +10, the learner process on CPU 0 (its worker threads too: the worst
 case) with 1 torch thread, the allocator settings the learner sets (``allocator.tune()``) in
-both arms. All-thread CPU per step (the process's CPU clock) is compared the same way.
+both arms. All-thread CPU per step (the process's CPU clock) is compared the same way, and each
+arm's training thread CPU and its time off CPU a step (wall minus that CPU: waiting for the GIL
+or a lock, or preempted) are reported (medians of the phases). --workers-cpu puts the worker
+threads on CPU 1 (the training thread alone on CPU 0: a learner with a core to spare, where what
+is left is the GIL and the caches).
 
     .venv/bin/python scripts/bench_inproc.py                       # 3 processes x 40 pairs
     .venv/bin/python scripts/bench_inproc.py --procs 1 --pairs 4   # smoke
@@ -139,8 +143,9 @@ def main() -> None:
     launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
     syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(1 if pin else None, nice=10)))
     load0 = os.getloadavg()[0]
-    print(f"task {args.task}, {args.threads} torch thread(s){'; worker threads on CPU 1' if args.workers_cpu else ''}: {args.procs} process(es) x {args.pairs} pairs x {args.steps} steps a phase "
-          f"({args.skip} left out); load {load0:.2f}", flush=True)
+    where = "; worker threads on CPU 1" if args.workers_cpu else ""
+    print(f"task {args.task}, {args.threads} torch thread(s){where}: {args.procs} process(es) x {args.pairs} pairs x "
+          f"{args.steps} steps a phase ({args.skip} left out); load {load0:.2f}", flush=True)
     procs = []
     try:
         for i in range(args.procs):
@@ -149,7 +154,8 @@ def main() -> None:
             subprocess.run([*_prefix(cpus), sys.executable, THIS, "--worker", "--out", out, "--url", url,
                             "--learner-id", f"inproc-{i}", "--task", args.task, "--steps", str(args.steps),
                             "--skip", str(args.skip), "--pairs", str(args.pairs), "--threads", str(args.threads),
-                            "--switch-interval", str(args.switch_interval), *(["--workers-cpu"] if args.workers_cpu else [])],
+                            "--switch-interval", str(args.switch_interval),
+                            *(["--workers-cpu"] if args.workers_cpu else [])],
                            check=True, env=_env(args.threads), cwd=str(REPO))
             with open(out) as f:
                 rec = json.load(f)
@@ -163,7 +169,9 @@ def main() -> None:
         syncer.terminate()
         syncer.wait(timeout=60)
         launcher.close()
-    result: dict = {"task": args.task, "threads": args.threads, "workers_cpu": args.workers_cpu, "load_before": load0, "load_after": os.getloadavg()[0], "processes": procs}
+    result: dict = {"task": args.task, "threads": args.threads, "workers_cpu": args.workers_cpu,
+                    "switch_interval_ms": args.switch_interval or None, "load_before": load0,
+                    "load_after": os.getloadavg()[0], "processes": procs}
     for key, what in (("median_ms", "wall time per step"), ("p10_ms", "fastest tenth of the steps"),
                       ("cpu_ms", "all-thread CPU per step")):
         pairs = []

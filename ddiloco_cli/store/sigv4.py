@@ -2,10 +2,11 @@
 
 botocore's ``S3SigV4Auth`` builds a request object, walks its headers through a case-insensitive
 map, derives the signing key with four HMACs and formats the date through ``datetime`` on every
-request: about a third of the lean path's client CPU. Here the signing key is derived once a
-(secret, day, region) and kept, and a request's canonical form is a few string joins: the same
-signature botocore computes for the same request (tests/unit/test_sigv4.py holds them equal,
-header for header), in a tenth of the time.
+request: about a sixth of the lean path's client CPU on a learner (0.49-0.58 ms a request with it,
+0.43-0.48 without, docs/results.md). Here the signing key is derived once a (secret, day) and
+kept, and a request's canonical form is a few string joins: the same signature botocore computes
+for the same request (tests/unit/test_sigv4.py holds them equal, header for header), 7x faster
+for a GET (3.5x for a 21 kB PUT, whose body both hash; ``scripts/bench_s3_client.py``).
 
 Only what the lean path sends is covered: one object's URL with no query string, a body given
 whole (its SHA-256 signed, as botocore signs it over http and over https without a checksum
