@@ -19,7 +19,8 @@ sync`` on CPU 1 at nice +10, the learner process on CPU 0 (its worker threads to
 case) with 1 torch thread, the allocator settings the learner sets (``allocator.tune()``) in
 both arms. All-thread CPU per step (the process's CPU clock) is compared the same way, and each
 arm's training thread CPU and its time off CPU a step (wall minus that CPU: waiting for the GIL
-or a lock, or preempted) are reported (medians of the phases). --workers-cpu puts the worker
+or a lock, or preempted) are reported (medians of the phases), the latter by part of the step
+(forward, backward, optimizer, ddiloco's ``step``). --workers-cpu puts the worker
 threads on CPU 1 (the training thread alone on CPU 0: a learner with a core to spare, where what
 is left is the GIL and the caches).
 
@@ -50,6 +51,20 @@ from bench_overhead import INNER_LR, REPO, SEED, TASKS, WARMUP, _env, _prefix, i
 THIS = os.path.abspath(__file__)
 
 
+PARTS = ("forward", "backward", "optimizer", "ddiloco")  # of a step: where the training thread waits
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
+
+
+def _off_cpu(off: dict[str, float], part: str, since: tuple[float, float]) -> tuple[float, float]:
+    """Add the training thread's time off its CPU since ``since`` to ``off[part]``; the clocks now."""
+    now = _clocks()
+    off[part] += (now[0] - since[0]) - (now[1] - since[1])
+    return now
+
+
 def worker(args) -> dict:
     from ddiloco_cli import DiLoCoSync, SyncOptions
     from ddiloco_cli.learner import allocator
@@ -70,25 +85,35 @@ def worker(args) -> dict:
     store = open_store(args.url)
     done = [0]
 
-    def train_step() -> int:
+    def train_step(off: dict[str, float]) -> int:
+        """One step; adds the training thread's time off its CPU in each part to ``off``."""
         done[0] += 1
+        t = _clocks()
         for group in optimizer.param_groups:
             group["lr"] = INNER_LR * done[0] / WARMUP if done[0] <= WARMUP else INNER_LR
         batch = next(batches)
         loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
+        t = _off_cpu(off, "forward", t)
         loss.backward()
+        t = _off_cpu(off, "backward", t)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         float(loss.detach())
+        _off_cpu(off, "optimizer", t)
         return int(task.num_tokens(batch))
 
     def phase(sync) -> dict:
         stamps = [(time.perf_counter(), time.process_time(), time.thread_time())]
-        for _ in range(args.steps):
-            n_tok = train_step()
+        off = dict.fromkeys(PARTS, 0.0)
+        for i in range(args.steps):
+            if i == args.skip:
+                off = dict.fromkeys(PARTS, 0.0)  # the steady steps only
+            n_tok = train_step(off)
             if sync is not None:
+                t = _clocks()
                 sync.step(num_tokens=n_tok)
+                _off_cpu(off, "ddiloco", t)
             stamps.append((time.perf_counter(), time.process_time(), time.thread_time()))
         steady = stamps[args.skip:]
         dts = [b[0] - a[0] for a, b in zip(steady, steady[1:])]
@@ -97,7 +122,8 @@ def worker(args) -> dict:
         return {"median_ms": 1e3 * statistics.median(dts), "p10_ms": 1e3 * sorted(dts)[len(dts) // 10],
                 "cpu_ms": 1e3 * (steady[-1][1] - steady[0][1]) / n, "main_cpu_ms": 1e3 * main_cpu / n,
                 # the training thread's time off its CPU a step: waits (the GIL, locks) and preemptions
-                "main_off_cpu_ms": 1e3 * (wall - main_cpu) / n}
+                "main_off_cpu_ms": 1e3 * (wall - main_cpu) / n,
+                "off_cpu_ms_by_part": {k: 1e3 * v / (args.steps - args.skip) for k, v in off.items()}}
 
     phases = []
     with DiLoCoSync(store, model, learner_id=args.learner_id,
@@ -189,6 +215,11 @@ def main() -> None:
         result[key] = per_arm
         print(f"{what} per step, median of the phases: plain {per_arm['plain']:.2f} ms, "
               f"ddiloco {per_arm['ddiloco']:.2f} ms")
+    by_part = {arm: {k: statistics.median(r["off_cpu_ms_by_part"][k] for phases in procs for r in phases
+                                         if r["arm"] == arm) for k in PARTS} for arm in ("plain", "ddiloco")}
+    result["off_cpu_ms_by_part"] = by_part
+    print("  by part of the step (plain / ddiloco, ms): " + ", ".join(
+        f"{k} {by_part['plain'][k]:.2f} / {by_part['ddiloco'][k]:.2f}" for k in PARTS))
     print(f"load {load0:.2f} -> {result['load_after']:.2f}")
     benchlib.write_result(result, json_path=args.json, workdir=workdir, keep_workdir=False)
 

@@ -115,6 +115,8 @@ def test_bench_inproc_smoke(tmp_path):
     assert all(r["median_ms"] > 0 and r["cpu_ms"] > 0 and 0 < r["main_cpu_ms"] <= r["cpu_ms"] + 0.05
                and r["main_off_cpu_ms"] >= -0.05 for r in phases)
     assert set(rep["main_off_cpu_ms"]) == {"plain", "ddiloco"}
+    assert set(rep["off_cpu_ms_by_part"]["ddiloco"]) == {"forward", "backward", "optimizer", "ddiloco"}
+    assert all(r["off_cpu_ms_by_part"]["ddiloco"] == 0.0 for r in phases if r["arm"] == "plain")  # no step() there
 
 
 def test_bench_inproc_workers_cpu_smoke(tmp_path):
