@@ -72,6 +72,86 @@ def test_parse_json_bounds_are_exact_R7():
         records.parse_json(b" " * 11, where="x", max_bytes=10)
 
 
+def _hooked(raw: bytes):
+    """The reference: every number through parse_json's hooks (what it did for every record
+    before its fast path)."""
+    try:
+        return "ok", json.loads(raw.decode("utf-8"), parse_int=records._parse_int, parse_float=records._parse_float,
+                                parse_constant=records._parse_constant)
+    except records.PARSE_ERRORS:
+        return "error", None
+
+
+def _depth(value) -> int:
+    """Nesting depth of a parsed value (its containers'), as parse_json bounds it."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def _same(a, b) -> bool:
+    """Equal values of equal types all the way down (1 is not 1.0 here)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+_EDGE_NUMBERS = ["9" * 19, "9" * 20, "9" * 21, "-" + "9" * 19, "-" + "9" * 20, "1e99", "1e100", "1e308", "1e309",
+                 "-1e-05", "1e-300", "1E+400", "2.5e-07", "0." + "1" * 30, "1" * 25 + ".5", "0", "-0", "-0.0",
+                 "12345678901234567890.5", "1.7976931348623157e308", "NaN", "-Infinity", "Infinity", "true", "null"]
+_EDGE_STRINGS = ['"a"', '"00000000000000000003.json"', '"e540e700"', '"NaN Infinity 1e999"', '"q\\"uote"',
+                 '"back\\\\slash"', '"' + "9" * 30 + '"', '"-' + "1" * 21 + '"', '"\\u0041"', '"[[{{"',
+                 '"' + "[{" * 40 + '"']
+
+
+def _check_fast_path(raw: bytes) -> None:
+    """parse_json as it reads small records (the hooks) and large ones (the numbers checked on
+    the text: here at any size) against the reference."""
+    want = _hooked(raw)
+    if want[0] == "ok" and _depth(want[1]) > records.MAX_JSON_DEPTH:
+        want = ("error", None)  # (too deep for parse_json, whatever the numbers)
+    default = records.UNHOOKED_MIN_BYTES
+    for threshold in (0, default):
+        records.UNHOOKED_MIN_BYTES = threshold
+        try:
+            got = ("ok", records.parse_json(raw, where="x"))
+        except ProtocolError:
+            got = ("error", None)
+        finally:
+            records.UNHOOKED_MIN_BYTES = default
+        assert got[0] == want[0] and _same(got[1], want[1]), (raw, threshold)
+
+
+@pytest.mark.parametrize("edge", _EDGE_NUMBERS + _EDGE_STRINGS)
+def test_parse_json_fast_path_at_each_edge_R7(edge):
+    """[R7] each edge value alone, in an array and as an object's value (beside a string that
+    would send the parse the slow way and one that would not)."""
+    for doc in (edge, f"[{edge}]", f'{{"k": {edge}, "s": "x"}}', f'[1, {edge}, "00000000000000000001"]'):
+        _check_fast_path(doc.encode())
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.recursive(st.sampled_from(_EDGE_NUMBERS + _EDGE_STRINGS)
+                    | st.integers(min_value=-10**25, max_value=10**25).map(str)
+                    | st.floats(allow_nan=False, allow_infinity=False).map(repr),
+                    lambda inner: st.lists(inner, max_size=4).map(lambda xs: "[" + ",".join(xs) + "]")
+                    | st.dictionaries(st.sampled_from(['"a"', '"b"', '"k 1"', '"e100"']), inner, max_size=4).map(
+                        lambda d: "{" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "}"),
+                    max_leaves=12))
+def test_parse_json_fast_path_gives_what_the_hooks_give_R7(doc):
+    """[R7] JSON whose numbers the C scanner may parse alone (``records._plain_numbers``) gives
+    exactly the values the hooked parse gives, and JSON it may not is refused or accepted as the
+    hooks decide: digit runs, exponents, NaN and Infinity at the bounds and inside strings,
+    escaped quotes and backslashes."""
+    _check_fast_path(doc.encode())
+
+
 def test_schemas_bound_every_integer_R7():
     """[R7] every integer field of every schema has a maximum (at most 2**53 - 1), so no
     accepted number overflows a float; c_tokens**2 / c_steps stays finite."""
