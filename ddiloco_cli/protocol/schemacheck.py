@@ -3,7 +3,10 @@
 ``jsonschema`` walks a schema generically and takes 0.5-1.3 ms for a 1-2 kB
 manifest, which a learner pays for every version it receives. ``compile_schema``
 turns a schema into nested closures once; checking a record is then a few
-dictionary lookups per field. It supports exactly the keywords our schemas use
+dictionary lookups per field. The common shapes compile to one function each: an
+object's (its properties, required keys, additional properties and if/then) and a
+number's or string's leaf (type, bounds, length, pattern, format, also "or null"),
+which check exact JSON types (a subclass gets a no, and jsonschema the last word). It supports exactly the keywords our schemas use
 (``type``, ``properties``, ``required``, ``additionalProperties``, ``items``,
 ``minItems``/``maxItems``, ``minimum``/``maximum`` and their exclusive forms,
 ``maxLength``, ``pattern``, ``const``, ``enum``, ``format``, ``if``/``then``,
@@ -20,6 +23,7 @@ that both agree on valid and mutated records.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, Mapping
 
@@ -153,6 +157,49 @@ def _each_item(item: Check) -> Check:
     return check_items
 
 
+_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "if", "then"}
+_SCALAR_KEYS = {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "maxLength", "pattern", "format"}
+
+
+def _scalar(k: Mapping[str, Any], formats: Mapping[str, Check]) -> Check | None:
+    """One function for a number or string leaf (``type`` "integer", "number" or "string", or
+    one of them with "null", and their bounds, length, pattern and format), or None. It checks
+    exact types (``type(x) is int``), which is what JSON parses to; anything else (a subclass)
+    it refuses, and jsonschema, asked on every no, decides."""
+    names = k.get("type")
+    names = [names] if isinstance(names, str) else list(names) if isinstance(names, list) else []
+    null = "null" in names
+    kinds = [n for n in names if n != "null"]
+    if len(kinds) != 1 or kinds[0] not in ("integer", "number", "string") or not set(k) <= _SCALAR_KEYS:
+        return None
+    if kinds[0] == "string":
+        if any(key in k for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            return None
+        longest = k.get("maxLength", math.inf)
+        regex = re.compile(k["pattern"]) if "pattern" in k else None
+        if "format" in k and k["format"] not in formats:
+            raise Unsupported(f"format {k['format']!r}")
+        fmt = formats.get(k["format"]) if "format" in k else None
+
+        def check_string(x: Any) -> bool:
+            if type(x) is str:
+                return len(x) <= longest and (regex is None or regex.search(x) is not None) and (fmt is None or fmt(x))
+            return null and x is None
+        return check_string
+    if any(key in k for key in ("maxLength", "pattern", "format")):
+        return None
+    integer = kinds[0] == "integer"
+    lo, hi = k.get("minimum", -math.inf), k.get("maximum", math.inf)
+    above, below = k.get("exclusiveMinimum", -math.inf), k.get("exclusiveMaximum", math.inf)
+
+    def check_number(x: Any) -> bool:
+        t = type(x)
+        if t is not int and (t is not float or (integer and not x.is_integer())):
+            return null and x is None
+        return lo <= x <= hi and above < x < below
+    return check_number
+
+
 class _Compiler:
     """One schema's compilation: its ``$defs`` compiled once, referred to late-bound (a
     definition may refer to itself)."""
@@ -184,7 +231,43 @@ class _Compiler:
             return lambda x: False
         if not isinstance(s, dict):
             raise Unsupported(f"schema {s!r}")
-        return _all_of([self.keyword(key, value, s) for key, value in s.items() if key not in _ANNOTATIONS])
+        keywords = {key: value for key, value in s.items() if key not in _ANNOTATIONS}
+        fused = _scalar(keywords, self.formats) or self._object(keywords)
+        if fused is not None:
+            return fused
+        return _all_of([self.keyword(key, value, s) for key, value in keywords.items()])
+
+    def _object(self, k: Mapping[str, Any]) -> Check | None:
+        """One function for an object's schema (``type`` "object" or none, ``properties``,
+        ``required``, ``additionalProperties``, ``if``/``then``: the records', their entries' and
+        their conditions' shape): a dict lookup and one check a property."""
+        typed = "type" in k
+        if (typed and k["type"] != "object") or not set(k) <= _OBJECT_KEYS or ("then" in k) != ("if" in k):
+            return None
+        props = {name: self.node(sub) for name, sub in k.get("properties", {}).items()}
+        required = frozenset(k.get("required", ()))
+        closed = k.get("additionalProperties", True) is not True  # else only the named properties are looked at
+        extra, get, named = self.node(k.get("additionalProperties", True)), props.get, list(props.items())
+        cond = self.node(k["if"]) if "if" in k else None
+        then = self.node(k["then"]) if "then" in k else None
+
+        def check_object(x: Any) -> bool:
+            if type(x) is not dict:
+                # properties, required and additionalProperties hold for anything but an object
+                return not typed and not isinstance(x, dict) and (cond is None or not cond(x) or then(x))
+            if not x.keys() >= required:
+                return False
+            if closed:
+                for key, v in x.items():
+                    p = get(key)
+                    if not (extra(v) if p is None else p(v)):
+                        return False
+            else:
+                for name, p in named:
+                    if name in x and not p(x[name]):
+                        return False
+            return cond is None or not cond(x) or then(x)
+        return check_object
 
     def keyword(self, key: str, value: Any, s: Mapping[str, Any]) -> Check:
         simple = _value_keyword(key, value)
