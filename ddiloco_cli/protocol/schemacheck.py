@@ -6,11 +6,11 @@ turns a schema into nested closures once; checking a record is then a few
 dictionary lookups per field. The common shapes compile to one function each: an
 object's (its properties, required keys, additional properties and if/then) and a
 number's or string's leaf (type, bounds, length, pattern, format, also "or null"),
-which check exact JSON types (a subclass gets a no, and jsonschema the last word). It supports exactly the keywords our schemas use
-(``type``, ``properties``, ``required``, ``additionalProperties``, ``items``,
-``minItems``/``maxItems``, ``minimum``/``maximum`` and their exclusive forms,
-``maxLength``, ``pattern``, ``const``, ``enum``, ``format``, ``if``/``then``,
-local ``$ref``) with jsonschema's semantics (an integral float is an integer, a
+which check exact JSON types (a subclass gets a no, and jsonschema the last word).
+It supports exactly the keywords our schemas use (``type``, ``properties``,
+``required``, ``additionalProperties``, ``items``, ``minItems``/``maxItems``,
+``minimum``/``maximum`` and their exclusive forms, ``maxLength``, ``pattern``,
+``const``, ``enum``, ``format``, ``if``/``then``, local ``$ref``) with jsonschema's semantics (an integral float is an integer, a
 bool is neither a number nor equal to 1, ``pattern`` searches, each keyword
 applies only to its own instance type) and refuses to compile anything else
 (``Unsupported``), so a schema change cannot silently weaken a check.
