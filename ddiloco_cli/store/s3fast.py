@@ -64,7 +64,7 @@ class FastS3:
         import urllib3
         from botocore.httpsession import get_cert_path
 
-        self.base_url, self.region, self.credentials = base_url, region, credentials
+        self.base_url = base_url
         parts = urlsplit(base_url)
         self._host, self._base_path = host_header(parts.scheme, parts.hostname or "", parts.port), parts.path
         self._signer = Signer(credentials.get_frozen_credentials, region)

@@ -19,19 +19,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 ALGORITHM = "AWS4-HMAC-SHA256"
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 UNSIGNED = frozenset(("user-agent", "expect", "connection", "keep-alive", "transfer-encoding"))
-
-
-class Frozen(NamedTuple):
-    """A credential at one moment: what the signer reads of botocore's ``get_frozen_credentials()``."""
-
-    access_key: str
-    secret_key: str
-    token: str | None
 
 
 def host_header(scheme: str, hostname: str, port: int | None) -> str:
@@ -47,12 +39,11 @@ def host_header(scheme: str, hostname: str, port: int | None) -> str:
 
 class Signer:
     """Signs requests to one service in one region with credentials read per request
-    (``credentials()``, anything with ``access_key``, ``secret_key`` and ``token``: a ``Frozen``
-    or botocore's; refreshed ones are picked up as they change)."""
+    (``credentials()``: botocore's ``get_frozen_credentials``, anything with ``access_key``,
+    ``secret_key`` and ``token``; refreshed ones are picked up as they change)."""
 
-    def __init__(self, credentials: Callable[[], Any], region: str, service: str = "s3",
-                 clock: Callable[[], float] = time.time):
-        self.credentials, self.region, self.service, self.clock = credentials, region, service, clock
+    def __init__(self, credentials: Callable[[], Any], region: str, service: str = "s3"):
+        self.credentials, self.region, self.service = credentials, region, service
         self._key: tuple[tuple[str, str], bytes] | None = None  # ((secret, day), signing key)
 
     def signing_key(self, secret: str, day: str) -> bytes:
@@ -71,9 +62,10 @@ class Signer:
              *, now: float | None = None) -> dict[str, str]:
         """The headers to send: ``headers`` plus Host, X-Amz-Date, X-Amz-Content-SHA256,
         X-Amz-Security-Token (with a session token) and Authorization. ``path``: the URL's path
-        exactly as sent (already percent-encoded; S3 signs it as it is)."""
+        exactly as sent (already percent-encoded; S3 signs it as it is). ``now``: the signing
+        time (default: this host's clock)."""
         cred = self.credentials()
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self.clock() if now is None else now))
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
         day = stamp[:8]
         payload = hashlib.sha256(body).hexdigest() if body else EMPTY_SHA256
         out = {"Host": host, **headers, "X-Amz-Date": stamp, "X-Amz-Content-SHA256": payload}
@@ -97,4 +89,4 @@ class Signer:
         return out
 
 
-__all__ = ["Frozen", "Signer", "host_header", "EMPTY_SHA256"]
+__all__ = ["Signer", "host_header", "EMPTY_SHA256"]

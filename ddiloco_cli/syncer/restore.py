@@ -58,13 +58,13 @@ class Restorer:
             state.chain = keyframe_chain(reader.manifest, latest)
         norms: list[float] = []  # newest first: the norm bound's running median, as the ledger recorded it
         named: set[str] = set()
-        floor: dict[str, int] = {}  # the marks of the oldest manifest read; none when the walk reaches version 1
+        oldest: tuple[int, Manifest] | None = None  # the oldest manifest the walk read
         for v in range(latest, max(0, latest - TIP_WINDOW), -1):
             try:
                 manifest = Manifest.from_json(reader.manifest(v))
             except (NotFound, ProtocolError):
                 break
-            floor = {} if v == 1 else dict(manifest.high_water)
+            oldest = (v, manifest)
             for e in reversed(manifest.contributions):
                 named.add(e.key)
                 if e.used:
@@ -72,6 +72,8 @@ class Restorer:
                     if e.norm is not None:
                         norms.append(float(e.norm))
         state.norms.extend(reversed(norms[:state.norms.maxlen]))
+        # its marks are the floor; none when the walk reached version 1 (it read every entry)
+        floor = {} if oldest is None or oldest[0] == 1 else dict(oldest[1].high_water)
         state.ledger_window = LedgerWindow(frozenset(named), floor)
         return state
 

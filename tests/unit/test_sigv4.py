@@ -15,7 +15,7 @@ from botocore.auth import S3SigV4Auth  # noqa: E402
 from botocore.awsrequest import AWSRequest  # noqa: E402
 from botocore.credentials import Credentials  # noqa: E402
 
-from ddiloco_cli.store.sigv4 import EMPTY_SHA256, Frozen, Signer, host_header  # noqa: E402
+from ddiloco_cli.store.sigv4 import EMPTY_SHA256, Signer, host_header  # noqa: E402
 
 STAMP = "20261207T081512Z"
 NOW = calendar.timegm(time.strptime(STAMP, "%Y%m%dT%H%M%SZ"))
@@ -65,7 +65,7 @@ def test_signature_equals_botocores(method, base, key, headers, body, region, to
 
 def test_known_answer():
     """A fixed request's signature, so a change in both signers at once cannot pass unseen."""
-    signer = Signer(lambda: Frozen("AKIDEXAMPLE", "secret", None), "us-east-1")
+    signer = Signer(Credentials("AKIDEXAMPLE", "secret").get_frozen_credentials, "us-east-1")
     h = signer.sign("GET", "127.0.0.1:5000", "/bucket/k", {}, None, now=NOW)
     assert h["X-Amz-Content-SHA256"] == EMPTY_SHA256
     assert h["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20261207/us-east-1/s3/aws4_request, "
@@ -77,14 +77,14 @@ def test_known_answer():
 
 def test_signing_key_is_derived_once_a_day_and_secret():
     secrets = iter(["s1", "s1", "s2"])
-    signer = Signer(lambda: Frozen("AK", next(secrets), None), "us-east-1")
+    signer = Signer(lambda: Credentials("AK", next(secrets)).get_frozen_credentials(), "us-east-1")
     signer.sign("GET", "h", "/b/k", {}, now=NOW)
     key1 = signer._key
     signer.sign("GET", "h", "/b/k", {}, now=NOW + 60)
     assert signer._key is key1  # the same secret and day: kept
     signer.sign("GET", "h", "/b/k", {}, now=NOW + 120)
     assert signer._key is not key1 and signer._key[0] == ("s2", "20261207")  # a rotated secret: derived again
-    signer2 = Signer(lambda: Frozen("AK", "s1", None), "us-east-1")
+    signer2 = Signer(Credentials("AK", "s1").get_frozen_credentials, "us-east-1")
     signer2.sign("GET", "h", "/b/k", {}, now=NOW + 86400)
     assert signer2._key[0] == ("s1", "20261208") and signer2._key[1] != key1[1]  # the next day: a new key
 
