@@ -136,6 +136,10 @@ class ReceivePath:
         (``copied_into``). The receiver reads a base only while p is wanted and not ready, and the
         version just taken ended that; an upload that has still to compute an outer gradient from
         the old base (``_lent``: its queue is behind) keeps it, and ``value`` becomes the base."""
+        if self._io is not None:  # the io helper keeps the values: it takes this one as p's base
+            self.base[p] = (version, None)
+            self._io.took(p, version)
+            return
         kept = self.base[p][1] if p in self.base and not self._lent(p) else None
         self.base[p] = (version, copied_into(kept, value))
 

@@ -131,8 +131,10 @@ class Receiver(threading.Thread):
 
     def __init__(self, store: Store, readers: dict[int, FragmentReader], *, learner_id: str, min_poll_s: float,
                  stats: LearnerStats, pace_s: Callable[[], float] = lambda: 0.0,
-                 clock: Callable[[], float] = time.monotonic, pin: bool = False):
+                 clock: Callable[[], float] = time.monotonic, pin: bool = False,
+                 on_ready: Callable[[int], None] | None = None):
         super().__init__(name="ddiloco-receiver", daemon=True)
+        self.on_ready = on_ready  # called (on this thread) with a fragment once a version of it is ready
         self.clock = clock
         self.store, self.readers, self.min_poll_s, self.stats = store, readers, min_poll_s, stats
         self.learner_id = learner_id
@@ -268,8 +270,11 @@ class Receiver(threading.Thread):
         if subtract is not None:
             increment = difference(value, landed(subtract), pin=self.pin)
         with self.lock:
-            if p in self.wanted:
+            ready = p in self.wanted
+            if ready:
                 self.ready[p] = Ready(latest, value, reader.manifest(latest), refused, increment, subtract)
+        if ready and self.on_ready is not None:
+            self.on_ready(p)
         return True
 
     def _newest(self, p: int, reader: FragmentReader, have: int) -> int | None:

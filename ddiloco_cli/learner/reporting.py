@@ -43,6 +43,9 @@ class Reporting:
         threads (the deterministic simulation) reports none."""
         if not self.opts.threads or self._uploader is None:
             return {}
+        if self._io is not None:  # the io helper process's CPU, and the heartbeat's
+            return self._cost.fields(self.stats.step, [w for w in (self._writer, *io_threads(self.store)) if w],
+                                     extra_cpu_s=self._io.cpu_s())
         # with the thread that makes the bucket's requests for them (GCS's; S3's but GETs and PUTs)
         workers = [*self._uploader.threads, self._receiver, self._writer, *io_threads(self.store)]
         return self._cost.fields(self.stats.step, [w for w in workers if w is not None])

@@ -169,12 +169,18 @@ class SendPath:
         thread computes delta (``PendingDelta``); this thread only copies theta out, and on
         CUDA does not wait for that copy (``gather_fragment``'s ``non_blocking``: its readers
         wait, ``landed``), so a send does not stall the host until the device has run the step."""
-        theta = self.island.gather(self.plan, p, self.params, non_blocking=True)
+        if self._io is not None:  # the io helper computes delta: the fragment is copied into a shared block
+            theta, waited = self._io.snapshot(p, self.params)
+            self.stats.blocked_s += waited
+        else:
+            theta = self.island.gather(self.plan, p, self.params, non_blocking=True)
         if not self.island.io:
             return theta
         base_version, base_value = self.base[p]
         delta: Tensors | PendingDelta
-        if self._deferred:  # the upload thread computes it: only the copy-out above on the training thread
+        if self._io is not None:
+            delta = theta
+        elif self._deferred:  # the upload thread computes it: only the copy-out above on the training thread
             delta = self._pending[p] = PendingDelta(theta, base_value, partial(self._outer_gradient, p))
         else:
             delta = self._outer_gradient(p, theta, base_value)

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 LAG_WINDOW = 64  # the receives the lag quantiles of the heartbeat and `status` cover
+# the counters the uploader and receiver keep: an io helper process reports them (``ioproc``)
+WORKER_COUNTERS = ("bytes_up", "bytes_down", "num_contributions", "uploads_failed")
 
 
 @dataclass
@@ -72,14 +74,18 @@ class CostMeter:
         self._last: tuple[int, float, float, float | None] | None = None
         self._fields: dict[str, float] = {}
 
-    def fields(self, step: int, workers: Iterable[threading.Thread]) -> dict[str, float]:
+    def fields(self, step: int, workers: Iterable[threading.Thread], *,
+               extra_cpu_s: float | None = None) -> dict[str, float]:
         """The heartbeat's fields at ``step`` (none before two reports). The last report's again
         when no step was made since, or when a worker thread has ended (the heartbeat written
         on leaving comes after the worker threads stop: their clocks are gone)."""
         workers = list(workers)
         if any(not t.is_alive() for t in workers):
             return dict(self._fields)
-        now = (step, self.in_step_s, self.in_step_cpu_s, threads_cpu_s(workers))
+        cpu = threads_cpu_s(workers)
+        if cpu is not None and extra_cpu_s is not None:
+            cpu += extra_cpu_s  # the CPU of a helper process doing the workers' job (``ioproc``)
+        now = (step, self.in_step_s, self.in_step_cpu_s, cpu)
         last, self._last = self._last, now
         if last is not None and step > last[0]:
             n = step - last[0]

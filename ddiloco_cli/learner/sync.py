@@ -39,6 +39,7 @@ import torch.nn as nn
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.learner import progress
+from ddiloco_cli.learner.ioproc import IoProcess
 from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner.receivepath import ReceivePath
 from ddiloco_cli.learner.receiver import InFlight, Receiver
@@ -73,6 +74,9 @@ class SyncOptions:
     clock: Clock = WALL  # every time and wait of the learner's logic (a virtual clock in the simulation)
     threads: bool = True  # False: no worker threads; a driver runs the uploader, receiver and heartbeat steps
     process: tuple[str, int] | None = None  # (host, pid) in the heartbeat; None: this machine and process
+    # the uploader and receiver in a helper process (``ioproc``): none of their Python holds this process's
+    # GIL. One process a learner, decoupled, on CPU, a bucket another process can open (not memory://)
+    io_process: bool = False
 
 
 def check_learner_id(learner_id: str) -> None:
@@ -96,6 +100,9 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
                  config: RunConfig | None = None, heartbeat_fields: dict[str, Any] | None = None):
         check_learner_id(learner_id)
         self.store = url if not isinstance(url, str) else open_store(url, options=storage_options)
+        # how the io helper process opens the same bucket (SyncOptions.io_process)
+        self._open_args = getattr(self.store, "open_args", None) or (url if isinstance(url, str) else self.store.url,
+                                                                      storage_options)
         self.learner_id, self.opts = learner_id, options
         self.clock = options.clock
         self.config = config if config is not None else read_run_config(self.store)
@@ -142,8 +149,9 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
         self._last_arrival_step = 0
         self._last_alert_step = 0
         self._last_alert_t = -math.inf  # monotonic time of the last stall alert
-        self._uploader: Uploader | None = None
-        self._receiver: Receiver | None = None
+        self._uploader: Uploader | IoProcess | None = None
+        self._receiver: Receiver | IoProcess | None = None
+        self._io: IoProcess | None = None  # the io helper process (options.io_process)
         self._writer: SessionWriter | None = None
         self._previous_sigterm: Any = None
         self._started = False
@@ -198,7 +206,9 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
         self._bootstrap()
         if not self.lockstep and self.opts.align_schedule:  # lock-step learners share one schedule
             self.schedule_offset = self.island.agree([self._aligned_offset(trust) if io else 0])[0]
-        if io:
+        if io and self.opts.io_process:
+            self._start_io_process()
+        elif io:
             self._uploader = Uploader(self.store, codec_name=self.config.codec, block_size=self.config.codec_block,
                                       qmax=self.config.codec_qmax, density=self.config.codec_density,
                                       maxsize=self.opts.upload_queue, stats=self.stats,
@@ -209,13 +219,15 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
                                       min_poll_s=self.opts.min_poll_s, stats=self.stats,
                                       pace_s=lambda: self.stats.step_time_s, clock=self.clock.monotonic,
                                       pin=self.island.device.type == "cuda")
+        if io:
             self._writer = SessionWriter(self.store, learner_id=self.learner_id, session=self.session,
                                          make_record=self._heartbeat_record, run_id=self.run_id,
                                          lease_s=self.config.lease_s, every_s=self.config.heartbeat_s,
                                          signer=signer, clock=None if self.opts.threads else self.clock.monotonic)
             self._writer.beat()  # announce ourselves before any contribution
             for worker in (self._uploader, self._receiver, self._writer) if self.opts.threads else ():
-                worker.start()
+                if worker is not self._io:
+                    worker.start()
         if self.opts.handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._started = True
@@ -312,6 +324,41 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
         want = self.plan.tensor_shapes()
         self.plan.check_model({n: (tuple(t.shape), want[n][1] if n in want and t.is_floating_point() else t.dtype)
                                for n, t in self.params.items()})
+
+    def _start_io_process(self) -> None:
+        """Start the io helper process (``SyncOptions.io_process``) and hand it the bases."""
+        why = ("torchrun islands" if self.island.world > 1 else "lock-step runs" if self.lockstep
+               else f"a model on {self.island.device}" if self.island.device.type != "cpu"
+               else "runs without an in-place receive (alpha 1 or no overlap progress)" if not self._in_place
+               else "a driver without threads" if not self.opts.threads
+               else "an in-memory bucket" if self._open_args[0].startswith("memory://") else None)
+        if why is not None:
+            raise UsageError(f"--io-process: not for {why}; leave it off")
+        spec = {"url": self._open_args[0], "storage_options": self._open_args[1], "learner_id": self.learner_id,
+                "key_path": self.opts.key_path, "config": self.config, "plan": self.plan,
+                "upload_workers": self.opts.upload_workers, "min_poll_s": self.opts.min_poll_s,
+                "log_level": logging.getLogger("ddiloco_cli").getEffectiveLevel()}
+        self._io = IoProcess(spec, self.plan, stats=self.stats, in_use=self._blocks_in_use,
+                             max_outstanding=self.opts.upload_queue + self.opts.upload_workers)
+        try:
+            self._io.start(self.base)
+        except BaseException:
+            self._io.abort()
+            raise
+        self.base = {p: (v, None) for p, (v, _) in self.base.items()}  # the helper keeps the values
+        self._uploader = self._receiver = self._io
+
+    def _blocks_in_use(self) -> set[int]:
+        """The io helper's shared blocks this learner still reads: the fragments in flight and
+        the increments of the versions it holds back ([L8])."""
+        slot_of = self._io.slots.slot_of
+        used = set()
+        for flight in self.in_flight.values():
+            used.add(slot_of(flight.theta))
+            if flight.held is not None:
+                used.update((slot_of(flight.held.increment), slot_of(flight.held.subtracted)))
+        used.discard(None)
+        return used
 
     def _update_stop(self) -> None:
         reason = self.stop_reason

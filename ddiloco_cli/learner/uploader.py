@@ -80,16 +80,16 @@ class UploadQueue:
             self.items.append(item)
             self.cond.notify_all()
 
-    def replace(self, item: tuple[str, Tensors, dict[str, Any]]) -> bool:
+    def replace(self, item: tuple[str, Tensors, dict[str, Any]]) -> tuple[str, Tensors, dict[str, Any]] | None:
         """Put ``item`` in the place of a queued one of the same fragment and base version
-        (PROTOCOL [L4]); False when there is none."""
+        (PROTOCOL [L4]); returns the one replaced, None when there is none."""
         header = item[2]
         with self.cond:
             for i, (_, _, queued) in enumerate(self.items):
                 if queued["fragment"] == header["fragment"] and queued["base_version"] == header["base_version"]:
-                    self.items[i] = item
-                    return True
-        return False
+                    replaced, self.items[i] = self.items[i], item
+                    return replaced
+        return None
 
     def get(self, *, block: bool = True) -> tuple[str, Tensors, dict[str, Any]] | None:
         """The oldest queued item whose fragment no worker is uploading, marked busy until
@@ -144,7 +144,9 @@ class Uploader:
     def __init__(self, store: Store, *, codec_name: str, block_size: int, maxsize: int, stats: LearnerStats,
                  num_workers: int = 2, newest_wins: bool = True, signer: signing.Signer | None = None,
                  on_residual: Callable[[int, Tensors], None] | None = None, qmax: int | None = None,
-                 density: float | None = None, threads: bool = True, clock: Callable[[], float] = time.monotonic):
+                 density: float | None = None, threads: bool = True, clock: Callable[[], float] = time.monotonic,
+                 on_replaced: Callable[[Tensors | Deferred], None] | None = None,
+                 after: Callable[[], None] | None = None):
         self.clock = clock  # times how long submit blocked on a full queue
         self.store, self.codec_name, self.block_size, self.stats = store, codec_name, block_size, stats
         self.qmax = qmax  # the run's codec_qmax: the largest |code| the encoder writes
@@ -153,6 +155,8 @@ class Uploader:
         # error feedback: called with (fragment, what the encoded payload does not carry) once it is uploaded
         self.on_residual = on_residual
         self.newest_wins = newest_wins
+        self.on_replaced = on_replaced  # called with the delta of a queued contribution a newer one replaced
+        self.after = after  # called once a contribution's upload is over (created, dropped or given up)
         self.queue = UploadQueue(maxsize)
         self.lock = threading.Lock()
         self.replaced = 0
@@ -166,8 +170,11 @@ class Uploader:
     def submit(self, key: str, delta: Tensors, header: dict[str, Any]) -> float:
         """Queue an upload; returns seconds spent blocked because the queue was full."""
         item = (key, delta, header)
-        if self.newest_wins and self.queue.replace(item):
+        replaced = self.queue.replace(item) if self.newest_wins else None
+        if replaced is not None:
             self.replaced += 1
+            if self.on_replaced is not None:
+                self.on_replaced(replaced[1])
             return 0.0
         t0 = self.clock()
         self.queue.put(item)
@@ -200,6 +207,8 @@ class Uploader:
             self._count_failure()
             log.exception("could not encode %s; the next contribution of this fragment carries its progress", key)
             self.queue.done(int(header["fragment"]))
+            if self.after is not None:
+                self.after()
             return
         self.finish(key, header, data, residual)
 
@@ -210,6 +219,8 @@ class Uploader:
             self._finish(key, header, data, residual)
         finally:
             self.queue.done(int(header["fragment"]))
+            if self.after is not None:
+                self.after()
 
     def _finish(self, key: str, header: dict[str, Any], data: bytes, residual: Tensors | None) -> None:
         try:  # each attempt is a whole store call (retried inside); this waits out a longer outage

@@ -154,13 +154,16 @@ def open_store(url: str, *, options: dict | None = None) -> Store:
     from ddiloco_cli.store.faults import FAULTS_ENV, FaultSpec, FaultyStore
     from ddiloco_cli.store.retry import RetryingStore, RetryPolicy
 
-    options = dict(options or {})
+    given = dict(options or {})
+    options = dict(given)
     policy = RetryPolicy.pop_options(options)
     faults = options.pop("faults", None) or os.environ.get(FAULTS_ENV)
     store = _open_backend(url, options=options, policy=policy)
     if faults:
         store = FaultyStore(store, spec=FaultSpec.parse(str(faults)))
-    return BoundedStore(RetryingStore(store, policy=policy))
+    opened = BoundedStore(RetryingStore(store, policy=policy))
+    opened.open_args = (url, given)  # another process of ours opens the same bucket the same way (ioproc)
+    return opened
 
 
 def _open_backend(url: str, *, options: dict, policy) -> Store:

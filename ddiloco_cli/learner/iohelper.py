@@ -1,0 +1,221 @@
+"""The io helper process of a learner (``SyncOptions(io_process=True)``, ``ddiloco learn
+--io-process``): the uploader and the receiver of ``DiLoCoSync``, run in a process of their own
+so that none of their Python holds the training process's GIL.
+
+It keeps what only they read: every fragment's base (the published value the learner's next
+contribution is measured against), the codec's residual of the last upload (error feedback,
+[L6]) and the values of the versions it handed over and the learner has not taken or let go of.
+The training process copies a fragment into a shared block at a send and reads a ready
+increment (new value minus the fragment at the send) from another; the messages between them
+(``ioproc.IoProcess``) are small tuples on a socket pair. Started by the training process as
+``python -m ddiloco_cli.learner.iohelper FD``; it exits when that socket closes (the training
+process has gone, even by SIGKILL), and on Linux the kernel kills it with its parent as well.
+
+Messages in (from the training process): ``("slot", sid, path)`` map a block; ``("base", p,
+version, sid)`` fragment p's starting base is in block sid; ``("send", key, sid, header)`` a
+contribution of the fragment in block sid (its outer gradient computed here, against the base
+of ``header["base_version"]``); ``("want", p, have_version, theta_sid, inc_sid, order, pace_s)``
+poll for a version of p newer than have; ``("took", p, version)`` the learner took that version:
+it is p's base now; ``("close",)`` finish the uploads and leave. Out: ``("unref", sid)`` done
+with one use of a block; ``("ready", p, version, theta_sid, inc_sid, high_water, refused)`` a
+version is ready, its increment in block inc_sid (which the learner owns from then on, as it
+does theta_sid again; ``("unref", sid, True)`` for a contribution's block: read, or replaced); ``("stats", {...})`` counters; ``("closed",)``; ``("error", text)``."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from ddiloco_cli.learner.receiver import Receiver
+from ddiloco_cli.learner.sendpath import copied_into, outer_gradient
+from ddiloco_cli.learner.slots import SlotTable
+from ddiloco_cli.learner.stats import WORKER_COUNTERS, LearnerStats
+from ddiloco_cli.learner.uploader import Uploader
+from ddiloco_cli.protocol import signing
+from ddiloco_cli.protocol.published import FragmentReader
+from ddiloco_cli.store import open_store
+
+log = logging.getLogger("ddiloco_cli.learner.iohelper")
+
+Tensors = dict[str, torch.Tensor]
+
+class _Send:
+    """A contribution whose outer gradient the upload thread computes (``Uploader.encode``) from
+    the fragment in a shared block; the block goes back to the learner once it is read, or when
+    a newer contribution replaced this one in the queue."""
+
+    def __init__(self, helper: "Helper", p: int, sid: int, base: Tensors):
+        self.helper, self.p, self.sid, self.base = helper, p, sid, base
+        self.released = False
+
+    def materialize(self) -> Tensors:
+        try:
+            return self.helper.outer_gradient(self.p, self.helper.slots.views(self.sid, self.p), self.base)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.base = None  # type: ignore[assignment]
+            self.helper.post(("unref", self.sid, True))
+
+
+class Helper:
+    """The helper's state and its handlers (see the module docstring)."""
+
+    def __init__(self, conn: Connection, spec: dict[str, Any]):
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.lock = threading.Lock()  # values, wants, residuals
+        config, self.plan = spec["config"], spec["plan"]
+        self.store = open_store(spec["url"], options=spec["storage_options"])
+        trust = signing.Trust(self.store, run=config)
+        readers = {p: FragmentReader(self.store, run_id=config.run_id, plan=self.plan, fragment=p, trust=trust)
+                   for p in range(self.plan.num_fragments)}
+        signer = signing.signer_for_run(self.store, run=config, key_path=spec["key_path"],
+                                        member_id=spec["learner_id"], role="learner")
+        self.decay = config.error_feedback_decay
+        self.stats = LearnerStats()
+        self.slots = SlotTable(self.plan)
+        self.values: dict[int, dict[int, Tensors]] = {p: {} for p in range(self.plan.num_fragments)}
+        self.base_version: dict[int, int] = {}
+        self.wants: dict[int, tuple[int, int]] = {}  # fragment -> (theta block, increment block) of its want
+        self.residual: dict[int, Tensors] = {}
+        self.pace_s = 0.0
+        error_feedback = config.error_feedback and config.codec != "none"
+        # no bound of its own: the learner bounds the contributions in flight by the blocks it lends
+        self.uploader = Uploader(self.store, codec_name=config.codec, block_size=config.codec_block,
+                                 qmax=config.codec_qmax, density=config.codec_density, maxsize=1 << 30,
+                                 stats=self.stats, num_workers=spec["upload_workers"], newest_wins=True, signer=signer,
+                                 on_residual=self.keep_residual if error_feedback else None,
+                                 on_replaced=lambda d: d.release(), after=self.post_stats)
+        self.receiver = Receiver(self.store, readers, learner_id=spec["learner_id"], min_poll_s=spec["min_poll_s"],
+                                 stats=self.stats, pace_s=lambda: self.pace_s, on_ready=self.on_ready)
+
+    # -------------------------------------------------------------- messages
+    def post(self, msg: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def post_stats(self) -> None:
+        self.post(("stats", {k: getattr(self.stats, k) for k in WORKER_COUNTERS}))
+
+    def serve(self) -> None:
+        self.uploader.start()
+        self.receiver.start()
+        self.post(("started",))
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                os._exit(0)  # the training process is gone: nothing here is wanted any more
+            if msg[0] == "close":
+                self.uploader.close()
+                self.receiver.close()
+                self.post_stats()
+                self.post(("closed",))
+                return
+            getattr(self, "on_" + msg[0])(*msg[1:])
+
+    def on_slot(self, sid: int, path: str) -> None:
+        self.slots.attach(sid, path)
+
+    def on_base(self, p: int, version: int, sid: int) -> None:
+        value = {k: t.clone() for k, t in self.slots.views(sid, p).items()}
+        with self.lock:
+            self.values[p] = {version: value}
+            self.base_version[p] = version
+        self.post(("unref", sid))
+
+    def on_send(self, key: str, sid: int, header: dict[str, Any]) -> None:
+        p = int(header["fragment"])
+        with self.lock:
+            base = self.values[p][int(header["base_version"])]
+        self.uploader.submit(key, _Send(self, p, sid, base), header)
+
+    def on_want(self, p: int, have: int, theta_sid: int, inc_sid: int, order: float, pace_s: float) -> None:
+        self.pace_s = pace_s
+        with self.lock:
+            old = self.wants.pop(p, None)
+            self.wants[p] = (theta_sid, inc_sid)
+            value = self.values[p][have]
+        for sid in old or ():
+            self.post(("unref", sid))
+        self.receiver.want(p, (have, value), order=order)
+
+    def on_took(self, p: int, version: int) -> None:
+        with self.lock:
+            self.base_version[p] = version
+            self.values[p] = {v: t for v, t in self.values[p].items() if v >= version}
+
+    # -------------------------------------------------------- worker threads
+    def on_ready(self, p: int) -> None:
+        """Receiver thread: a version of p is ready; its increment against the fragment at the
+        send goes into the want's block, and the learner is told."""
+        got = self.receiver.take(p)
+        with self.lock:
+            want = self.wants.pop(p, None)
+            if got is None or want is None:
+                return
+            self.values[p][got.version] = got.value
+        theta_sid, inc_sid = want
+        theta, inc = self.slots.views(theta_sid, p), self.slots.views(inc_sid, p)
+        for k, t in inc.items():
+            torch.sub(got.value[k], theta[k], out=t)
+        mark = got.manifest["high_water"].get(self.receiver.learner_id, -1)
+        self.post(("ready", p, got.version, theta_sid, inc_sid, mark, got.refused))
+        self.post_stats()
+
+    def outer_gradient(self, p: int, theta: Tensors, base: Tensors) -> Tensors:
+        with self.lock:
+            return outer_gradient(theta, base, self.residual.get(p), decay=self.decay)
+
+    def keep_residual(self, p: int, residual: Tensors) -> None:
+        with self.lock:
+            self.residual[p] = copied_into(self.residual.get(p), residual)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL to this process when the training process ends."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    conn = Connection(int(argv[0]))
+    if os.getppid() == 1:  # the parent died before prctl took hold
+        return 0
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to handle
+    try:
+        _, spec = conn.recv()
+        logging.basicConfig(level=spec.get("log_level", logging.WARNING),
+                            format="%(asctime)s io-helper %(levelname)s %(name)s: %(message)s")
+        helper = Helper(conn, spec)
+    except BaseException:  # noqa: BLE001 - told to the training process, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return 1
+    try:
+        helper.serve()
+    except BaseException:  # noqa: BLE001
+        helper.post(("error", traceback.format_exc()))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

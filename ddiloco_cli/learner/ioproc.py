@@ -1,0 +1,239 @@
+"""The training process's end of the io helper process (``iohelper``): ``IoProcess`` stands in
+for ``DiLoCoSync``'s uploader and receiver (``submit``, ``want``, ``has_ready``, ``take``,
+``close``), so that the send and receive paths run as they do with worker threads, while the
+encoding, uploads, polls, downloads and decoding run in another process and hold none of this
+process's GIL.
+
+A send copies the fragment into a shared block (``snapshot``) and sends its number; a ready
+version comes back as the block its increment was written into. The blocks are lent out and
+counted here: one is free when the helper has given back every use of it (``unref``) and no
+fragment in flight, held version or ready version refers to it (``in_use``, the learner's). A
+send waits for a free block when ``max_outstanding`` contributions are still to be read by the
+helper (the bound the upload queue puts on the threads' way); that wait counts as blocked time.
+The training thread reads the helper's messages itself, at every ``step`` (``pump``): nothing
+of ddiloco's runs on another thread of this process but the heartbeat."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import torch
+
+from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.learner.receiver import Ready
+from ddiloco_cli.learner.slots import SlotTable, copy_fragment_into
+from ddiloco_cli.learner.stats import WORKER_COUNTERS, LearnerStats
+from ddiloco_cli.protocol.fragments import FragmentPlan
+
+log = logging.getLogger("ddiloco_cli.learner.sync")
+
+Tensors = dict[str, torch.Tensor]
+
+START_TIMEOUT_S = 300.0  # the helper imports torch and opens the bucket
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of process ``pid`` so far; None where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class IoProcess:
+    """See the module docstring. ``in_use()`` returns the blocks the learner still reads."""
+
+    threads: list = []  # no worker threads in this process (the heartbeat's cost fields)
+
+    def __init__(self, spec: dict[str, Any], plan: FragmentPlan, *, stats: LearnerStats, max_outstanding: int,
+                 in_use: Callable[[], set[int]]):
+        self.spec, self.plan, self.stats = spec, plan, stats
+        self.max_outstanding = max_outstanding
+        self.in_use = in_use
+        self.slots = SlotTable(plan)
+        self.refs: dict[int, int] = {}  # block -> uses lent to the helper not given back yet
+        self.sending: dict[int, int] = {}  # block -> contributions in it the helper has not read yet
+        self.ready: dict[int, Ready] = {}
+        self.wants: dict[int, tuple[int, int]] = {}  # fragment -> (theta block, increment block) of its last want
+        self.pace_s = 0.0  # the learner's step time: the helper polls no faster
+        self._offsets = {k: getattr(stats, k) for k in WORKER_COUNTERS}  # counters carried over from earlier sessions
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self, bases: dict[int, tuple[int, Tensors]]) -> None:
+        """Start the helper, hand it every fragment's base and wait until it is serving."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli.learner.iohelper", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(("spec", self.spec))
+        for p, (version, value) in sorted(bases.items()):
+            sid = self._free_block()
+            views = self.slots.views(sid, p)
+            for k, t in views.items():
+                t.copy_(value[k])
+            self._lend(sid)
+            self.conn.send(("base", p, version, sid))
+        self._wait_for(lambda: self._started, START_TIMEOUT_S, "start")
+
+    _started = False
+
+    def close(self) -> None:
+        """Let the helper finish the uploads queued, then stop it (idempotent)."""
+        if self._closed or self.conn is None:
+            return
+        self._closed = True
+        try:
+            self.conn.send(("close",))
+            self._wait_for(lambda: self._done, None, "close")
+        finally:
+            self.conn.close()
+            if self.proc is not None:
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+            self.slots.unlink_all()
+
+    _done = False
+
+    def abort(self) -> None:
+        """Kill the helper (a start that failed): its queued uploads are lost."""
+        self._closed = True
+        if self.conn is not None:
+            self.conn.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.slots.unlink_all()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def cpu_s(self) -> float | None:
+        """The helper's CPU seconds so far (the heartbeat's worker cost)."""
+        return None if self.proc is None or self.proc.poll() is not None else process_cpu_s(self.proc.pid)
+
+    # ---------------------------------------------------- the uploader's face
+    def snapshot(self, p: int, params: dict[str, torch.Tensor]) -> tuple[Tensors, float]:
+        """Fragment p of ``params`` copied into a free block; and the seconds waited for one."""
+        t0 = time.monotonic()
+        self.pump()
+        if sum(self.sending.values()) >= self.max_outstanding:
+            self._wait_for(lambda: sum(self.sending.values()) < self.max_outstanding, None, "an upload")
+        waited = time.monotonic() - t0
+        return copy_fragment_into(self.plan, p, params, self.slots.views(self._free_block(), p)), waited
+
+    def submit(self, key: str, theta: Tensors, header: dict[str, Any]) -> float:
+        """Queue the contribution of the fragment ``snapshot`` copied into ``theta``."""
+        sid = self.slots.slot_of(theta)
+        self._lend(sid)
+        self.sending[sid] = self.sending.get(sid, 0) + 1
+        self.conn.send(("send", key, sid, header))
+        return 0.0
+
+    # ---------------------------------------------------- the receiver's face
+    def want(self, p: int, have: tuple[int, Any], *, subtract: Tensors | None = None, blocking: bool = False,
+             order: float | None = None) -> None:
+        theta_sid = self.slots.slot_of(subtract)
+        if theta_sid is None or blocking:
+            raise DdilocoError("the io helper computes increments against a send's block only (decoupled, in place)")
+        stale = self.ready.get(p)
+        if stale is not None and stale.subtracted is not subtract:
+            del self.ready[p]  # computed against an earlier send: the helper reads it again for this one
+        inc_sid = self._free_block(also_busy={theta_sid})
+        self._lend(theta_sid)
+        self._lend(inc_sid)
+        self.wants[p] = (theta_sid, inc_sid)
+        self.conn.send(("want", p, have[0], theta_sid, inc_sid, 0.0 if order is None else order, self.pace_s))
+
+    def has_ready(self, p: int) -> bool:
+        self.pump()
+        return p in self.ready
+
+    def take(self, p: int) -> Ready | None:
+        self.pump()
+        return self.ready.pop(p, None)
+
+    def took(self, p: int, version: int) -> None:
+        """The learner took ``version`` of p: the helper's base of p from now on."""
+        self.conn.send(("took", p, version))
+
+    # -------------------------------------------------------------- internals
+    def pump(self, timeout: float | None = 0.0) -> bool:
+        """Handle the helper's messages that have come (waiting up to ``timeout`` for one, None:
+        for ever); False when none came."""
+        if self.conn is None or self._done:
+            return False
+        got = False
+        try:
+            while self.conn.poll(timeout):
+                self._handle(self.conn.recv())
+                got, timeout = True, 0.0
+        except (EOFError, OSError) as exc:
+            code = None if self.proc is None else self.proc.poll()
+            raise DdilocoError(f"the learner's io helper process ended (exit code {code}): {exc}") from None
+        return got
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "unref":
+            self.refs[msg[1]] -= 1
+            if len(msg) > 2:  # a contribution's block: the helper has read it (or a newer one replaced it)
+                self.sending[msg[1]] -= 1
+        elif kind == "ready":
+            _, p, version, theta_sid, inc_sid, mark, refused = msg
+            self.refs[theta_sid] -= 1
+            self.refs[inc_sid] -= 1
+            if self.wants.get(p) == (theta_sid, inc_sid):  # else a want since replaced it
+                del self.wants[p]
+                self.ready[p] = Ready(version, None, {"high_water": {self.spec["learner_id"]: mark}}, refused,
+                                      self.slots.views(inc_sid, p), self.slots.views(theta_sid, p))
+        elif kind == "stats":
+            for k, v in msg[1].items():
+                setattr(self.stats, k, self._offsets[k] + v)
+        elif kind == "started":
+            self._started = True
+        elif kind == "closed":
+            self._done = True
+        elif kind == "error":
+            raise DdilocoError(f"the learner's io helper process failed:\n{msg[1]}")
+
+    def _lend(self, sid: int) -> None:
+        self.refs[sid] = self.refs.get(sid, 0) + 1
+
+    def _free_block(self, also_busy: set[int] = frozenset()) -> int:
+        """A block nobody uses (a new one when there is none)."""
+        busy = self.in_use() | set(also_busy) | {s for r in self.ready.values() for s in
+                                                (self.slots.slot_of(r.increment), self.slots.slot_of(r.subtracted))}
+        for sid in self.slots.flat:
+            if self.refs.get(sid, 0) == 0 and sid not in busy:
+                return sid
+        sid, path = self.slots.create()
+        if self.conn is not None:
+            self.conn.send(("slot", sid, path))
+        return sid
+
+    def _wait_for(self, done: Callable[[], bool], timeout_s: float | None, what: str) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done():
+            if self.proc is not None and self.proc.poll() is not None and not self.pump():
+                raise DdilocoError(f"the learner's io helper process exited (code {self.proc.returncode}) "
+                                   f"while the learner waited for {what}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise DdilocoError(f"the learner's io helper process did not {what} in {timeout_s:.0f} s")
+            self.pump(timeout=0.5)
