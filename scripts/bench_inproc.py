@@ -103,8 +103,13 @@ def worker(args) -> dict:
         _off_cpu(off, "optimizer", t)
         return int(task.num_tokens(batch))
 
+    helper_cpu = [lambda: 0.0]  # the io helper process's CPU (--io-process), at its latest report
+
+    def cpu_s() -> float:
+        return time.process_time() + helper_cpu[0]()
+
     def phase(sync) -> dict:
-        stamps = [(time.perf_counter(), time.process_time(), time.thread_time())]
+        stamps = [(time.perf_counter(), cpu_s(), time.thread_time())]
         off = dict.fromkeys(PARTS, 0.0)
         for i in range(args.steps):
             if i == args.skip:
@@ -114,7 +119,7 @@ def worker(args) -> dict:
                 t = _clocks()
                 sync.step(num_tokens=n_tok)
                 _off_cpu(off, "ddiloco", t)
-            stamps.append((time.perf_counter(), time.process_time(), time.thread_time()))
+            stamps.append((time.perf_counter(), cpu_s(), time.thread_time()))
         steady = stamps[args.skip:]
         dts = [b[0] - a[0] for a, b in zip(steady, steady[1:])]
         n = len(steady) - 1
@@ -127,13 +132,22 @@ def worker(args) -> dict:
 
     phases = []
     with DiLoCoSync(store, model, learner_id=args.learner_id,
-                    options=SyncOptions(handle_sigterm=False, align_schedule=False, stall_alert=False)) as sync:
+                    options=SyncOptions(handle_sigterm=False, align_schedule=False, stall_alert=False,
+                                        io_process=args.io_process)) as sync:
+        if args.io_process:
+            helper_cpu[0] = lambda: sync._io.cpu_s() or 0.0
+            if args.workers_cpu:  # the helper's threads beside the syncer, as the worker threads would be
+                for tid in os.listdir(f"/proc/{sync._io.pid}/task"):
+                    os.sched_setaffinity(int(tid), {1})
         for pair in range(args.pairs):
             for arm in (("plain", "ddiloco") if pair % 2 == 0 else ("ddiloco", "plain")):
                 rec = phase(sync if arm == "ddiloco" else None)
                 phases.append({"arm": arm, "pair": pair, **rec})
         versions = sum(1 for v in sync.stats.versions.values() if v > 0)
-    return {"phases": phases, "versions": versions, "contributions": sync.stats.num_contributions}
+        ddiloco_steps = sum(1 for r in phases if r["arm"] == "ddiloco") * args.steps
+        in_step_cpu_ms = 1e3 * sync._cost.in_step_cpu_s / ddiloco_steps
+    return {"phases": phases, "versions": versions, "contributions": sync.stats.num_contributions,
+            "in_step_cpu_ms": in_step_cpu_ms}
 
 
 def main() -> None:
@@ -150,6 +164,9 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=0.0, metavar="MS",
                     help="sys.setswitchinterval in ms (Python's default 5): how long a thread that wants the GIL "
                          "waits before the holder must drop it; an experiment")
+    ap.add_argument("--io-process", action="store_true",
+                    help="the learner's uploader and receiver in its io helper process (SyncOptions.io_process): "
+                         "its CPU counts in the all-thread CPU; with --workers-cpu it runs on CPU 1")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -169,7 +186,7 @@ def main() -> None:
     launcher = benchlib.Launcher(workdir, env=_env(), cwd=str(REPO))
     syncer = launcher.start("syncer", "sync", url, prefix=tuple(_prefix(1 if pin else None, nice=10)))
     load0 = os.getloadavg()[0]
-    where = "; worker threads on CPU 1" if args.workers_cpu else ""
+    where = ("; io helper process" if args.io_process else "") + ("; worker threads on CPU 1" if args.workers_cpu else "")
     print(f"task {args.task}, {args.threads} torch thread(s){where}: {args.procs} process(es) x {args.pairs} pairs x "
           f"{args.steps} steps a phase ({args.skip} left out); load {load0:.2f}", flush=True)
     procs = []
@@ -181,12 +198,14 @@ def main() -> None:
                             "--learner-id", f"inproc-{i}", "--task", args.task, "--steps", str(args.steps),
                             "--skip", str(args.skip), "--pairs", str(args.pairs), "--threads", str(args.threads),
                             "--switch-interval", str(args.switch_interval),
-                            *(["--workers-cpu"] if args.workers_cpu else [])],
+                            *(["--workers-cpu"] if args.workers_cpu else []),
+                            *(["--io-process"] if args.io_process else [])],
                            check=True, env=_env(args.threads), cwd=str(REPO))
             with open(out) as f:
                 rec = json.load(f)
             procs.append(rec["phases"])
-            print(f"  process {i}: {rec['contributions']} contributions sent, {rec['versions']}/24 fragments received")
+            print(f"  process {i}: {rec['contributions']} contributions sent, {rec['versions']}/24 fragments received; "
+                  f"the training thread's CPU in DiLoCoSync.step {rec['in_step_cpu_ms']:.3f} ms a step")
             by = {(r["pair"], r["arm"]): r for r in procs[-1]}
             ratios = [by[p, "ddiloco"]["median_ms"] / by[p, "plain"]["median_ms"] - 1 for p in range(args.pairs)]
             print(f"  process {i}: plain {statistics.median(r['median_ms'] for r in procs[-1] if r['arm'] == 'plain'):.1f}"
@@ -196,6 +215,7 @@ def main() -> None:
         syncer.wait(timeout=60)
         launcher.close()
     result: dict = {"task": args.task, "threads": args.threads, "workers_cpu": args.workers_cpu,
+                    "io_process": args.io_process,
                     "switch_interval_ms": args.switch_interval or None, "load_before": load0,
                     "load_after": os.getloadavg()[0], "processes": procs}
     for key, what in (("median_ms", "wall time per step"), ("p10_ms", "fastest tenth of the steps"),

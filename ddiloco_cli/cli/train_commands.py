@@ -84,6 +84,10 @@ def learn(
     key: Annotated[Optional[str], typer.Option(
         "--key", metavar="PATH", envvar="DDILOCO_KEY", show_envvar=True,
         help="Signing key admitted for this learner id (runs that require signatures)")] = None,
+    io_process: Annotated[bool, typer.Option(
+        "--io-process", metavar="",
+        help="Encode, upload, poll and decode in a helper process, off the training process's GIL (one "
+             "process a learner, decoupled, CPU: for a learner with a core to spare)")] = False,
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
 ) -> None:
@@ -102,7 +106,7 @@ def learn(
         raise UsageError(f"--shard must be in [0, {num_shards})")
     opts = LearnerOptions(learner_id=learner_id, device=device, steps=steps, shard=shard, num_shards=num_shards,
                           task=task, precision=precision, grad_accum=grad_accum, compile=compile_model,
-                          parallel=parallel, sync=SyncOptions(min_poll_s=poll, key_path=key))
+                          parallel=parallel, sync=SyncOptions(min_poll_s=poll, key_path=key, io_process=io_process))
     opts.check()
     log = logging.getLogger("ddiloco")
     from ddiloco_cli.numerics import native

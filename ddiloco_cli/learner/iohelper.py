@@ -19,7 +19,7 @@ poll for a version of p newer than have; ``("took", p, version)`` the learner to
 it is p's base now; ``("close",)`` finish the uploads and leave. Out: ``("unref", sid)`` done
 with one use of a block; ``("ready", p, version, theta_sid, inc_sid, high_water, refused)`` a
 version is ready, its increment in block inc_sid (which the learner owns from then on, as it
-does theta_sid again; ``("unref", sid, True)`` for a contribution's block: read, or replaced); ``("stats", {...})`` counters; ``("closed",)``; ``("error", text)``."""
+does theta_sid again; ``("unref", sid, True)`` for a contribution's block: read, or replaced); ``("stats", {...}, cpu_s)`` counters and this process's CPU seconds; ``("closed",)``; ``("error", text)``."""
 
 from __future__ import annotations
 
@@ -27,14 +27,16 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from ddiloco_cli.learner.channel import Channel
 from ddiloco_cli.learner.receiver import Receiver
 from ddiloco_cli.learner.sendpath import copied_into, outer_gradient
 from ddiloco_cli.learner.slots import SlotTable
@@ -73,9 +75,8 @@ class _Send:
 class Helper:
     """The helper's state and its handlers (see the module docstring)."""
 
-    def __init__(self, conn: Connection, spec: dict[str, Any]):
+    def __init__(self, conn: Channel, spec: dict[str, Any]):
         self.conn = conn
-        self.send_lock = threading.Lock()
         self.lock = threading.Lock()  # values, wants, residuals
         config, self.plan = spec["config"], spec["plan"]
         self.store = open_store(spec["url"], options=spec["storage_options"])
@@ -89,6 +90,8 @@ class Helper:
         self.slots = SlotTable(self.plan)
         self.values: dict[int, dict[int, Tensors]] = {p: {} for p in range(self.plan.num_fragments)}
         self.base_version: dict[int, int] = {}
+        # a version handed over: the learner's own high-water mark in its manifest, and the refusals
+        self.meta: dict[tuple[int, int], tuple[int, list[dict[str, Any]]]] = {}
         self.wants: dict[int, tuple[int, int]] = {}  # fragment -> (theta block, increment block) of its want
         self.residual: dict[int, Tensors] = {}
         self.pace_s = 0.0
@@ -104,28 +107,29 @@ class Helper:
 
     # -------------------------------------------------------------- messages
     def post(self, msg: tuple) -> None:
-        with self.send_lock:
-            self.conn.send(msg)
+        self.conn.send(msg)
 
     def post_stats(self) -> None:
-        self.post(("stats", {k: getattr(self.stats, k) for k in WORKER_COUNTERS}))
+        self.post(("stats", {k: getattr(self.stats, k) for k in WORKER_COUNTERS}, time.process_time()))
 
-    def serve(self) -> None:
+    def serve(self, msgs: list[tuple]) -> None:
+        """Handle ``msgs`` (what came with the spec), then every message until ``close``."""
         self.uploader.start()
         self.receiver.start()
         self.post(("started",))
         while True:
+            for msg in msgs:
+                if msg[0] == "close":
+                    self.uploader.close()
+                    self.receiver.close()
+                    self.post_stats()
+                    self.post(("closed",))
+                    return
+                getattr(self, "on_" + msg[0])(*msg[1:])
             try:
-                msg = self.conn.recv()
+                msgs = self.conn.receive(None)
             except (EOFError, OSError):
                 os._exit(0)  # the training process is gone: nothing here is wanted any more
-            if msg[0] == "close":
-                self.uploader.close()
-                self.receiver.close()
-                self.post_stats()
-                self.post(("closed",))
-                return
-            getattr(self, "on_" + msg[0])(*msg[1:])
 
     def on_slot(self, sid: int, path: str) -> None:
         self.slots.attach(sid, path)
@@ -144,19 +148,29 @@ class Helper:
         self.uploader.submit(key, _Send(self, p, sid, base), header)
 
     def on_want(self, p: int, have: int, theta_sid: int, inc_sid: int, order: float, pace_s: float) -> None:
+        """Poll for a version of p newer than ``have``; one handed over already for an earlier send
+        (the learner let it go: its increment was against that send) is handed over again at once,
+        against this send, without downloading it again."""
         self.pace_s = pace_s
         with self.lock:
             old = self.wants.pop(p, None)
-            self.wants[p] = (theta_sid, inc_sid)
+            newest = max(self.values[p])
+            if newest <= have:
+                self.wants[p] = (theta_sid, inc_sid)
             value = self.values[p][have]
         for sid in old or ():
             self.post(("unref", sid))
-        self.receiver.want(p, (have, value), order=order)
+        if newest > have:
+            self._hand_over(p, newest, theta_sid, inc_sid)
+        else:
+            self.receiver.want(p, (have, value), order=order)
 
     def on_took(self, p: int, version: int) -> None:
         with self.lock:
             self.base_version[p] = version
             self.values[p] = {v: t for v, t in self.values[p].items() if v >= version}
+            for v in [v for q, v in self.meta if q == p and v < version]:
+                del self.meta[p, v]
 
     # -------------------------------------------------------- worker threads
     def on_ready(self, p: int) -> None:
@@ -168,13 +182,20 @@ class Helper:
             if got is None or want is None:
                 return
             self.values[p][got.version] = got.value
-        theta_sid, inc_sid = want
+            self.meta[p, got.version] = (got.manifest["high_water"].get(self.receiver.learner_id, -1), got.refused)
+        self._hand_over(p, got.version, *want)
+        self.post_stats()
+
+    def _hand_over(self, p: int, version: int, theta_sid: int, inc_sid: int) -> None:
+        """Write ``version``'s increment against the send in block theta_sid into block inc_sid
+        and tell the learner."""
+        with self.lock:
+            value = self.values[p][version]
+            mark, refused = self.meta.get((p, version), (-1, []))
         theta, inc = self.slots.views(theta_sid, p), self.slots.views(inc_sid, p)
         for k, t in inc.items():
-            torch.sub(got.value[k], theta[k], out=t)
-        mark = got.manifest["high_water"].get(self.receiver.learner_id, -1)
-        self.post(("ready", p, got.version, theta_sid, inc_sid, mark, got.refused))
-        self.post_stats()
+            torch.sub(value[k], theta[k], out=t)
+        self.post(("ready", p, version, theta_sid, inc_sid, mark, refused))
 
     def outer_gradient(self, p: int, theta: Tensors, base: Tensors) -> Tensors:
         with self.lock:
@@ -196,13 +217,16 @@ def _die_with_parent() -> None:
 
 def main(argv: list[str]) -> int:
     _die_with_parent()
-    conn = Connection(int(argv[0]))
+    conn = Channel(socket.socket(fileno=int(argv[0])))
     if os.getppid() == 1:  # the parent died before prctl took hold
         return 0
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to handle
     try:
-        _, spec = conn.recv()
+        msgs: list[tuple] = []
+        while not msgs:
+            msgs = conn.receive(None)
+        _, spec = msgs.pop(0)
         logging.basicConfig(level=spec.get("log_level", logging.WARNING),
                             format="%(asctime)s io-helper %(levelname)s %(name)s: %(message)s")
         helper = Helper(conn, spec)
@@ -210,7 +234,7 @@ def main(argv: list[str]) -> int:
         conn.send(("error", traceback.format_exc()))
         return 1
     try:
-        helper.serve()
+        helper.serve(msgs)
     except BaseException:  # noqa: BLE001
         helper.post(("error", traceback.format_exc()))
         return 1

@@ -21,12 +21,12 @@ import socket
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import torch
 
 from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.learner.channel import Channel
 from ddiloco_cli.learner.receiver import Ready
 from ddiloco_cli.learner.slots import SlotTable, copy_fragment_into
 from ddiloco_cli.learner.stats import WORKER_COUNTERS, LearnerStats
@@ -37,16 +37,6 @@ log = logging.getLogger("ddiloco_cli.learner.sync")
 Tensors = dict[str, torch.Tensor]
 
 START_TIMEOUT_S = 300.0  # the helper imports torch and opens the bucket
-
-
-def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) of process ``pid`` so far; None where /proc cannot say."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class IoProcess:
@@ -66,8 +56,9 @@ class IoProcess:
         self.wants: dict[int, tuple[int, int]] = {}  # fragment -> (theta block, increment block) of its last want
         self.pace_s = 0.0  # the learner's step time: the helper polls no faster
         self._offsets = {k: getattr(stats, k) for k in WORKER_COUNTERS}  # counters carried over from earlier sessions
+        self._cpu_s: float | None = None
         self.proc: subprocess.Popen | None = None
-        self.conn: Connection | None = None
+        self.conn: Channel | None = None
         self._closed = False
 
     # ------------------------------------------------------------- lifecycle
@@ -78,15 +69,15 @@ class IoProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli.learner.iohelper", str(theirs.fileno())],
                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
-        self.conn = Connection(ours.detach())
-        self.conn.send(("spec", self.spec))
+        self.conn = Channel(ours)
+        self.conn.post(("spec", self.spec))
         for p, (version, value) in sorted(bases.items()):
             sid = self._free_block()
             views = self.slots.views(sid, p)
             for k, t in views.items():
                 t.copy_(value[k])
             self._lend(sid)
-            self.conn.send(("base", p, version, sid))
+            self.conn.post(("base", p, version, sid))
         self._wait_for(lambda: self._started, START_TIMEOUT_S, "start")
 
     _started = False
@@ -97,7 +88,7 @@ class IoProcess:
             return
         self._closed = True
         try:
-            self.conn.send(("close",))
+            self.conn.post(("close",))
             self._wait_for(lambda: self._done, None, "close")
         finally:
             self.conn.close()
@@ -125,8 +116,9 @@ class IoProcess:
         return None if self.proc is None else self.proc.pid
 
     def cpu_s(self) -> float | None:
-        """The helper's CPU seconds so far (the heartbeat's worker cost)."""
-        return None if self.proc is None or self.proc.poll() is not None else process_cpu_s(self.proc.pid)
+        """The helper's CPU seconds (all its threads) at its latest report: it reports with every
+        upload and every version it hands over. None before the first."""
+        return self._cpu_s
 
     # ---------------------------------------------------- the uploader's face
     def snapshot(self, p: int, params: dict[str, torch.Tensor]) -> tuple[Tensors, float]:
@@ -143,7 +135,7 @@ class IoProcess:
         sid = self.slots.slot_of(theta)
         self._lend(sid)
         self.sending[sid] = self.sending.get(sid, 0) + 1
-        self.conn.send(("send", key, sid, header))
+        self.conn.post(("send", key, sid, header))
         return 0.0
 
     # ---------------------------------------------------- the receiver's face
@@ -159,35 +151,38 @@ class IoProcess:
         self._lend(theta_sid)
         self._lend(inc_sid)
         self.wants[p] = (theta_sid, inc_sid)
-        self.conn.send(("want", p, have[0], theta_sid, inc_sid, 0.0 if order is None else order, self.pace_s))
+        self.conn.post(("want", p, have[0], theta_sid, inc_sid, 0.0 if order is None else order, self.pace_s))
 
     def has_ready(self, p: int) -> bool:
-        self.pump()
+        """Whether a version of p came by the last ``pump``."""
         return p in self.ready
 
     def take(self, p: int) -> Ready | None:
-        self.pump()
         return self.ready.pop(p, None)
 
     def took(self, p: int, version: int) -> None:
         """The learner took ``version`` of p: the helper's base of p from now on."""
-        self.conn.send(("took", p, version))
+        self.conn.post(("took", p, version))
 
     # -------------------------------------------------------------- internals
+    def flush(self) -> None:
+        """Send the messages of this step (one write)."""
+        if self.conn is not None:
+            self.conn.flush()
+
     def pump(self, timeout: float | None = 0.0) -> bool:
         """Handle the helper's messages that have come (waiting up to ``timeout`` for one, None:
         for ever); False when none came."""
         if self.conn is None or self._done:
             return False
-        got = False
         try:
-            while self.conn.poll(timeout):
-                self._handle(self.conn.recv())
-                got, timeout = True, 0.0
+            msgs = self.conn.receive(timeout)
         except (EOFError, OSError) as exc:
             code = None if self.proc is None else self.proc.poll()
             raise DdilocoError(f"the learner's io helper process ended (exit code {code}): {exc}") from None
-        return got
+        for msg in msgs:
+            self._handle(msg)
+        return bool(msgs)
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -204,7 +199,8 @@ class IoProcess:
                 self.ready[p] = Ready(version, None, {"high_water": {self.spec["learner_id"]: mark}}, refused,
                                       self.slots.views(inc_sid, p), self.slots.views(theta_sid, p))
         elif kind == "stats":
-            for k, v in msg[1].items():
+            counters, self._cpu_s = msg[1], msg[2]
+            for k, v in counters.items():
                 setattr(self.stats, k, self._offsets[k] + v)
         elif kind == "started":
             self._started = True
@@ -224,12 +220,12 @@ class IoProcess:
             if self.refs.get(sid, 0) == 0 and sid not in busy:
                 return sid
         sid, path = self.slots.create()
-        if self.conn is not None:
-            self.conn.send(("slot", sid, path))
+        self.conn.post(("slot", sid, path))
         return sid
 
     def _wait_for(self, done: Callable[[], bool], timeout_s: float | None, what: str) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.flush()
         while not done():
             if self.proc is not None and self.proc.poll() is not None and not self.pump():
                 raise DdilocoError(f"the learner's io helper process exited (code {self.proc.returncode}) "

@@ -249,6 +249,15 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
     def _step(self, num_tokens: int, data_state: dict[str, Any] | None) -> list[int]:
         if data_state is not None:
             self._data_state = jsonable(data_state)
+        if self._io is not None:
+            self._io.pump()  # what the io helper has sent since the last step (one non-blocking read)
+        try:
+            return self._step_body(num_tokens)
+        finally:
+            if self._io is not None:
+                self._io.flush()  # this step's messages to the io helper (one write)
+
+    def _step_body(self, num_tokens: int) -> list[int]:
         s = self.stats
         step = s.step + 1
         n_tok = int(num_tokens) * self.island.world
