@@ -1,0 +1,250 @@
+"""The learner's io helper process (``SyncOptions(io_process=True)``, ``ddiloco learn
+--io-process``): the same contributions and the same model, bit for bit, as the worker threads;
+the receive rules of [L8]; a helper that dies is an error that names it, a learner that dies
+takes its helper with it and leaves no shared memory behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from ddiloco_cli import DiLoCoSync, SyncOptions
+from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.numerics import codec
+from ddiloco_cli.ops.runinit import RunSpec, init_run
+from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.published import FragmentReader, encode_version, upload_payloads
+from ddiloco_cli.store import open_store
+from ddiloco_cli.tasks import load_task
+
+from support.built_run import invoke
+from support.procs import Procs, learner_heartbeat, wait_for
+
+TINY = "ddiloco_cli.tasks.gpt:tiny"
+OPTS = dict(handle_sigterm=False, align_schedule=False, stall_alert=False, min_poll_s=0.02)
+
+
+def _run(url: str, **spec) -> None:
+    init_run(open_store(url), RunSpec(**{"task": TINY, "num_fragments": 1, "sync_every": 8, "overlap_steps": 1,
+                                         "codec": "int4", "total_steps": 0, "warmup_steps": 0, "batch_size": 4,
+                                         **spec}))
+
+
+def _value(store, version: int) -> dict[str, torch.Tensor]:
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    return FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=0).read(version)
+
+
+def _publish(store, *, version: int, high_water: dict, seed: int) -> None:
+    """Commit version ``version`` of fragment 0 as a syncer merging other learners would: the
+    previous version plus seeded noise, the given high-water marks."""
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    prev = _value(store, version - 1)
+    gen = torch.Generator().manual_seed(seed)
+    value = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in prev.items()}
+    encoded = encode_version(fragment=0, version=version, new_value=value, prev_published=prev,
+                             publish_codec="none", block_size=64, keyframe=False)
+    upload_payloads(store, encoded)
+    assert ledger.commit_manifest(store, records.make(
+        "manifest", run_id=run["run_id"], fragment=0, version=version, epoch=1, syncer_id="s",
+        nonce=records.new_nonce(), numel=plan.fragment_numel(0), payloads=[e for _, _, e in encoded.payloads],
+        contributions=[], quorum_size=0, outer_steps=version, high_water=high_water))
+
+
+def _pump(sync: DiLoCoSync, s: float = 0.02) -> None:
+    if sync._io is not None:
+        sync._io.pump(s)
+    else:
+        time.sleep(s)
+
+
+def _until_ready(sync: DiLoCoSync, version: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        got = sync._receiver.ready.get(0)
+        if got is not None and got.version >= version:
+            return
+        _pump(sync)
+    raise AssertionError(f"version {version} never became ready")
+
+
+def _until_uploaded(sync: DiLoCoSync, n: int) -> None:
+    deadline = time.monotonic() + 120
+    while sync.stats.num_contributions < n:
+        assert time.monotonic() < deadline, f"{sync.stats.num_contributions} of {n} contributions uploaded"
+        _pump(sync)
+
+
+def _scenario(url: str, io_process: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
+    """A scripted session: seeded training, versions published by hand (one held back [L8], then
+    the learner's own), each waited for before the step that takes it. Returns the model, the
+    contributions' decoded tensors in seq order and the final heartbeat."""
+    store = open_store(url)
+    model = load_task(TINY).build_model()
+    gen = torch.Generator().manual_seed(11)
+    sync = DiLoCoSync(url, model, learner_id="w", options=SyncOptions(io_process=io_process, **OPTS))
+    with sync:
+        assert (sync._io is not None) == io_process
+
+        def steps(n: int, expect: list | None = None) -> None:
+            for _ in range(n):
+                with torch.no_grad():
+                    for t in model.parameters():
+                        t.add_(0.01 * torch.randn(t.shape, generator=gen))
+                got = sync.step(num_tokens=4)
+                if expect is not None:
+                    assert got == expect.pop(0), (sync.stats.step, got)
+
+        version, sent = 0, 0
+        steps(8)  # fragment 0 is sent at steps 8, 16, 24 and 32: received from the step after
+        for cycle in range(3):
+            sent += 1
+            seq = sync.in_flight[0].seq
+            _until_uploaded(sync, sent)  # the error-feedback residual of this upload is in before the next
+            version += 1
+            _publish(store, version=version, high_water={"other": 3 + cycle}, seed=100 + version)
+            _until_ready(sync, version)
+            steps(1, [[]])  # not ours: held back
+            version += 1
+            _publish(store, version=version, high_water={"other": 3 + cycle, "w": seq}, seed=100 + version)
+            _until_ready(sync, version)
+            steps(1, [[0]])  # ours: taken with alpha
+            assert sync.base[0][0] == version
+            steps(6)
+        assert sync.stats.num_receives == 3 and sync.stats.num_held == 0
+        final = {k: t.detach().clone() for k, t in model.state_dict().items()}
+    beat = records.validate(sync._heartbeat_record(), "learner_heartbeat", where="heartbeat")  # after the uploads
+    infos = sorted(store.list(layout.contribution_prefix(0)), key=lambda i: int(i.key.rsplit("/", 1)[1].split(".")[0]))
+    contributions = [codec.decode_tensors(store.get(i.key), max_numel=10**7)[0] for i in infos]
+    return final, contributions, beat
+
+
+def test_the_io_helper_makes_the_same_contributions_and_model_as_the_worker_threads(tmp_path):
+    urls = {}
+    for io_process in (False, True):
+        urls[io_process] = str(tmp_path / f"io-{io_process}")
+        _run(urls[io_process])
+    threads = _scenario(urls[False], io_process=False)
+    helper = _scenario(urls[True], io_process=True)
+    assert len(threads[1]) == len(helper[1]) == 4  # at steps 8, 16, 24 and 32 (nothing left to flush)
+    for a, b in zip(threads[1], helper[1]):  # int4 with error feedback: the residuals carried alike
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(threads[0][k], helper[0][k]) for k in threads[0])
+    for field in ("receives", "held_receives", "num_contributions", "uploads_failed", "versions"):
+        assert threads[2][field] == helper[2][field], field
+    # the headers' times and nonces are as long as they come out in JSON
+    assert abs(threads[2]["bytes_up"] - helper[2]["bytes_up"]) < 64 * 4 and helper[2]["bytes_down"] > 0
+
+
+@pytest.mark.parametrize("own_comes", [True, False])
+def test_a_held_version_then_the_own_or_the_held_one_L8(tmp_path, own_comes):
+    """[L8] through the helper: a version without the learner's contribution is held back; the
+    own one is taken with alpha when it comes, else the held one at the step before the next send
+    with held_alpha (0.5), each applied exactly (no training in between)."""
+    url = str(tmp_path / "bucket")
+    _run(url, alpha=0.3, codec="none")
+    store = open_store(url)
+    model = load_task(TINY).build_model()
+    with DiLoCoSync(url, model, learner_id="w", options=SyncOptions(io_process=True, **OPTS)) as sync:
+        for _ in range(8):
+            sync.step(num_tokens=1)
+        seq = sync.in_flight[0].seq
+        start = {k: t.clone() for k, t in sync.island.gather(sync.plan, 0, sync.params).items()}
+        _publish(store, version=1, high_water={"other": 3}, seed=1)
+        _until_ready(sync, 1)
+        assert sync.step(num_tokens=1) == [] and sync.base[0][0] == 0  # step 9: held
+        if own_comes:
+            _publish(store, version=2, high_water={"other": 3, "w": seq}, seed=2)
+            _until_ready(sync, 2)
+            assert sync.step(num_tokens=1) == [0] and sync.base[0][0] == 2
+            new, a = _value(store, 2), 0.3
+        else:
+            for step in range(10, 15):
+                assert sync.step(num_tokens=1) == [], step
+            assert sync.step(num_tokens=1) == [0] and sync.base[0][0] == 1  # step 15 = t + H - 1
+            new, a = _value(store, 1), 0.5
+        for k, t in sync.island.gather(sync.plan, 0, sync.params).items():
+            torch.testing.assert_close(t, a * start[k] + (1 - a) * new[k], rtol=0, atol=1e-6)
+        assert (sync.stats.num_receives, sync.stats.num_held) == (1, 0 if own_comes else 1)
+        # the contribution the helper made: base (version 0) minus the fragment at the send (codec none)
+        _until_uploaded(sync, 1)
+    contribution = codec.decode_tensors(store.get(layout.contribution_key(0, "w", seq)), max_numel=10**7)[0]
+    base = _value(store, 0)
+    for k, v in contribution.items():
+        assert torch.equal(v, base[k] - start[k]), k
+
+
+def test_a_helper_that_dies_is_an_error_that_names_it(tmp_path):
+    url = str(tmp_path / "bucket")
+    _run(url)
+    model = load_task(TINY).build_model()
+    sync = DiLoCoSync(url, model, learner_id="k", options=SyncOptions(io_process=True, **OPTS))
+    sync.start()
+    try:
+        sync._io.proc.send_signal(signal.SIGKILL)
+        sync._io.proc.wait(timeout=60)
+        with pytest.raises(DdilocoError, match="io helper process"):
+            for _ in range(1000):
+                sync.step(num_tokens=1)
+                _pump(sync, 0.01)
+    finally:
+        sync._started = False  # nothing to close: the helper is gone
+        sync._writer.close(final_beat=False)
+        sync._io.abort()
+
+
+@pytest.mark.parametrize("spec, why", [({"mode": "lockstep"}, "lock-step"), ({"alpha": 1.0}, "in-place"),
+                                      ({}, "in-memory")])
+def test_the_io_helper_refuses_what_it_does_not_cover(tmp_path, spec, why):
+    url = "memory://io-refused" if why == "in-memory" else str(tmp_path / "bucket")
+    _run(url, **spec)
+    model = load_task(TINY).build_model()
+    with pytest.raises(UsageError, match=why):
+        with DiLoCoSync(url, model, learner_id="r", options=SyncOptions(io_process=True, **OPTS)):
+            pass
+
+
+@pytest.mark.slow
+def test_a_killed_learner_takes_its_helper_along_and_leaves_no_shared_memory(tmp_path):
+    """`ddiloco learn --io-process` with a syncer: contributions are merged; SIGKILL the learner
+    and its helper process goes too, and its shared blocks with them."""
+    url = str(tmp_path / "bucket")
+    procs = Procs(tmp_path)
+    try:
+        r = invoke("init", url, "--task", TINY, "-P", "2", "-H", "4", "--overlap-steps", "1", "--total-steps", "0",
+                   "--warmup-steps", "0", "--batch-size", "4", "--lease", "2", "--heartbeat", "0.4")
+        assert r.exit_code == 0, r.output
+        procs.start("syncer", "sync", url, "--poll", "0.1")
+        learner = procs.start("learner", "learn", url, "--learner-id", "a", "--threads", "1", "--poll", "0.1",
+                              "--io-process")
+        wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("receives", 0) >= 4, timeout_s=240,
+                 what="the learner receiving versions through its helper", procs=procs)
+        helpers = _children(learner.pid)
+        assert len(helpers) == 1, helpers
+        shm = [f for f in os.listdir("/dev/shm") if f.startswith(f"ddiloco-{learner.pid}-")] \
+            if os.path.isdir("/dev/shm") else []
+        assert shm == [], shm  # unlinked once mapped
+        learner.send_signal(signal.SIGKILL)
+        learner.wait(timeout=60)
+        wait_for(lambda: not os.path.exists(f"/proc/{helpers[0]}"), timeout_s=60, what="the helper to exit")
+        beat = learner_heartbeat(url, "a")
+        assert beat["num_contributions"] >= 4 and beat["uploads_failed"] == 0
+    finally:
+        procs.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
