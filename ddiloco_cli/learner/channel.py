@@ -1,6 +1,7 @@
-"""The message channel between a learner and its io helper process: length-prefixed pickles
-on a Unix socket pair (both ends are this package's own processes; nothing read from the
-bucket travels as a pickle it did not make itself: the helper sends parsed values).
+"""The message channel between a learner and its io helper process: length-prefixed JSON
+messages on a Unix socket pair (lists, numbers, strings and records; the fragments themselves
+travel in shared blocks, ``slots``). JSON, not pickle: nothing in this package unpickles (PROTOCOL
+[R5]), and these messages carry what the helper read from the bucket.
 
 The learner's training thread sends a step's messages in one write (``post`` then ``flush``)
 and reads what has come without waiting (``receive(0)``: one ``recv`` that does not block), so a
@@ -8,7 +9,7 @@ step with nothing to say costs one system call."""
 
 from __future__ import annotations
 
-import pickle
+import json
 import select
 import socket
 import struct
@@ -18,6 +19,10 @@ from typing import Any
 
 _LEN = struct.Struct("!I")
 MAX_MESSAGE = 64 << 20  # a frame longer than this is a broken channel, not a message
+
+
+def _dumps(msg: Any) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
 
 
 class Channel:
@@ -33,7 +38,7 @@ class Channel:
 
     def post(self, msg: Any) -> None:
         """Queue ``msg`` for the next ``flush`` (one thread only)."""
-        body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        body = _dumps(msg)
         self._out.append(_LEN.pack(len(body)) + body)
 
     def flush(self) -> None:
@@ -44,7 +49,7 @@ class Channel:
 
     def send(self, msg: Any) -> None:
         """``msg`` now (thread-safe against other ``send`` calls)."""
-        body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        body = _dumps(msg)
         with self._send_lock:
             self.sock.sendall(_LEN.pack(len(body)) + body)
 
@@ -77,7 +82,7 @@ class Channel:
                 raise EOFError(f"a {n}-byte frame on the channel: broken")
             if len(buf) - at - _LEN.size < n:
                 break
-            self._ready.append(pickle.loads(bytes(buf[at + _LEN.size:at + _LEN.size + n])))
+            self._ready.append(json.loads(bytes(buf[at + _LEN.size:at + _LEN.size + n])))
             at += _LEN.size + n
         del buf[:at]
 

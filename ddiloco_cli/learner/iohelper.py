@@ -7,7 +7,7 @@ contribution is measured against), the codec's residual of the last upload (erro
 [L6]) and the values of the versions it handed over and the learner has not taken or let go of.
 The training process copies a fragment into a shared block at a send and reads a ready
 increment (new value minus the fragment at the send) from another; the messages between them
-(``ioproc.IoProcess``) are small tuples on a socket pair. Started by the training process as
+(``ioproc.IoProcess``) are small JSON lists on a socket pair (``channel``). Started by the training process as
 ``python -m ddiloco_cli.learner.iohelper FD``; it exits when that socket closes (the training
 process has gone, even by SIGKILL), and on Linux the kernel kills it with its parent as well.
 
@@ -43,6 +43,8 @@ from ddiloco_cli.learner.slots import SlotTable
 from ddiloco_cli.learner.stats import WORKER_COUNTERS, LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
 from ddiloco_cli.protocol import signing
+from ddiloco_cli.protocol.fragments import FragmentPlan
+from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store import open_store
 
@@ -78,7 +80,8 @@ class Helper:
     def __init__(self, conn: Channel, spec: dict[str, Any]):
         self.conn = conn
         self.lock = threading.Lock()  # values, wants, residuals
-        config, self.plan = spec["config"], spec["plan"]
+        config = RunConfig.from_record(spec["config"], where="the learner's run config")
+        self.plan = FragmentPlan.from_json(spec["plan"])
         self.store = open_store(spec["url"], options=spec["storage_options"])
         trust = signing.Trust(self.store, run=config)
         readers = {p: FragmentReader(self.store, run_id=config.run_id, plan=self.plan, fragment=p, trust=trust)

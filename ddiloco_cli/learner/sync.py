@@ -25,6 +25,7 @@ I/O and broadcasts what it received (``island.Island``). DDP, FSDP2
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
@@ -344,9 +345,15 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
         if why is not None:
             raise UsageError(f"--io-process: not for {why}; leave it off")
         spec = {"url": self._open_args[0], "storage_options": self._open_args[1], "learner_id": self.learner_id,
-                "key_path": self.opts.key_path, "config": self.config, "plan": self.plan,
+                "key_path": None if self.opts.key_path is None else str(self.opts.key_path),
+                "config": self.config.to_record(run_id=self.run_id, created_s=self.config.created_s),
+                "plan": self.plan.to_json(),
                 "upload_workers": self.opts.upload_workers, "min_poll_s": self.opts.min_poll_s,
                 "log_level": logging.getLogger("ddiloco_cli").getEffectiveLevel()}
+        try:
+            json.dumps(spec)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--io-process: the storage options must be JSON values for the helper ({exc})") from None
         self._io = IoProcess(spec, self.plan, stats=self.stats, in_use=self._blocks_in_use,
                              max_outstanding=self.opts.upload_queue + self.opts.upload_workers)
         try:
