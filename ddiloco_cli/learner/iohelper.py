@@ -8,8 +8,9 @@ contribution is measured against), the codec's residual of the last upload (erro
 The training process copies a fragment into a shared block at a send and reads a ready
 increment (new value minus the fragment at the send) from another; the messages between them
 (``ioproc.IoProcess``) are small JSON lists on a socket pair (``channel``). Started by the training process as
-``python -m ddiloco_cli.learner.iohelper FD``; it exits when that socket closes (the training
-process has gone, even by SIGKILL), and on Linux the kernel kills it with its parent as well.
+a fork of itself on Linux (sharing the pages of the imports), else ``python -m
+ddiloco_cli.learner.iohelper FD``; it exits when that socket closes (the training process has
+gone, even by SIGKILL), and on Linux the kernel kills it with its parent as well.
 
 Messages in (from the training process): ``("slot", sid, path)`` map a block; ``("base", p,
 version, sid)`` fragment p's starting base is in block sid; ``("send", key, sid, header)`` a
@@ -218,11 +219,9 @@ def _die_with_parent() -> None:
             pass
 
 
-def main(argv: list[str]) -> int:
-    _die_with_parent()
-    conn = Channel(socket.socket(fileno=int(argv[0])))
-    if os.getppid() == 1:  # the parent died before prctl took hold
-        return 0
+def run(conn: Channel) -> int:
+    """Read the spec, then serve until ``close``; an error is told to the training process. The
+    exit code."""
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to handle
     try:
@@ -230,8 +229,6 @@ def main(argv: list[str]) -> int:
         while not msgs:
             msgs = conn.receive(None)
         _, spec = msgs.pop(0)
-        logging.basicConfig(level=spec.get("log_level", logging.WARNING),
-                            format="%(asctime)s io-helper %(levelname)s %(name)s: %(message)s")
         helper = Helper(conn, spec)
     except BaseException:  # noqa: BLE001 - told to the training process, which raises it
         conn.send(("error", traceback.format_exc()))
@@ -242,6 +239,22 @@ def main(argv: list[str]) -> int:
         helper.post(("error", traceback.format_exc()))
         return 1
     return 0
+
+
+def forked(sock: socket.socket, *, die_with_parent: bool) -> int:
+    """The helper in a child the training process forked (Linux): it shares the pages of the
+    imports (torch's are 150 MB) with the training process instead of loading its own."""
+    if die_with_parent:  # the kernel's signal follows the forking thread: the main thread's only
+        _die_with_parent()
+    return run(Channel(sock))
+
+
+def main(argv: list[str]) -> int:
+    """``python -m ddiloco_cli.learner.iohelper FD`` (where the training process cannot fork)."""
+    _die_with_parent()
+    conn = Channel(socket.socket(fileno=int(argv[0])))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s io-helper %(levelname)s %(name)s: %(message)s")
+    return run(conn)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -37,6 +39,70 @@ log = logging.getLogger("ddiloco_cli.learner.sync")
 Tensors = dict[str, torch.Tensor]
 
 START_TIMEOUT_S = 300.0  # the helper imports torch and opens the bucket
+
+
+class _Forked:
+    """A forked child, as much of ``subprocess.Popen`` as ``IoProcess`` uses."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"io helper {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _forget(tensors: list[torch.Tensor]) -> None:
+    """In a forked child: give back the pages of ``tensors`` (whole pages inside each storage)
+    that the child never reads, so that the parent's writes to them (every training step) copy
+    nothing. Best effort: nothing happens where ``madvise`` is missing."""
+    import ctypes
+
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    for t in tensors:
+        storage = t.untyped_storage()
+        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        first, last = -(-start // page) * page, end // page * page
+        if last > first:
+            madvise(first, last - first, 4)  # MADV_DONTNEED
+
+
+def _fork_helper(ours: socket.socket, theirs: socket.socket, forget: list[torch.Tensor]) -> _Forked:
+    """Fork the io helper (``iohelper.forked``): the child never returns into the caller's code;
+    it gives back the pages of ``forget`` (the model's parameters) first."""
+    from ddiloco_cli.learner import iohelper
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ours.close()
+            _forget(forget)
+            code = iohelper.forked(theirs, die_with_parent=main_thread)
+        finally:
+            os._exit(code)
+    return _Forked(pid)
 
 
 class IoProcess:
@@ -62,12 +128,16 @@ class IoProcess:
         self._closed = False
 
     # ------------------------------------------------------------- lifecycle
-    def start(self, bases: dict[int, tuple[int, Tensors]]) -> None:
-        """Start the helper, hand it every fragment's base and wait until it is serving."""
+    def start(self, bases: dict[int, tuple[int, Tensors]], *, forget: list[torch.Tensor] = ()) -> None:
+        """Start the helper, hand it every fragment's base and wait until it is serving. On Linux
+        the helper is a fork of this process, which lets go of the pages of ``forget`` (the
+        model's CPU tensors: this process writes them, the helper never reads them)."""
         ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli.learner.iohelper", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        if sys.platform.startswith("linux"):
+            self.proc = _fork_helper(ours, theirs, list(forget))
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "ddiloco_cli.learner.iohelper", str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Channel(ours)
         self.conn.post(("spec", self.spec))

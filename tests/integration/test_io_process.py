@@ -187,7 +187,7 @@ def test_a_helper_that_dies_is_an_error_that_names_it(tmp_path):
     sync = DiLoCoSync(url, model, learner_id="k", options=SyncOptions(io_process=True, **OPTS))
     sync.start()
     try:
-        sync._io.proc.send_signal(signal.SIGKILL)
+        os.kill(sync._io.pid, signal.SIGKILL)
         sync._io.proc.wait(timeout=60)
         with pytest.raises(DdilocoError, match="io helper process"):
             for _ in range(1000):
