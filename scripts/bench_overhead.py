@@ -91,9 +91,25 @@ WARMUP = 20
 SEED = 0
 
 
+HELPER_CPU_S: list[Callable[[], float]] = [lambda: 0.0]  # the io helper process's CPU (--io-process)
+
+
 def _stamp() -> tuple[float, float, float]:
-    """(wall, CPU of the whole process, CPU of this thread), seconds."""
-    return time.perf_counter(), time.process_time(), time.thread_time()
+    """(wall, CPU of the whole process and of its io helper, CPU of this thread), seconds."""
+    return time.perf_counter(), time.process_time() + HELPER_CPU_S[0](), time.thread_time()
+
+
+def pss_kb(pid: int | str = "self") -> int:
+    """Proportional set size (a page shared by n processes counts 1/n in each): what a learner
+    and its forked io helper together take, without counting their shared pages twice."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def vm_hwm_kb(pid: int | str = "self") -> int:
@@ -210,7 +226,8 @@ def pin_workers(cpu: int) -> None:
 
 def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir: str | None = None,
                    timers: bool = False, skip: int = 0, task: str = "mid", threads: int = 1,
-                   workers_cpu: int | None = None, workers_nice: int = 0, switch_ms: float = 0.0) -> None:
+                   workers_cpu: int | None = None, workers_nice: int = 0, switch_ms: float = 0.0,
+                   io_process: bool = False) -> None:
     torch.set_num_threads(threads)
     if switch_ms:
         sys.setswitchinterval(switch_ms / 1e3)
@@ -221,7 +238,7 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
     dump_profiles = profile_threads(profile_dir) if profile_dir else None
     timed_calls = time_functions() if timers else None
     calls_at_last_step: dict[str, list[float]] = {}
-    from ddiloco_cli.learner import DiLoCoSync, Learner, LearnerOptions
+    from ddiloco_cli.learner import DiLoCoSync, Learner, LearnerOptions, SyncOptions
     from ddiloco_cli.store import open_store
 
     # main-thread time inside the loop's ddiloco call (``step``: send, i.e. gather + delta + queue,
@@ -241,6 +258,20 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
         start_receiver(self)
 
     Receiver.start = start
+    from ddiloco_cli.learner.ioproc import IoProcess
+
+    helpers: list = []
+    start_helper = IoProcess.start
+
+    def start_io(self, *a, **k) -> None:  # keep the instance: its pid and CPU
+        start_helper(self, *a, **k)
+        helpers.append(self)
+        HELPER_CPU_S[0] = lambda: self.cpu_s() or 0.0
+        if workers_cpu is not None:  # its threads where the worker threads would be
+            for tid in os.listdir(f"/proc/{self.pid}/task"):
+                os.sched_setaffinity(int(tid), {workers_cpu})
+
+    IoProcess.start = start_io
     reports = record_cost_reports()  # the learner's own cost reports (its heartbeats' fields), by step
     stamps, marks = [_stamp()], {}
     threads: dict[str, float] = {}
@@ -260,11 +291,14 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
             for r in receivers[:1]:
                 at_last_step.update(polls=r.num_polls, downloads=getattr(r, "num_downloads", None),
                                     waits=getattr(r, "num_waits", None))
+            at_last_step.update(pss_kb=pss_kb() + sum(pss_kb(h.pid) for h in helpers),
+                                helper_vm_hwm_kb=sum(vm_hwm_kb(h.pid) for h in helpers))
             if timed_calls is not None:
                 calls_at_last_step.update({k: list(v) for k, v in timed_calls.items()})
 
     learner = Learner(open_store(url), options=LearnerOptions(learner_id=learner_id, steps=steps, log_every=10**9,
-                                                              task=TASKS[task][0]),
+                                                              task=TASKS[task][0],
+                                                              sync=SyncOptions(io_process=io_process)),
                       on_progress=on_progress)
     reason, s = learner.train(), learner.stats
     if dump_profiles is not None:
@@ -281,6 +315,7 @@ def ddiloco_worker(url: str, learner_id: str, steps: int, out: str, profile_dir:
 
 def _write(out: str, **rec) -> None:
     rec["vm_hwm_kb"] = vm_hwm_kb()
+    rec.setdefault("pss_kb", pss_kb())  # the plain loop's at its end; the learner's (and helper's) at its last step
     with open(out, "w") as f:
         json.dump(rec, f)
 
@@ -302,7 +337,7 @@ def _prefix(cpu: int | str | None, nice: int = 0) -> list[str]:
 def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str, cpu: int | str | None,
             profile_dir: str | None = None, timers: bool = False, task: str = "mid", threads: int = 1,
             wrap: str | None = None, tune_plain: bool = False, workers_cpu: int | None = None,
-            workers_nice: int = 0, switch_ms: float = 0.0) -> dict:
+            workers_nice: int = 0, switch_ms: float = 0.0, io_process: bool = False) -> dict:
     out = os.path.join(workdir, f"{arm}-{rep}.json")
     # --wrap: a profiler's command line before the worker's (``{arm}``, ``{rep}``: this process's)
     pre = shlex.split(wrap.format(arm=arm, rep=rep)) if wrap else []  # outside taskset: the profiler unpinned
@@ -322,6 +357,8 @@ def run_arm(arm: str, *, url: str, rep: int, steps: int, skip: int, workdir: str
             cmd += ["--workers-nice", str(workers_nice)]
         if switch_ms:
             cmd += ["--switch-interval", str(switch_ms)]
+        if io_process:
+            cmd += ["--io-process"]
     load0 = os.getloadavg()[0]
     subprocess.run(cmd, check=True, env=_env(threads), cwd=str(REPO))
     with open(out) as f:
@@ -383,7 +420,8 @@ def step_time_comparison(args, workdir: str) -> dict:
                                        profile_dir=args.profile, timers=args.timers, task=args.task,
                                        threads=args.threads, wrap=args.wrap, tune_plain=args.tune_plain,
                                        workers_cpu=workers_cpu if arm == "ddiloco" else None,
-                                       workers_nice=args.workers_nice, switch_ms=args.switch_interval))
+                                       workers_nice=args.workers_nice, switch_ms=args.switch_interval,
+                                       io_process=args.io_process))
         syncer_hwm = vm_hwm_kb(syncer.pid)
     finally:
         syncer.terminate()
@@ -397,6 +435,7 @@ def step_time_comparison(args, workdir: str) -> dict:
     # (they only ever add time) leave out; every ddiloco step sends and receives (P = H)
     p10_ratios = [d["p10_ms"] / p["p10_ms"] for p, d in zip(plain, dd)]
     mem_ratios = [d["vm_hwm_kb"] / p["vm_hwm_kb"] for p, d in zip(plain, dd)]
+    pss_ratios = [d["pss_kb"] / p["pss_kb"] for p, d in zip(plain, dd) if p.get("pss_kb") and d.get("pss_kb")]
     return {
         "records": records, "syncer_vm_hwm_kb": syncer_hwm,
         "plain_median_ms": statistics.median(r["median_ms"] for r in plain),
@@ -412,6 +451,7 @@ def step_time_comparison(args, workdir: str) -> dict:
         "machinery_steady_ms_per_step": _machinery(dd, steps=args.steps, skip=args.skip),
         "plain_vm_hwm_kb": max(r["vm_hwm_kb"] for r in plain), "ddiloco_vm_hwm_kb": max(r["vm_hwm_kb"] for r in dd),
         "memory_ratio_per_rep": mem_ratios, "memory_ratio_median": statistics.median(mem_ratios),
+        "pss_ratio_per_rep": pss_ratios, "pss_ratio_median": statistics.median(pss_ratios) if pss_ratios else None,
     }
 
 
@@ -581,6 +621,10 @@ def main() -> None:
                          "(upload, receive, heartbeat) on CPU 1 beside the syncer (nice +10): a learner with a core to "
                          "spare, as on a GPU host or a VM with more cores than torch threads; the default puts them all "
                          "on CPU 0, the worst case")
+    ap.add_argument("--io-process", action="store_true",
+                    help="the ddiloco arm with its io helper process (`ddiloco learn --io-process`): the helper's CPU "
+                         "counts in its all-thread CPU, its memory in the proportional-set-size ratio (with "
+                         "--workers-cpu its threads on CPU 1)")
     ap.add_argument("--workers-nice", type=int, default=0, metavar="N",
                     help="the ddiloco arm's worker threads at nice N (the training thread at 0): an experiment")
     ap.add_argument("--switch-interval", type=float, default=0.0, metavar="MS",
@@ -615,7 +659,7 @@ def main() -> None:
         return ddiloco_worker(args.url, args.learner_id, args.steps, args.out, profile_dir=args.profile,
                               timers=args.timers, skip=args.skip, task=args.task, threads=args.threads,
                               workers_cpu=1 if args.workers_cpu else None, workers_nice=args.workers_nice,
-                              switch_ms=args.switch_interval)
+                              switch_ms=args.switch_interval, io_process=args.io_process)
     if args.pin and (os.cpu_count() or 1) < 2:
         args.pin = False
     if args.workers_cpu and (not args.pin or args.threads != 1):
@@ -638,7 +682,7 @@ def main() -> None:
         n = sum(p.numel() for p in the_task.build_model().parameters())
         print(f"task {args.task}: {n / 1e6:.2f}M params, batch {batch_size} x {the_task.config.block_size} tokens; "
               f"{args.threads} torch thread(s); P = H = 24, int4; {args.reps} A/B rounds x {args.steps} steps "
-              f"(first {args.skip} skipped); pinned: {args.pin}{'; worker threads on CPU 1' if args.workers_cpu else ''}; load {os.getloadavg()[0]:.2f}", flush=True)
+              f"(first {args.skip} skipped); pinned: {args.pin}{'; io helper process' if args.io_process else ''}{'; worker threads on CPU 1' if args.workers_cpu else ''}; load {os.getloadavg()[0]:.2f}", flush=True)
         from ddiloco_cli.learner import allocator
 
         tuned, why = allocator.wanted()

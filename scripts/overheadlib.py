@@ -186,8 +186,8 @@ def record_cost_reports() -> list[tuple[int, dict]]:
     reports: list[tuple[int, dict]] = []
     fields = CostMeter.fields
 
-    def recorded(self, step: int, workers) -> dict:
-        out = fields(self, step, workers)
+    def recorded(self, step: int, workers, **kw) -> dict:
+        out = fields(self, step, workers, **kw)
         reports.append((step, out))
         return out
 
@@ -220,6 +220,8 @@ def headline(res: dict, args) -> dict:
             "wall_p10_ratio_per_round": [1 + x for x in res["p10_overhead_per_rep"]],
             "cpu_ratio_per_round": [1 + x for x in res["cpu_overhead_per_rep"]],
             "memory_ratio_median": res["memory_ratio_median"], "memory_ratio_per_round": res["memory_ratio_per_rep"],
+            "io_process": bool(getattr(args, "io_process", False)),
+            "pss_ratio_median": res.get("pss_ratio_median"), "pss_ratio_per_round": res.get("pss_ratio_per_rep"),
             "memory_ratio_of_maxima": res["ddiloco_vm_hwm_kb"] / res["plain_vm_hwm_kb"],
             # the ddiloco arm's peak up to its last step (before the flush of unsent progress on close)
             "ddiloco_vm_hwm_at_last_step_mb": statistics.median(
@@ -240,6 +242,7 @@ def print_headline(h: dict) -> None:
 
     print(f"\nHEADLINE (task {h['task']}, {h['torch_threads']} torch thread(s), median of {h['rounds']} interleaved "
           f"A/B rounds, steps {h['skip'] + 1}-{h['steps']}, load {h['load_min']:.2f}-{h['load_max']:.2f}"
+          f"{'; io helper process' if h.get('io_process') else ''}"
           f"{'; worker threads on CPU 1' if h.get('workers_cpu') else ''})")
     print(f"  wall time per step, ddiloco / plain: {h['wall_ratio_median']:.3f} ({h['wall_ratio_median'] - 1:+.1%}; "
           f"per round {rounds(h['wall_ratio_per_round'])}); {h['wall_ms']['ddiloco']:.1f} vs "
@@ -253,6 +256,9 @@ def print_headline(h: dict) -> None:
     print(f"  peak memory, ddiloco / plain: {h['memory_ratio_median']:.3f}x (per round "
           f"{', '.join(f'{x:.3f}' for x in h['memory_ratio_per_round'])}; largest over largest "
           f"{h['memory_ratio_of_maxima']:.3f}x; ddiloco's peak up to its last step {h['ddiloco_vm_hwm_at_last_step_mb']:.0f} MB)")
+    if h.get("pss_ratio_median"):
+        print(f"  proportional set size at the last step, ddiloco{' + its io helper' if h.get('io_process') else ''} / "
+              f"plain: {h['pss_ratio_median']:.3f}x (per round {', '.join(f'{x:.3f}' for x in h['pss_ratio_per_round'])})")
     sw = h["main_voluntary_switches_per_step"], h["main_involuntary_switches_per_step"]
     print(f"  main thread's context switches per step (waits / preemptions): plain {sw[0]['plain']:.1f} / "
           f"{sw[1]['plain']:.1f}, ddiloco {sw[0]['ddiloco']:.1f} / {sw[1]['ddiloco']:.1f}")

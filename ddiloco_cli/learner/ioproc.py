@@ -87,6 +87,17 @@ def _forget(tensors: list[torch.Tensor]) -> None:
             madvise(first, last - first, 4)  # MADV_DONTNEED
 
 
+def _trim_heap() -> None:
+    """In a forked child: give back the heap's free pages (glibc's ``malloc_trim``), which the
+    parent goes on reusing: each page it writes would otherwise be copied for the child."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _fork_helper(ours: socket.socket, theirs: socket.socket, forget: list[torch.Tensor]) -> _Forked:
     """Fork the io helper (``iohelper.forked``): the child never returns into the caller's code;
     it gives back the pages of ``forget`` (the model's parameters) first."""
@@ -99,6 +110,7 @@ def _fork_helper(ours: socket.socket, theirs: socket.socket, forget: list[torch.
         try:
             ours.close()
             _forget(forget)
+            _trim_heap()
             code = iohelper.forked(theirs, die_with_parent=main_thread)
         finally:
             os._exit(code)

@@ -357,7 +357,8 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
         self._io = IoProcess(spec, self.plan, stats=self.stats, in_use=self._blocks_in_use,
                              max_outstanding=self.opts.upload_queue + self.opts.upload_workers)
         try:
-            self._io.start(self.base, forget=[t for t in self.model.state_dict().values() if t.device.type == "cpu"])
+            state = [*self.model.state_dict().values(), *(p.grad for p in self.params.values() if p.grad is not None)]
+            self._io.start(self.base, forget=[t for t in state if t.device.type == "cpu"])
         except BaseException:
             self._io.abort()
             raise
