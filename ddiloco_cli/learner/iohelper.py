@@ -4,23 +4,26 @@ so that none of their Python holds the training process's GIL.
 
 It keeps what only they read: every fragment's base (the published value the learner's next
 contribution is measured against), the codec's residual of the last upload (error feedback,
-[L6]) and the values of the versions it handed over and the learner has not taken or let go of.
-The training process copies a fragment into a shared block at a send and reads a ready
-increment (new value minus the fragment at the send) from another; the messages between them
-(``ioproc.IoProcess``) are small JSON lists on a socket pair (``channel``). Started by the training process as
-a fork of itself on Linux (sharing the pages of the imports), else ``python -m
+[L6]) and the values of the versions it handed over and the learner has not taken or let go of. The
+training process copies a fragment into a shared block at a send and reads a ready increment
+(new value minus the fragment at the send) from another; the messages between them
+(``ioproc.IoProcess``) are small JSON lists on a socket pair (``channel``). The training process
+starts it as a fork of itself on Linux (sharing the pages of the imports), else as ``python -m
 ddiloco_cli.learner.iohelper FD``; it exits when that socket closes (the training process has
 gone, even by SIGKILL), and on Linux the kernel kills it with its parent as well.
 
 Messages in (from the training process): ``("slot", sid, path)`` map a block; ``("base", p,
 version, sid)`` fragment p's starting base is in block sid; ``("send", key, sid, header)`` a
-contribution of the fragment in block sid (its outer gradient computed here, against the base
-of ``header["base_version"]``); ``("want", p, have_version, theta_sid, inc_sid, order, pace_s)``
+contribution of the fragment in block sid (its outer gradient computed here, against the base of
+``header["base_version"]``); ``("want", p, have_version, theta_sid, inc_sid, order, pace_s)``
 poll for a version of p newer than have; ``("took", p, version)`` the learner took that version:
-it is p's base now; ``("close",)`` finish the uploads and leave. Out: ``("unref", sid)`` done
-with one use of a block; ``("ready", p, version, theta_sid, inc_sid, high_water, refused)`` a
-version is ready, its increment in block inc_sid (which the learner owns from then on, as it
-does theta_sid again; ``("unref", sid, True)`` for a contribution's block: read, or replaced); ``("stats", {...}, cpu_s)`` counters and this process's CPU seconds; ``("closed",)``; ``("error", text)``."""
+it is p's base now; ``("close",)`` finish the uploads and leave.
+
+Out: ``("unref", sid)`` done with one use of a block (``("unref", sid, True)`` for a
+contribution's block: read, or replaced by a newer contribution); ``("ready", p, version,
+theta_sid, inc_sid, high_water, refused)`` a version is ready, its increment in block inc_sid
+(both blocks the learner's again from then on); ``("stats", {...}, cpu_s)`` the counters and this
+process's CPU seconds; ``("started",)``, ``("closed",)``; ``("error", text)``."""
 
 from __future__ import annotations
 
@@ -49,9 +52,8 @@ from ddiloco_cli.protocol.runconfig import RunConfig
 from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store import open_store
 
-log = logging.getLogger("ddiloco_cli.learner.iohelper")
-
 Tensors = dict[str, torch.Tensor]
+
 
 class _Send:
     """A contribution whose outer gradient the upload thread computes (``Uploader.encode``) from
@@ -93,7 +95,6 @@ class Helper:
         self.stats = LearnerStats()
         self.slots = SlotTable(self.plan)
         self.values: dict[int, dict[int, Tensors]] = {p: {} for p in range(self.plan.num_fragments)}
-        self.base_version: dict[int, int] = {}
         # a version handed over: the learner's own high-water mark in its manifest, and the refusals
         self.meta: dict[tuple[int, int], tuple[int, list[dict[str, Any]]]] = {}
         self.wants: dict[int, tuple[int, int]] = {}  # fragment -> (theta block, increment block) of its want
@@ -142,7 +143,6 @@ class Helper:
         value = {k: t.clone() for k, t in self.slots.views(sid, p).items()}
         with self.lock:
             self.values[p] = {version: value}
-            self.base_version[p] = version
         self.post(("unref", sid))
 
     def on_send(self, key: str, sid: int, header: dict[str, Any]) -> None:
@@ -171,7 +171,6 @@ class Helper:
 
     def on_took(self, p: int, version: int) -> None:
         with self.lock:
-            self.base_version[p] = version
             self.values[p] = {v: t for v, t in self.values[p].items() if v >= version}
             for v in [v for q, v in self.meta if q == p and v < version]:
                 del self.meta[p, v]
@@ -223,7 +222,10 @@ def run(conn: Channel) -> int:
     """Read the spec, then serve until ``close``; an error is told to the training process. The
     exit code."""
     torch.set_num_threads(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the training process's to handle
+    # a Ctrl-C or a SIGTERM sent to the whole group is the training process's to handle: it leaves
+    # cleanly (its flush goes through this process) and closes the helper, or dies and the helper with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         msgs: list[tuple] = []
         while not msgs:

@@ -15,7 +15,6 @@ of ddiloco's runs on another thread of this process but the heartbeat."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -34,11 +33,10 @@ from ddiloco_cli.learner.slots import SlotTable, copy_fragment_into
 from ddiloco_cli.learner.stats import WORKER_COUNTERS, LearnerStats
 from ddiloco_cli.protocol.fragments import FragmentPlan
 
-log = logging.getLogger("ddiloco_cli.learner.sync")
-
 Tensors = dict[str, torch.Tensor]
 
-START_TIMEOUT_S = 300.0  # the helper imports torch and opens the bucket
+START_TIMEOUT_S = 300.0  # the helper (spawned where it cannot be forked) imports torch and opens the bucket
+BOOTSTRAP_BLOCKS = 4  # blocks the bases are handed over in at the start
 
 
 class _Forked:
@@ -132,7 +130,6 @@ class IoProcess:
         self.sending: dict[int, int] = {}  # block -> contributions in it the helper has not read yet
         self.ready: dict[int, Ready] = {}
         self.wants: dict[int, tuple[int, int]] = {}  # fragment -> (theta block, increment block) of its last want
-        self.pace_s = 0.0  # the learner's step time: the helper polls no faster
         self._offsets = {k: getattr(stats, k) for k in WORKER_COUNTERS}  # counters carried over from earlier sessions
         self._cpu_s: float | None = None
         self.proc: subprocess.Popen | None = None
@@ -154,6 +151,9 @@ class IoProcess:
         self.conn = Channel(ours)
         self.conn.post(("spec", self.spec))
         for p, (version, value) in sorted(bases.items()):
+            if len(self.slots.flat) >= BOOTSTRAP_BLOCKS:  # reuse a few blocks: not a copy of the model in each
+                self._wait_for(lambda: any(self.refs.get(b, 0) == 0 for b in self.slots.flat), START_TIMEOUT_S,
+                               "take the bases")
             sid = self._free_block()
             views = self.slots.views(sid, p)
             for k, t in views.items():
@@ -233,7 +233,8 @@ class IoProcess:
         self._lend(theta_sid)
         self._lend(inc_sid)
         self.wants[p] = (theta_sid, inc_sid)
-        self.conn.post(("want", p, have[0], theta_sid, inc_sid, 0.0 if order is None else order, self.pace_s))
+        self.conn.post(("want", p, have[0], theta_sid, inc_sid, 0.0 if order is None else order,
+                        self.stats.step_time_s))  # the learner's step time: the helper polls no faster
 
     def has_ready(self, p: int) -> bool:
         """Whether a version of p came by the last ``pump``."""

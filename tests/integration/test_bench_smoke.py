@@ -130,6 +130,23 @@ def test_bench_inproc_workers_cpu_smoke(tmp_path):
     assert json.loads(out.read_text())["workers_cpu"] is True
 
 
+def test_bench_io_process_smoke(tmp_path):
+    """Both benches with the learner's io helper process: its CPU in the all-thread CPU, its
+    memory in the proportional-set-size ratio, every contribution counted through it."""
+    out = tmp_path / "inproc.json"
+    text = _run("bench_inproc.py", "--procs", "1", "--pairs", "1", "--steps", "6", "--skip", "1", "--task", "tiny",
+                "--io-process", "--json", str(out), timeout_s=180)
+    assert "io helper process" in text and json.loads(out.read_text())["io_process"] is True
+    out = tmp_path / "overhead.json"
+    _run("bench_overhead.py", "--steps", "5", "--skip", "1", "--reps", "1", "--skip-syncer-memory", "--io-process",
+         "--json", str(out), timeout_s=180)
+    rep = json.loads(out.read_text())
+    dd = rep["records"][1]
+    assert dd["num_flushed"] == 23 and dd["num_contributions"] == 5 + 23
+    assert dd["pss_kb"] > 0 and dd["helper_vm_hwm_kb"] > 0
+    assert rep["headline"]["io_process"] is True and rep["headline"]["pss_ratio_median"] > 0
+
+
 def test_bench_gpu_runs_its_three_arms_on_the_cpu(tmp_path):
     """scripts/bench_gpu.py is for a CUDA device; --device cpu checks the script itself."""
     out = tmp_path / "gpu.json"

@@ -239,6 +239,38 @@ def test_a_killed_learner_takes_its_helper_along_and_leaves_no_shared_memory(tmp
         procs.close()
 
 
+@pytest.mark.slow
+def test_a_sigterm_to_the_learner_and_its_helper_leaves_cleanly_with_every_contribution(tmp_path):
+    """A SIGTERM to the whole group (systemd, a spot VM's shutdown) reaches the helper too: it
+    ignores it, so the learner's clean exit (the flush of unsent progress [L7]) still goes
+    through it, and every contribution it counted is in the bucket."""
+    url = str(tmp_path / "bucket")
+    procs = Procs(tmp_path)
+    try:
+        r = invoke("init", url, "--task", TINY, "-P", "2", "-H", "4", "--overlap-steps", "1", "--total-steps", "0",
+                   "--warmup-steps", "0", "--batch-size", "4", "--lease", "2", "--heartbeat", "0.4")
+        assert r.exit_code == 0, r.output
+        procs.start("syncer", "sync", url, "--poll", "0.1", "--no-gc")
+        learner = procs.start("learner", "learn", url, "--learner-id", "a", "--threads", "1", "--poll", "0.1",
+                              "--io-process")
+        wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("receives", 0) >= 2, timeout_s=240,
+                 what="the learner receiving versions through its helper", procs=procs)
+        helpers = _children(learner.pid)
+        assert len(helpers) == 1, helpers
+        os.kill(helpers[0], signal.SIGTERM)
+        learner.send_signal(signal.SIGTERM)
+        assert learner.wait(timeout=120) == 0, procs.log("learner")
+        assert "sent the unsent progress" in procs.log("learner")
+        beat = learner_heartbeat(url, "a")
+        store = open_store(url)
+        created = sum(len(store.list(layout.contribution_prefix(p))) for p in range(2))
+        assert beat["state"] == "left" and beat["uploads_failed"] == 0
+        assert created == beat["num_contributions"] > 0
+        wait_for(lambda: not os.path.exists(f"/proc/{helpers[0]}"), timeout_s=60, what="the helper to exit")
+    finally:
+        procs.close()
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for task in os.listdir(f"/proc/{pid}/task"):
