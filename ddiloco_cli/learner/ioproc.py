@@ -11,10 +11,13 @@ fragment in flight, held version or ready version refers to it (``in_use``, the 
 send waits for a free block when ``max_outstanding`` contributions are still to be read by the
 helper (the bound the upload queue puts on the threads' way); that wait counts as blocked time.
 The training thread reads the helper's messages itself, at every ``step`` (``pump``): nothing
-of ddiloco's runs on another thread of this process but the heartbeat."""
+of ddiloco's runs on another thread of this process but the heartbeat. ``IoPath`` is the part of
+``DiLoCoSync`` that starts the helper in place of the worker threads."""
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import signal
 import socket
@@ -26,7 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from ddiloco_cli.errors import DdilocoError
+from ddiloco_cli.errors import DdilocoError, UsageError
+from ddiloco_cli.learner import allocator
 from ddiloco_cli.learner.channel import Channel
 from ddiloco_cli.learner.receiver import Ready
 from ddiloco_cli.learner.slots import SlotTable, copy_fragment_into
@@ -85,17 +89,6 @@ def _forget(tensors: list[torch.Tensor]) -> None:
             madvise(first, last - first, 4)  # MADV_DONTNEED
 
 
-def _trim_heap() -> None:
-    """In a forked child: give back the heap's free pages (glibc's ``malloc_trim``), which the
-    parent goes on reusing: each page it writes would otherwise be copied for the child."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _fork_helper(ours: socket.socket, theirs: socket.socket, forget: list[torch.Tensor]) -> _Forked:
     """Fork the io helper (``iohelper.forked``): the child never returns into the caller's code;
     it gives back the pages of ``forget`` (the model's parameters) first."""
@@ -107,8 +100,10 @@ def _fork_helper(ours: socket.socket, theirs: socket.socket, forget: list[torch.
         code = 1
         try:
             ours.close()
+            gc.freeze()  # the child's collections leave the parent's objects (and their pages) alone
             _forget(forget)
-            _trim_heap()
+            # the heap's free pages, which the parent goes on reusing: each one it writes would be copied
+            allocator.release_free()
             code = iohelper.forked(theirs, die_with_parent=main_thread)
         finally:
             os._exit(code)
@@ -316,3 +311,50 @@ class IoProcess:
             if deadline is not None and time.monotonic() > deadline:
                 raise DdilocoError(f"the learner's io helper process did not {what} in {timeout_s:.0f} s")
             self.pump(timeout=0.5)
+
+
+class IoPath:
+    """The io helper half of ``DiLoCoSync`` (a base class: the methods use its attributes):
+    starting the helper in place of the worker threads, and the blocks the learner still reads."""
+
+    def _start_io_process(self) -> None:
+        """Start the io helper process (``SyncOptions.io_process``) and hand it the bases."""
+        why = ("torchrun islands" if self.island.world > 1 else "lock-step runs" if self.lockstep
+               else f"a model on {self.island.device}" if self.island.device.type != "cpu"
+               else "runs without an in-place receive (alpha 1 or no overlap progress)" if not self._in_place
+               else "a driver without threads" if not self.opts.threads
+               else "an in-memory bucket" if self._open_args[0].startswith("memory://") else None)
+        if why is not None:
+            raise UsageError(f"--io-process: not for {why}; leave it off")
+        spec = {"url": self._open_args[0], "storage_options": self._open_args[1], "learner_id": self.learner_id,
+                "key_path": None if self.opts.key_path is None else str(self.opts.key_path),
+                "config": self.config.to_record(run_id=self.run_id, created_s=self.config.created_s),
+                "plan": self.plan.to_json(),
+                "upload_workers": self.opts.upload_workers, "min_poll_s": self.opts.min_poll_s}
+        try:
+            json.dumps(spec)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--io-process: the storage options must be JSON values for the helper ({exc})") from None
+        self._io = IoProcess(spec, self.plan, stats=self.stats, in_use=self._blocks_in_use,
+                             max_outstanding=self.opts.upload_queue + self.opts.upload_workers)
+        try:
+            state = [*self.model.state_dict().values(), *(p.grad for p in self.params.values() if p.grad is not None)]
+            self._io.start(self.base, forget=[t for t in state if t.device.type == "cpu"])
+        except BaseException:
+            self._io.abort()
+            raise
+        self.base = {p: (v, None) for p, (v, _) in self.base.items()}  # the helper keeps the values
+        allocator.release_free()  # their pages
+        self._uploader = self._receiver = self._io
+
+    def _blocks_in_use(self) -> set[int]:
+        """The io helper's shared blocks this learner still reads: the fragments in flight and
+        the increments of the versions it holds back ([L8])."""
+        slot_of = self._io.slots.slot_of
+        used = set()
+        for flight in self.in_flight.values():
+            used.add(slot_of(flight.theta))
+            if flight.held is not None:
+                used.update((slot_of(flight.held.increment), slot_of(flight.held.subtracted)))
+        used.discard(None)
+        return used

@@ -25,7 +25,6 @@ I/O and broadcasts what it received (``island.Island``). DDP, FSDP2
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -40,7 +39,7 @@ import torch.nn as nn
 from ddiloco_cli.clock import WALL, Clock
 from ddiloco_cli.errors import UsageError
 from ddiloco_cli.learner import progress
-from ddiloco_cli.learner.ioproc import IoProcess
+from ddiloco_cli.learner.ioproc import IoPath, IoProcess
 from ddiloco_cli.learner.island import Island, unwrap
 from ddiloco_cli.learner.receivepath import ReceivePath
 from ddiloco_cli.learner.receiver import InFlight, Receiver
@@ -85,7 +84,7 @@ def check_learner_id(learner_id: str) -> None:
         raise UsageError(f"--learner-id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
 
 
-class DiLoCoSync(SendPath, ReceivePath, Reporting):
+class DiLoCoSync(SendPath, ReceivePath, IoPath, Reporting):
     """Attach a model to a Decoupled DiLoCo run. See the module docstring.
 
     ``num_tokens`` given to ``step`` is what this process trained in that step;
@@ -102,8 +101,7 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
         check_learner_id(learner_id)
         self.store = url if not isinstance(url, str) else open_store(url, options=storage_options)
         # how the io helper process opens the same bucket (SyncOptions.io_process)
-        self._open_args = getattr(self.store, "open_args", None) or (url if isinstance(url, str) else self.store.url,
-                                                                      storage_options)
+        self._open_args = getattr(self.store, "open_args", (self.store.url, storage_options))
         self.learner_id, self.opts = learner_id, options
         self.clock = options.clock
         self.config = config if config is not None else read_run_config(self.store)
@@ -242,23 +240,18 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
             raise UsageError("DiLoCoSync.step() before start(): use it as a context manager")
         t0, c0 = time.perf_counter(), time.thread_time()  # the host's clocks, whatever self.clock is
         try:
+            if self._io is not None:
+                self._io.pump()  # what the io helper sent since the last step (one non-blocking read)
             return self._step(num_tokens, data_state)
         finally:
+            if self._io is not None:
+                self._io.flush()  # this step's messages to the io helper (one write)
             self._cost.in_step_s += time.perf_counter() - t0
             self._cost.in_step_cpu_s += time.thread_time() - c0
 
     def _step(self, num_tokens: int, data_state: dict[str, Any] | None) -> list[int]:
         if data_state is not None:
             self._data_state = jsonable(data_state)
-        if self._io is not None:
-            self._io.pump()  # what the io helper has sent since the last step (one non-blocking read)
-        try:
-            return self._step_body(num_tokens)
-        finally:
-            if self._io is not None:
-                self._io.flush()  # this step's messages to the io helper (one write)
-
-    def _step_body(self, num_tokens: int) -> list[int]:
         s = self.stats
         step = s.step + 1
         n_tok = int(num_tokens) * self.island.world
@@ -334,48 +327,6 @@ class DiLoCoSync(SendPath, ReceivePath, Reporting):
         want = self.plan.tensor_shapes()
         self.plan.check_model({n: (tuple(t.shape), want[n][1] if n in want and t.is_floating_point() else t.dtype)
                                for n, t in self.params.items()})
-
-    def _start_io_process(self) -> None:
-        """Start the io helper process (``SyncOptions.io_process``) and hand it the bases."""
-        why = ("torchrun islands" if self.island.world > 1 else "lock-step runs" if self.lockstep
-               else f"a model on {self.island.device}" if self.island.device.type != "cpu"
-               else "runs without an in-place receive (alpha 1 or no overlap progress)" if not self._in_place
-               else "a driver without threads" if not self.opts.threads
-               else "an in-memory bucket" if self._open_args[0].startswith("memory://") else None)
-        if why is not None:
-            raise UsageError(f"--io-process: not for {why}; leave it off")
-        spec = {"url": self._open_args[0], "storage_options": self._open_args[1], "learner_id": self.learner_id,
-                "key_path": None if self.opts.key_path is None else str(self.opts.key_path),
-                "config": self.config.to_record(run_id=self.run_id, created_s=self.config.created_s),
-                "plan": self.plan.to_json(),
-                "upload_workers": self.opts.upload_workers, "min_poll_s": self.opts.min_poll_s,
-                "log_level": logging.getLogger("ddiloco_cli").getEffectiveLevel()}
-        try:
-            json.dumps(spec)
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"--io-process: the storage options must be JSON values for the helper ({exc})") from None
-        self._io = IoProcess(spec, self.plan, stats=self.stats, in_use=self._blocks_in_use,
-                             max_outstanding=self.opts.upload_queue + self.opts.upload_workers)
-        try:
-            state = [*self.model.state_dict().values(), *(p.grad for p in self.params.values() if p.grad is not None)]
-            self._io.start(self.base, forget=[t for t in state if t.device.type == "cpu"])
-        except BaseException:
-            self._io.abort()
-            raise
-        self.base = {p: (v, None) for p, (v, _) in self.base.items()}  # the helper keeps the values
-        self._uploader = self._receiver = self._io
-
-    def _blocks_in_use(self) -> set[int]:
-        """The io helper's shared blocks this learner still reads: the fragments in flight and
-        the increments of the versions it holds back ([L8])."""
-        slot_of = self._io.slots.slot_of
-        used = set()
-        for flight in self.in_flight.values():
-            used.add(slot_of(flight.theta))
-            if flight.held is not None:
-                used.update((slot_of(flight.held.increment), slot_of(flight.held.subtracted)))
-        used.discard(None)
-        return used
 
     def _update_stop(self) -> None:
         reason = self.stop_reason
