@@ -125,10 +125,17 @@ def _scenario(url: str, io_process: bool) -> tuple[dict[str, torch.Tensor], list
     return final, contributions, beat
 
 
-def test_the_io_helper_makes_the_same_contributions_and_model_as_the_worker_threads(tmp_path):
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def root(request, tmp_path) -> str:
+    """Where the runs go: a local directory, or a bucket on the moto server (the helper opens
+    it the way the learner did)."""
+    return str(tmp_path) if request.param == "local" else request.getfixturevalue("s3_url").url
+
+
+def test_the_io_helper_makes_the_same_contributions_and_model_as_the_worker_threads(root):
     urls = {}
     for io_process in (False, True):
-        urls[io_process] = str(tmp_path / f"io-{io_process}")
+        urls[io_process] = f"{root}/io-{io_process}"
         _run(urls[io_process])
     threads = _scenario(urls[False], io_process=False)
     helper = _scenario(urls[True], io_process=True)
