@@ -246,7 +246,14 @@ class IoProcess:
     def flush(self) -> None:
         """Send the messages of this step (one write)."""
         if self.conn is not None:
-            self.conn.flush()
+            try:
+                self.conn.flush()
+            except OSError as exc:  # the helper is gone: say so, not "broken pipe"
+                raise self._gone(exc) from None
+
+    def _gone(self, exc: BaseException) -> DdilocoError:
+        code = None if self.proc is None else self.proc.poll()
+        return DdilocoError(f"the learner's io helper process ended (exit code {code}): {exc}")
 
     def pump(self, timeout: float | None = 0.0) -> bool:
         """Handle the helper's messages that have come (waiting up to ``timeout`` for one, None:
@@ -256,8 +263,7 @@ class IoProcess:
         try:
             msgs = self.conn.receive(timeout)
         except (EOFError, OSError) as exc:
-            code = None if self.proc is None else self.proc.poll()
-            raise DdilocoError(f"the learner's io helper process ended (exit code {code}): {exc}") from None
+            raise self._gone(exc) from None
         for msg in msgs:
             self._handle(msg)
         return bool(msgs)

@@ -198,8 +198,11 @@ def test_a_helper_that_dies_is_an_error_that_names_it(tmp_path):
         sync._io.proc.wait(timeout=60)
         with pytest.raises(DdilocoError, match="io helper process"):
             for _ in range(1000):
-                sync.step(num_tokens=1)
+                sync.step(num_tokens=1)  # sends every few steps: a write to the dead helper is the same error
                 _pump(sync, 0.01)
+        sync._io.conn.post(("took", 0, 0))
+        with pytest.raises(DdilocoError, match="io helper process ended"):  # not a bare BrokenPipeError
+            sync._io.flush()
     finally:
         sync._started = False  # nothing to close: the helper is gone
         sync._writer.close(final_beat=False)
