@@ -180,12 +180,16 @@ class Helper:
         """Receiver thread: a version of p is ready; its increment against the fragment at the
         send goes into the want's block, and the learner is told."""
         got = self.receiver.take(p)
+        if got is None:
+            return
         with self.lock:
-            want = self.wants.pop(p, None)
-            if got is None or want is None:
-                return
+            # kept even when no want waits for it (one replaced by a want answered from a kept version):
+            # the next want hands it over without a download
             self.values[p][got.version] = got.value
             self.meta[p, got.version] = (got.manifest["high_water"].get(self.receiver.learner_id, -1), got.refused)
+            want = self.wants.pop(p, None)
+        if want is None:
+            return
         self._hand_over(p, got.version, *want)
         self.post_stats()
 
