@@ -113,8 +113,6 @@ def _fork_helper(ours: socket.socket, theirs: socket.socket, forget: list[torch.
 class IoProcess:
     """See the module docstring. ``in_use()`` returns the blocks the learner still reads."""
 
-    threads: list = []  # no worker threads in this process (the heartbeat's cost fields)
-
     def __init__(self, spec: dict[str, Any], plan: FragmentPlan, *, stats: LearnerStats, max_outstanding: int,
                  in_use: Callable[[], set[int]]):
         self.spec, self.plan, self.stats = spec, plan, stats

@@ -50,6 +50,7 @@ from ddiloco_cli.learner.session import SessionWriter, check_id_free, jsonable, 
 from ddiloco_cli.learner.stats import CostMeter, LearnerStats
 from ddiloco_cli.learner.uploader import Uploader
 from ddiloco_cli.protocol import layout, ledger, signing
+from ddiloco_cli.protocol.fragments import FragmentPlan
 from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.protocol.runconfig import RunConfig, read_run_config
 from ddiloco_cli.store import open_store
@@ -84,6 +85,14 @@ def check_learner_id(learner_id: str) -> None:
         raise UsageError(f"--learner-id {learner_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
 
 
+def _check_model(plan: FragmentPlan, params: dict[str, torch.Tensor]) -> None:
+    """The model must have the run's tensors and shapes; any float dtype trains (payloads are
+    fp32 either way)."""
+    want = plan.tensor_shapes()
+    plan.check_model({n: (tuple(t.shape), want[n][1] if n in want and t.is_floating_point() else t.dtype)
+                      for n, t in params.items()})
+
+
 class DiLoCoSync(SendPath, ReceivePath, IoPath, Reporting):
     """Attach a model to a Decoupled DiLoCo run. See the module docstring.
 
@@ -109,7 +118,7 @@ class DiLoCoSync(SendPath, ReceivePath, IoPath, Reporting):
         self.plan = ledger.read_plan(self.store, run_id=self.run_id)
         self.model = unwrap(model)
         self.params = dict(self.model.named_parameters())
-        self._check_model()
+        _check_model(self.plan, self.params)
         self.island = Island(next(iter(self.params.values())).device)
         self.lockstep = self.config.mode == "lockstep"
         self.H, self.tau = self.config.sync_every, self.config.overlap_steps
@@ -224,9 +233,9 @@ class DiLoCoSync(SendPath, ReceivePath, IoPath, Reporting):
                                          lease_s=self.config.lease_s, every_s=self.config.heartbeat_s,
                                          signer=signer, clock=None if self.opts.threads else self.clock.monotonic)
             self._writer.beat()  # announce ourselves before any contribution
-            for worker in (self._uploader, self._receiver, self._writer) if self.opts.threads else ():
-                if worker is not self._io:
-                    worker.start()
+            workers = (self._writer,) if self._io else (self._uploader, self._receiver, self._writer)
+            for worker in workers if self.opts.threads else ():
+                worker.start()
         if self.opts.handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._started = True
@@ -321,13 +330,6 @@ class DiLoCoSync(SendPath, ReceivePath, IoPath, Reporting):
             self._writer.close(final_beat=True)
 
     # -------------------------------------------------------------- internals
-    def _check_model(self) -> None:
-        """The model must have the run's tensors and shapes; any float dtype trains
-        (payloads are fp32 either way)."""
-        want = self.plan.tensor_shapes()
-        self.plan.check_model({n: (tuple(t.shape), want[n][1] if n in want and t.is_floating_point() else t.dtype)
-                               for n, t in self.params.items()})
-
     def _update_stop(self) -> None:
         reason = self.stop_reason
         if reason is None and self.total_steps and self.stats.step >= self.total_steps:

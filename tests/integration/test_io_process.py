@@ -17,12 +17,13 @@ from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.numerics import codec
 from ddiloco_cli.ops.runinit import RunSpec, init_run
 from ddiloco_cli.protocol import layout, ledger, records
-from ddiloco_cli.protocol.published import FragmentReader, encode_version, upload_payloads
+from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import load_task
 
 from support.built_run import invoke
 from support.procs import Procs, learner_heartbeat, wait_for
+from support.runs import commit_by_hand
 
 TINY = "ddiloco_cli.tasks.gpt:tiny"
 OPTS = dict(handle_sigterm=False, align_schedule=False, stall_alert=False, min_poll_s=0.02)
@@ -41,20 +42,11 @@ def _value(store, version: int) -> dict[str, torch.Tensor]:
 
 
 def _publish(store, *, version: int, high_water: dict, seed: int) -> None:
-    """Commit version ``version`` of fragment 0 as a syncer merging other learners would: the
-    previous version plus seeded noise, the given high-water marks."""
-    run = ledger.read_run(store)
-    plan = ledger.read_plan(store, run_id=run["run_id"])
+    """Commit version ``version`` of fragment 0 by hand: the previous version plus seeded noise."""
     prev = _value(store, version - 1)
     gen = torch.Generator().manual_seed(seed)
     value = {k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in prev.items()}
-    encoded = encode_version(fragment=0, version=version, new_value=value, prev_published=prev,
-                             publish_codec="none", block_size=64, keyframe=False)
-    upload_payloads(store, encoded)
-    assert ledger.commit_manifest(store, records.make(
-        "manifest", run_id=run["run_id"], fragment=0, version=version, epoch=1, syncer_id="s",
-        nonce=records.new_nonce(), numel=plan.fragment_numel(0), payloads=[e for _, _, e in encoded.payloads],
-        contributions=[], quorum_size=0, outer_steps=version, high_water=high_water))
+    commit_by_hand(store, version=version, value=value, prev=prev, high_water=high_water)
 
 
 def _pump(sync: DiLoCoSync, s: float = 0.02) -> None:
@@ -227,22 +219,13 @@ def test_a_killed_learner_takes_its_helper_along_and_leaves_no_shared_memory(tmp
     url = str(tmp_path / "bucket")
     procs = Procs(tmp_path)
     try:
-        r = invoke("init", url, "--task", TINY, "-P", "2", "-H", "4", "--overlap-steps", "1", "--total-steps", "0",
-                   "--warmup-steps", "0", "--batch-size", "4", "--lease", "2", "--heartbeat", "0.4")
-        assert r.exit_code == 0, r.output
-        procs.start("syncer", "sync", url, "--poll", "0.1")
-        learner = procs.start("learner", "learn", url, "--learner-id", "a", "--threads", "1", "--poll", "0.1",
-                              "--io-process")
-        wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("receives", 0) >= 4, timeout_s=240,
-                 what="the learner receiving versions through its helper", procs=procs)
-        helpers = _children(learner.pid)
-        assert len(helpers) == 1, helpers
+        learner, helper = _learning_with_a_helper(procs, url, receives=4)
         shm = [f for f in os.listdir("/dev/shm") if f.startswith(f"ddiloco-{learner.pid}-")] \
             if os.path.isdir("/dev/shm") else []
         assert shm == [], shm  # unlinked once mapped
         learner.send_signal(signal.SIGKILL)
         learner.wait(timeout=60)
-        wait_for(lambda: not os.path.exists(f"/proc/{helpers[0]}"), timeout_s=60, what="the helper to exit")
+        wait_for(lambda: not os.path.exists(f"/proc/{helper}"), timeout_s=60, what="the helper to exit")
         beat = learner_heartbeat(url, "a")
         assert beat["num_contributions"] >= 4 and beat["uploads_failed"] == 0
     finally:
@@ -257,17 +240,8 @@ def test_a_sigterm_to_the_learner_and_its_helper_leaves_cleanly_with_every_contr
     url = str(tmp_path / "bucket")
     procs = Procs(tmp_path)
     try:
-        r = invoke("init", url, "--task", TINY, "-P", "2", "-H", "4", "--overlap-steps", "1", "--total-steps", "0",
-                   "--warmup-steps", "0", "--batch-size", "4", "--lease", "2", "--heartbeat", "0.4")
-        assert r.exit_code == 0, r.output
-        procs.start("syncer", "sync", url, "--poll", "0.1", "--no-gc")
-        learner = procs.start("learner", "learn", url, "--learner-id", "a", "--threads", "1", "--poll", "0.1",
-                              "--io-process")
-        wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("receives", 0) >= 2, timeout_s=240,
-                 what="the learner receiving versions through its helper", procs=procs)
-        helpers = _children(learner.pid)
-        assert len(helpers) == 1, helpers
-        os.kill(helpers[0], signal.SIGTERM)
+        learner, helper = _learning_with_a_helper(procs, url, receives=2, syncer_args=("--no-gc",))
+        os.kill(helper, signal.SIGTERM)
         learner.send_signal(signal.SIGTERM)
         assert learner.wait(timeout=120) == 0, procs.log("learner")
         assert "sent the unsent progress" in procs.log("learner")
@@ -276,9 +250,25 @@ def test_a_sigterm_to_the_learner_and_its_helper_leaves_cleanly_with_every_contr
         created = sum(len(store.list(layout.contribution_prefix(p))) for p in range(2))
         assert beat["state"] == "left" and beat["uploads_failed"] == 0
         assert created == beat["num_contributions"] > 0
-        wait_for(lambda: not os.path.exists(f"/proc/{helpers[0]}"), timeout_s=60, what="the helper to exit")
+        wait_for(lambda: not os.path.exists(f"/proc/{helper}"), timeout_s=60, what="the helper to exit")
     finally:
         procs.close()
+
+
+def _learning_with_a_helper(procs: Procs, url: str, *, receives: int, syncer_args: tuple = ()) -> tuple:
+    """A run with a syncer and `ddiloco learn --io-process`, once the learner has received
+    ``receives`` versions: (the learner's process, its helper's pid)."""
+    r = invoke("init", url, "--task", TINY, "-P", "2", "-H", "4", "--overlap-steps", "1", "--total-steps", "0",
+               "--warmup-steps", "0", "--batch-size", "4", "--lease", "2", "--heartbeat", "0.4")
+    assert r.exit_code == 0, r.output
+    procs.start("syncer", "sync", url, "--poll", "0.1", *syncer_args)
+    learner = procs.start("learner", "learn", url, "--learner-id", "a", "--threads", "1", "--poll", "0.1",
+                          "--io-process")
+    wait_for(lambda: (learner_heartbeat(url, "a") or {}).get("receives", 0) >= receives, timeout_s=240,
+             what="the learner receiving versions through its helper", procs=procs)
+    helpers = _children(learner.pid)
+    assert len(helpers) == 1, helpers
+    return learner, helpers[0]
 
 
 def _children(pid: int) -> list[int]:

@@ -209,3 +209,19 @@ def signed_syncer(store, keys: dict[str, "signing.Signer"], name: str) -> Syncer
     s.check_fence()
     s.restore()
     return s
+
+
+def commit_by_hand(store, *, version: int, value: dict, prev: dict, high_water: dict) -> None:
+    """Commit ``value`` as version ``version`` of fragment 0 (a delta from ``prev``, codec none, no
+    contributions, the given high-water marks), as a syncer merging other learners would."""
+    from ddiloco_cli.protocol.published import encode_version, upload_payloads
+
+    run = ledger.read_run(store)
+    plan = ledger.read_plan(store, run_id=run["run_id"])
+    encoded = encode_version(fragment=0, version=version, new_value=value, prev_published=prev,
+                             publish_codec="none", block_size=64, keyframe=False)
+    upload_payloads(store, encoded)
+    assert ledger.commit_manifest(store, records.make(
+        "manifest", run_id=run["run_id"], fragment=0, version=version, epoch=1, syncer_id="s",
+        nonce=records.new_nonce(), numel=plan.fragment_numel(0), payloads=[e for _, _, e in encoded.payloads],
+        contributions=[], quorum_size=0, outer_steps=version, high_water=high_water))

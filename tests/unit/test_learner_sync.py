@@ -30,6 +30,8 @@ from ddiloco_cli.store import open_store
 from ddiloco_cli.store.base import StoreWrapper
 from ddiloco_cli.tasks import load_run_task, load_task
 
+from support.runs import commit_by_hand
+
 TINY = "ddiloco_cli.tasks.gpt:tiny"
 
 
@@ -563,18 +565,8 @@ def test_error_feedback_adds_what_the_codec_dropped_to_the_next_delta_L6():
 def _publish(store, *, version: int, prev: dict, high_water: dict) -> dict:
     """Commit version ``version`` of fragment 0 by hand (prev + 0.5, no contributions, the
     given high-water marks), as a syncer merging other learners would; returns its value."""
-    from ddiloco_cli.protocol.published import encode_version, upload_payloads
-
-    run = ledger.read_run(store)
-    plan = ledger.read_plan(store, run_id=run["run_id"])
     value = {k: v + 0.5 for k, v in prev.items()}
-    encoded = encode_version(fragment=0, version=version, new_value=value, prev_published=prev,
-                             publish_codec="none", block_size=64, keyframe=False)
-    upload_payloads(store, encoded)
-    assert ledger.commit_manifest(store, records.make(
-        "manifest", run_id=run["run_id"], fragment=0, version=version, epoch=1, syncer_id="s",
-        nonce=records.new_nonce(), numel=plan.fragment_numel(0), payloads=[e for _, _, e in encoded.payloads],
-        contributions=[], quorum_size=0, outer_steps=version, high_water=high_water))
+    commit_by_hand(store, version=version, value=value, prev=prev, high_water=high_water)
     return value
 
 
