@@ -180,6 +180,132 @@ CLONES static void square_sums_all(const uint8_t *restrict c, Py_ssize_t blocks,
     }
 }
 
+/* x86-64 with gcc or clang: AVX2 copies of the three passes a merge makes of every contribution
+ * (dequantize, accumulate, square sums), with explicit vector code, picked at import when the CPU
+ * has AVX2 (``simd()`` turns them off, for the tests and an A/B). Each value gets the operations the
+ * scalar passes give it, in the same order: its q exactly (an int8, then an exact conversion), one
+ * fp32 multiply by its block's scale, then one fp32 add with the operands in the scalar order (the
+ * vector add of x86 returns the first operand's NaN as the scalar one does); integer sums of
+ * squares are exact either way. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define X86_SIMD 1
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2")))
+static int simd_on = 0;
+
+/* op 0: dst = q * s; op 1: dst = q * s + p; op 2: dst = dst + q * s; for 8 values whose q are
+ * the low 8 int8s of q8 */
+AVX2_INLINE void eight_products(__m128i q8, __m256 s, const float *p, float *dst, int op) {
+    __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), s);
+    if (op == 1) prod = _mm256_add_ps(prod, _mm256_loadu_ps(p));
+    else if (op == 2) prod = _mm256_add_ps(_mm256_loadu_ps(dst), prod);
+    _mm256_storeu_ps(dst, prod);
+}
+
+/* The products of the first values of a run of m codes that starts on a byte (int4: on an even
+ * element), 32 (int4) or 16 (int8) at a time; returns how many it did (the caller does the rest) */
+AVX2_INLINE Py_ssize_t vector_products(const uint8_t *cb, Py_ssize_t m, int per_byte, float sc, const float *p,
+                                       float *dst, int op) {
+    const __m256 s = _mm256_set1_ps(sc);
+    Py_ssize_t k = 0;
+    if (per_byte == 2) {
+        const __m128i low4 = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+        for (; k + 32 <= m; k += 32) {
+            __m128i x = _mm_loadu_si128((const __m128i *)(cb + k / 2));
+            __m128i lo = _mm_and_si128(x, low4), hi = _mm_and_si128(_mm_srli_epi16(x, 4), low4);
+            __m128i a = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight); /* values k .. k + 15, low nibble first */
+            __m128i b = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight); /* k + 16 .. k + 31 */
+            eight_products(a, s, p ? p + k : NULL, dst + k, op);
+            eight_products(_mm_srli_si128(a, 8), s, p ? p + k + 8 : NULL, dst + k + 8, op);
+            eight_products(b, s, p ? p + k + 16 : NULL, dst + k + 16, op);
+            eight_products(_mm_srli_si128(b, 8), s, p ? p + k + 24 : NULL, dst + k + 24, op);
+        }
+    } else {
+        const __m128i sign = _mm_set1_epi8((char)0x80);
+        for (; k + 16 <= m; k += 16) {
+            __m128i q = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(cb + k)), sign); /* code - 128 as int8 */
+            eight_products(q, s, p ? p + k : NULL, dst + k, op);
+            eight_products(_mm_srli_si128(q, 8), s, p ? p + k + 8 : NULL, dst + k + 8, op);
+        }
+    }
+    return k;
+}
+
+/* dequantize_all with the vector products where a block starts on a byte */
+AVX2 static void dequantize_avx2(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
+                                 int per_byte, const float *restrict p, float *restrict o) {
+    Py_ssize_t nb = (n + block - 1) / block;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n, done = 0;
+        if (per_byte == 1 || lo % 2 == 0)
+            done = p ? vector_products(c + lo / per_byte, hi - lo, per_byte, s[b], p + lo, o + lo, 1)
+                     : vector_products(c + lo / per_byte, hi - lo, per_byte, s[b], NULL, o + lo, 0);
+        block_products(c, lo + done, hi, per_byte, s[b], o + lo + done);
+        if (p)
+            for (Py_ssize_t i = lo + done; i < hi; i++) o[i] = o[i] + p[i];
+    }
+}
+
+/* accumulate_all with the vector products where a block starts on a byte */
+AVX2 static void accumulate_avx2(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
+                                 int per_byte, float *restrict acc) {
+    float tmp[ACC_PIECE];
+    Py_ssize_t nb = (n + block - 1) / block;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        Py_ssize_t start = b * block, end = start + block < n ? start + block : n;
+        if (per_byte == 1 || start % 2 == 0)
+            start += vector_products(c + start / per_byte, end - start, per_byte, s[b], NULL, acc + start, 2);
+        for (Py_ssize_t lo = start; lo < end; lo += ACC_PIECE) {
+            Py_ssize_t hi = lo + ACC_PIECE < end ? lo + ACC_PIECE : end;
+            block_products(c, lo, hi, per_byte, s[b], tmp);
+            for (Py_ssize_t i = lo; i < hi; i++) acc[i] = acc[i] + tmp[i - lo];
+        }
+    }
+}
+
+/* square_sums_all for int4: each byte's two squares from a 16-entry table (pshufb), summed over
+ * 8 bytes at a time (psadbw) into 64-bit lanes; int8 takes the scalar pass */
+AVX2 static void square_sums_avx2(const uint8_t *restrict c, Py_ssize_t blocks, Py_ssize_t block, int per_byte,
+                                  double *restrict out) {
+    if (per_byte != 2) {
+        square_sums_all(c, blocks, block, per_byte, out);
+        return;
+    }
+    const __m256i squares = _mm256_setr_epi8(64, 49, 36, 25, 16, 9, 4, 1, 0, 1, 4, 9, 16, 25, 36, 49,
+                                             64, 49, 36, 25, 16, 9, 4, 1, 0, 1, 4, 9, 16, 25, 36, 49);
+    const __m256i low4 = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
+    Py_ssize_t bytes = block / 2;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        const uint8_t *cb = c + b * bytes;
+        __m256i lanes = zero;
+        Py_ssize_t k = 0;
+        for (; k + 32 <= bytes; k += 32) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(cb + k));
+            __m256i lo = _mm256_and_si256(x, low4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+            __m256i sq = _mm256_add_epi8(_mm256_shuffle_epi8(squares, lo), _mm256_shuffle_epi8(squares, hi)); /* <= 128 */
+            lanes = _mm256_add_epi64(lanes, _mm256_sad_epu8(sq, zero));
+        }
+        uint64_t part[4];
+        _mm256_storeu_si256((__m256i *)part, lanes);
+        uint64_t total = part[0] + part[1] + part[2] + part[3];
+        for (; k < bytes; k++) {
+            int32_t lo = (int32_t)(cb[k] & 15) - 8, hi = (int32_t)(cb[k] >> 4) - 8;
+            total += (uint32_t)(lo * lo + hi * hi);
+        }
+        out[b] = (double)total;
+    }
+}
+
+#define DEQUANTIZE(...) (simd_on ? dequantize_avx2(__VA_ARGS__) : dequantize_all(__VA_ARGS__))
+#define ACCUMULATE(...) (simd_on ? accumulate_avx2(__VA_ARGS__) : accumulate_all(__VA_ARGS__))
+#define SQUARE_SUMS(...) (simd_on ? square_sums_avx2(__VA_ARGS__) : square_sums_all(__VA_ARGS__))
+#else
+#define DEQUANTIZE dequantize_all
+#define ACCUMULATE accumulate_all
+#define SQUARE_SUMS square_sums_all
+#endif
+
 /* delta = (base - theta) (+ residual when not NULL), each rounded once: a learner's outer gradient
  * with error feedback, in one pass */
 CLONES static void outer_delta_all(const float *restrict theta, const float *restrict base, const float *restrict res,
@@ -320,10 +446,10 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     if (in_place)
-        accumulate_all((const uint8_t *)codes.buf, (const float *)scale.buf, n, block, per_byte, (float *)out.buf);
+        ACCUMULATE((const uint8_t *)codes.buf, (const float *)scale.buf, n, block, per_byte, (float *)out.buf);
     else
-        dequantize_all((const uint8_t *)codes.buf, (const float *)scale.buf, n, block, per_byte,
-                       have_base ? (const float *)base.buf : NULL, (float *)out.buf);
+        DEQUANTIZE((const uint8_t *)codes.buf, (const float *)scale.buf, n, block, per_byte,
+                   have_base ? (const float *)base.buf : NULL, (float *)out.buf);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&codes);
@@ -354,7 +480,7 @@ static PyObject *square_sums(PyObject *self, PyObject *args) {
         ok = 0;
     } else {
         Py_BEGIN_ALLOW_THREADS
-        square_sums_all((const uint8_t *)codes.buf, blocks, block, per_byte, (double *)out.buf);
+        SQUARE_SUMS((const uint8_t *)codes.buf, blocks, block, per_byte, (double *)out.buf);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&codes);
@@ -405,11 +531,36 @@ done:
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(simd_doc,
+"simd(on=None) -> bool\n\n"
+"Whether dequantize, the in-place accumulate and int4's square_sums run their AVX2 copies (the\n"
+"same values; False where the CPU or the build has none). on: turn them on (only where the CPU\n"
+"has AVX2) or off, for a comparison. Returns the setting before the call.");
+
+static PyObject *simd(PyObject *self, PyObject *args) {
+    PyObject *on = Py_None;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|O", &on)) return NULL;
+#ifdef X86_SIMD
+    int before = simd_on;
+    if (on != Py_None) {
+        int want = PyObject_IsTrue(on);
+        if (want < 0) return NULL;
+        simd_on = want && __builtin_cpu_supports("avx2");
+    }
+    return PyBool_FromLong(before);
+#else
+    (void)on;
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"quantize", quantize, METH_VARARGS, quantize_doc},
     {"dequantize", dequantize, METH_VARARGS, dequantize_doc},
     {"square_sums", square_sums, METH_VARARGS, square_sums_doc},
     {"outer_delta", outer_delta, METH_VARARGS, outer_delta_doc},
+    {"simd", simd, METH_VARARGS, simd_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -420,9 +571,13 @@ static struct PyModuleDef module = {
 
 /* API: what native.py expects; raised with any change of a function's arguments or meaning, so a
  * stale in-place build (an editable install not rebuilt after a pull) is not used */
-#define API 3
+#define API 4
 
 PyMODINIT_FUNC PyInit__native(void) {
+#ifdef X86_SIMD
+    __builtin_cpu_init();
+    simd_on = __builtin_cpu_supports("avx2") != 0;
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "API", API) < 0) {
         Py_DECREF(m);

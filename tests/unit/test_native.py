@@ -323,3 +323,60 @@ def test_the_outer_delta_kernel_refuses_short_and_overlapping_buffers():
     delta = np.empty(10, np.float32)
     KERNELS.outer_delta(x, np.full(10, 3.0, np.float32), np.full(10, 0.5, np.float32), delta)
     assert delta.tolist() == [2.5] * 10
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit for bit, NaNs equal where both are NaN (their payloads are the hardware's choice)."""
+    nan = np.isnan(a)
+    return bool((nan == np.isnan(b)).all() and (a[~nan].view(np.int32) == b[~nan].view(np.int32)).all())
+
+
+@pytest.mark.parametrize("per_byte,offset", [(2, 8), (1, 128)])
+@pytest.mark.parametrize("block,n", [(64, 64 * 40), (64, 64 * 40 - 6), (7, 7 * 30 + 3), (33, 33 * 9), (2, 101),
+                                     (8192, 8192 + 70), (100, 1000), (48, 47), (4096 + 34, 3 * (4096 + 34) - 1)])
+def test_the_vector_passes_equal_the_scalar_ones(per_byte, offset, block, n):
+    """The AVX2 copies of dequantize, the in-place accumulate and the sums of squares (picked at
+    import where the CPU has AVX2) against the scalar passes of the same build: every code byte,
+    blocks that start on an odd element (int4), tails shorter than a vector, scales of every
+    magnitude, zero, subnormal, huge (products that overflow) and NaN."""
+    if not KERNELS.simd():
+        pytest.skip("this CPU (or this build) has no AVX2 passes")
+    rng = np.random.default_rng(block * 1000 + n + per_byte)
+    codes = rng.integers(0, 256, size=-(-n // per_byte), dtype=np.uint8)
+    codes[:256] = np.arange(256, dtype=np.uint8)[: codes.size]
+    nb = -(-n // block)
+    scale = (rng.standard_normal(nb) * 2.0 ** rng.integers(-140, 128, nb)).astype(np.float32)
+    scale[::5], scale[1::7], scale[2::11] = 0.0, np.nan, 3e38
+    base = rng.standard_normal(n).astype(np.float32)
+    base[::13] = np.nan
+    results = {}
+    try:
+        for on in (True, False):
+            KERNELS.simd(on)
+            out, with_base, acc = np.empty(n, np.float32), np.empty(n, np.float32), base.copy()
+            KERNELS.dequantize(codes, scale, n, block, offset, per_byte, None, out)
+            KERNELS.dequantize(codes, scale, n, block, offset, per_byte, base, with_base)
+            KERNELS.dequantize(codes, scale, n, block, offset, per_byte, acc, acc)  # acc += q * scale
+            sums = np.zeros(n // block, np.float64)
+            if per_byte == 1 or block % 2 == 0:
+                KERNELS.square_sums(codes, n // block, block, per_byte, sums)
+            results[on] = (out, with_base, acc, sums)
+    finally:
+        KERNELS.simd(True)
+    for what, vec, scalar in zip(("dequantize", "with base", "in place"), results[True], results[False]):
+        assert _bits_equal(vec, scalar), what
+    assert np.array_equal(results[True][3], results[False][3])
+    if per_byte == 2 and block % 2 == 0 and n // block:  # the sums are the integers the codes give
+        q = (np.stack([codes & 15, codes >> 4], axis=1).reshape(-1)[:n].astype(np.int64) - 8)
+        assert results[True][3].tolist() == (q[: n // block * block].reshape(-1, block) ** 2).sum(1).tolist()
+
+
+def test_the_vector_passes_can_be_turned_off_and_on():
+    before = KERNELS.simd()
+    try:
+        assert KERNELS.simd(False) == before
+        assert KERNELS.simd() is False
+        KERNELS.simd(True)
+        assert KERNELS.simd() == before  # on again only where the CPU has AVX2
+    finally:
+        KERNELS.simd(before)
