@@ -12,7 +12,10 @@ tau 2, K 1, int4) so versions come back and the receive path runs:
   * ddiloco:  ``Learner.train`` with --device cuda: a send copies its fragment into pinned
               memory without waiting for the device, a receive adds a pinned increment;
   * blocking: the same learner with the copies made as before (a blocking device-to-host copy
-              at every send and a pageable increment at every receive: each syncs the stream).
+              at every send and a pageable increment at every receive: each syncs the stream);
+  * io:       the same learner with its io helper process (``--io-process``): the send's pinned
+              copy goes into a shared block once it has landed, the helper encodes and uploads,
+              and polls, downloads and decodes.
 Steady state: the device is synchronized at step --skip and at the last step; ms/step is the
 time between them over the steps between them. The headline is the median over the rounds of
 each round's ratio against its plain process; peak device memory (max_memory_allocated) and the
@@ -44,7 +47,7 @@ from overheadlib import record_cost_reports, steady_reports  # noqa: E402
 from ddiloco_cli.protocol import layout  # noqa: E402
 
 THIS = os.path.abspath(__file__)
-ARMS = ("plain", "ddiloco", "blocking")
+ARMS = ("plain", "ddiloco", "blocking", "io")
 
 
 def _marks(step: int, *, skip: int, steps: int, marks: dict) -> None:
@@ -77,6 +80,7 @@ def plain_worker(args) -> dict:
 
 
 def ddiloco_worker(args) -> dict:
+    from ddiloco_cli import SyncOptions
     from ddiloco_cli.learner import Learner, LearnerOptions
     from ddiloco_cli.learner import island, receiver
     from ddiloco_cli.store import open_store
@@ -88,7 +92,8 @@ def ddiloco_worker(args) -> dict:
     reports = record_cost_reports()
     marks: dict = {}
     learner = Learner(open_store(args.url), options=LearnerOptions(
-        learner_id=args.learner_id, steps=args.steps, log_every=10**9, task=TASKS[args.task][0], device=args.device),
+        learner_id=args.learner_id, steps=args.steps, log_every=10**9, task=TASKS[args.task][0], device=args.device,
+        sync=SyncOptions(io_process=args.worker == "io")),
         on_progress=lambda p: _marks(p["step"], skip=args.skip, steps=args.steps, marks=marks))
     reason = learner.train()
     s = learner.stats
@@ -148,7 +153,7 @@ def main() -> None:
     records = []
     try:
         for rep in range(args.reps):
-            order = ARMS[rep % 3:] + ARMS[:rep % 3]
+            order = ARMS[rep % len(ARMS):] + ARMS[:rep % len(ARMS)]
             records += [run_arm(arm, rep, args, url, workdir) for arm in order]
     finally:
         syncer.terminate()
@@ -156,7 +161,7 @@ def main() -> None:
         launcher.close()
     by = {arm: {r["rep"]: r for r in records if r["arm"] == arm} for arm in ARMS}
     result = {"task": args.task, "device": name, "records": records}
-    for arm in ("ddiloco", "blocking"):
+    for arm in ARMS[1:]:
         ratios = [by[arm][i]["ms_per_step"] / by["plain"][i]["ms_per_step"] for i in range(args.reps)]
         share = [f["sync_step_ms"] for r in by[arm].values() for f in r["cost_reports"] if "sync_step_ms" in f]
         result[arm] = {"overhead_per_rep": [x - 1 for x in ratios], "overhead_median": statistics.median(ratios) - 1,

@@ -29,13 +29,16 @@ is left is the GIL and the caches).
     .venv/bin/python scripts/bench_inproc.py --task tiny --steps 48 --skip 8 --json /tmp/inproc.json
     .venv/bin/python scripts/bench_inproc.py --threads 2 --procs 1 --pairs 16    # the learner on both CPUs
     .venv/bin/python scripts/bench_inproc.py --workers-cpu         # its worker threads on a core of their own
+    .venv/bin/python scripts/bench_inproc.py --workers-cpu --io-process --procs 1 --pairs 6 --profile-step /tmp/step
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -103,6 +106,8 @@ def worker(args) -> dict:
         _off_cpu(off, "optimizer", t)
         return int(task.num_tokens(batch))
 
+    # --profile-step: cProfile of the training thread inside DiLoCoSync.step alone, in its CPU time
+    profiler = cProfile.Profile(time.thread_time) if args.profile_step else None
     helper_cpu = [lambda: 0.0]  # the io helper process's CPU (--io-process), at its latest report
 
     def cpu_s() -> float:
@@ -117,7 +122,11 @@ def worker(args) -> dict:
             n_tok = train_step(off)
             if sync is not None:
                 t = _clocks()
+                if profiler is not None:
+                    profiler.enable()
                 sync.step(num_tokens=n_tok)
+                if profiler is not None:
+                    profiler.disable()
                 _off_cpu(off, "ddiloco", t)
             stamps.append((time.perf_counter(), cpu_s(), time.thread_time()))
         steady = stamps[args.skip:]
@@ -146,6 +155,8 @@ def worker(args) -> dict:
         versions = sum(1 for v in sync.stats.versions.values() if v > 0)
         ddiloco_steps = sum(1 for r in phases if r["arm"] == "ddiloco") * args.steps
         in_step_cpu_ms = 1e3 * sync._cost.in_step_cpu_s / ddiloco_steps
+    if profiler is not None:
+        profiler.dump_stats(f"{args.profile_step}.{args.learner_id}")
     return {"phases": phases, "versions": versions, "contributions": sync.stats.num_contributions,
             "in_step_cpu_ms": in_step_cpu_ms}
 
@@ -167,6 +178,9 @@ def main() -> None:
     ap.add_argument("--io-process", action="store_true",
                     help="the learner's uploader and receiver in its io helper process (SyncOptions.io_process): "
                          "its CPU counts in the all-thread CPU; with --workers-cpu it runs on CPU 1")
+    ap.add_argument("--profile-step", default=None, metavar="FILE",
+                    help="cProfile the training thread inside DiLoCoSync.step (thread CPU; slows that arm), one "
+                         "pstats file a process (FILE.inproc-N), and print its top functions")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -199,11 +213,15 @@ def main() -> None:
                             "--skip", str(args.skip), "--pairs", str(args.pairs), "--threads", str(args.threads),
                             "--switch-interval", str(args.switch_interval),
                             *(["--workers-cpu"] if args.workers_cpu else []),
-                            *(["--io-process"] if args.io_process else [])],
+                            *(["--io-process"] if args.io_process else []),
+                            *(["--profile-step", args.profile_step] if args.profile_step else [])],
                            check=True, env=_env(args.threads), cwd=str(REPO))
             with open(out) as f:
                 rec = json.load(f)
             procs.append(rec["phases"])
+            if args.profile_step:
+                stats = pstats.Stats(f"{args.profile_step}.inproc-{i}")
+                stats.sort_stats("tottime").print_stats(25)
             print(f"  process {i}: {rec['contributions']} contributions sent, {rec['versions']}/24 fragments received; "
                   f"the training thread's CPU in DiLoCoSync.step {rec['in_step_cpu_ms']:.3f} ms a step")
             by = {(r["pair"], r["arm"]): r for r in procs[-1]}

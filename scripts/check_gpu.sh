@@ -4,7 +4,8 @@
 # non-blocking copies at a send and a receive, the same bits as blocking ones; and the ordering
 # rules, test_copy_out.py), then scripts/bench_gpu.py: a learner on the GPU against a
 # local-directory bucket with a CPU syncer, its wall time per step against the plain loop's
-# (and against the same learner with blocking copies), its own report of its cost.
+# (and against the same learner with blocking copies, and with its io helper process), its own
+# report of its cost; and the io helper's session on a CUDA model against the worker threads'.
 #
 #   scripts/check_gpu.sh --fetch-wheels    # here, with the registries: ddiloco's dependencies that
 #                                          # a PyTorch image lacks, as wheels in .whl/ (py3.12, x86-64)
@@ -51,5 +52,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 $py setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "compiled kernels not built: torch's ops stand in"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $py -c "import torch; from ddiloco_cli.numerics import native; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '-', '| kernels:', native.describe())"
-$py -m pytest -q -p no:cacheprovider tests/unit/test_cuda_copies.py tests/unit/test_copy_out.py
+$py -m pytest -q -p no:cacheprovider tests/unit/test_cuda_copies.py tests/unit/test_copy_out.py \
+  tests/integration/test_io_process.py -k "cuda or staged or same_contributions"
 $py scripts/bench_gpu.py --task "$task" --steps "$steps" --skip 30 --reps "$reps" --json "$out/gpu.json"

@@ -87,7 +87,7 @@ def learn(
     io_process: Annotated[bool, typer.Option(
         "--io-process", metavar="",
         help="Encode, upload, poll and decode in a helper process, off the training process's GIL (one "
-             "process a learner, decoupled, CPU: for a learner with a core to spare)")] = False,
+             "process a learner, decoupled, CPU or CUDA: for a learner with a core to spare)")] = False,
     storage_option: StorageOpts = None,
     verbose: Verbose = False,
 ) -> None:

@@ -12,7 +12,15 @@ send waits for a free block when ``max_outstanding`` contributions are still to 
 helper (the bound the upload queue puts on the threads' way); that wait counts as blocked time.
 The training thread reads the helper's messages itself, at every ``step`` (``pump``): nothing
 of ddiloco's runs on another thread of this process but the heartbeat. ``IoPath`` is the part of
-``DiLoCoSync`` that starts the helper in place of the worker threads."""
+``DiLoCoSync`` that starts the helper in place of the worker threads.
+
+A model on a CUDA device: a send copies the fragment into pinned memory without waiting for the
+device (``stage``: ``gather_fragment``'s ``non_blocking`` copy and its event), and its message
+waits in an outbox, with every message after it, until the copy has landed (checked without
+waiting at each step's end; a wait that blocks anyway waits for it); then the pinned values are
+copied into the block and the messages go, in order. A ready version's increment is copied out
+of its block into pinned memory at once (the block goes back), so the receive path adds it to
+the model without a stream sync, as with the threads."""
 
 from __future__ import annotations
 
@@ -25,6 +33,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -35,7 +45,7 @@ from ddiloco_cli.learner.channel import Channel
 from ddiloco_cli.learner.receiver import Ready
 from ddiloco_cli.learner.slots import SlotTable, copy_fragment_into
 from ddiloco_cli.learner.stats import WORKER_COUNTERS, LearnerStats
-from ddiloco_cli.protocol.fragments import FragmentPlan
+from ddiloco_cli.protocol.fragments import CopyOut, FragmentPlan, gather_fragment
 
 Tensors = dict[str, torch.Tensor]
 
@@ -114,8 +124,14 @@ class IoProcess:
     """See the module docstring. ``in_use()`` returns the blocks the learner still reads."""
 
     def __init__(self, spec: dict[str, Any], plan: FragmentPlan, *, stats: LearnerStats, max_outstanding: int,
-                 in_use: Callable[[], set[int]]):
+                 in_use: Callable[[], set[int]], device: torch.device = torch.device("cpu")):
         self.spec, self.plan, self.stats = spec, plan, stats
+        cuda = device.type == "cuda"
+        # a send's copy of the fragment: None, straight into its block (CPU); else staged (CUDA)
+        self.stage: Callable[[int, dict[str, torch.Tensor]], CopyOut] | None = (
+            partial(gather_fragment, plan, non_blocking=True) if cuda else None)
+        self.own_increments, self.pin = cuda, cuda  # ready increments copied out of their blocks (pinned)
+        self._outbox: deque[tuple[CopyOut | None, int, int, tuple]] = deque()  # (staged, block, fragment, msg)
         self.max_outstanding = max_outstanding
         self.in_use = in_use
         self.slots = SlotTable(plan)
@@ -152,7 +168,7 @@ class IoProcess:
             for k, t in views.items():
                 t.copy_(value[k])
             self._lend(sid)
-            self.conn.post(("base", p, version, sid))
+            self._post(("base", p, version, sid))
         self._wait_for(lambda: self._started, START_TIMEOUT_S, "start")
 
     _started = False
@@ -163,7 +179,7 @@ class IoProcess:
             return
         self._closed = True
         try:
-            self.conn.post(("close",))
+            self._post(("close",))  # after the messages still waiting for their copies
             self._wait_for(lambda: self._done, None, "close")
         finally:
             self.conn.close()
@@ -203,14 +219,25 @@ class IoProcess:
         if sum(self.sending.values()) >= self.max_outstanding:
             self._wait_for(lambda: sum(self.sending.values()) < self.max_outstanding, None, "an upload")
         waited = time.monotonic() - t0
-        return copy_fragment_into(self.plan, p, params, self.slots.views(self._free_block(), p)), waited
+        sid = self._free_block()
+        views = self.slots.views(sid, p)
+        if self.stage is None:
+            return copy_fragment_into(self.plan, p, params, views), waited
+        self._staged = (self.stage(p, params), sid, p)  # its message (``submit``) waits for the copy
+        return views, waited
+
+    _staged: tuple[CopyOut, int, int] | None = None
 
     def submit(self, key: str, theta: Tensors, header: dict[str, Any]) -> float:
         """Queue the contribution of the fragment ``snapshot`` copied into ``theta``."""
         sid = self.slots.slot_of(theta)
         self._lend(sid)
         self.sending[sid] = self.sending.get(sid, 0) + 1
-        self.conn.post(("send", key, sid, header))
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[1] == sid:
+            self._outbox.append((staged[0], sid, staged[2], ("send", key, sid, header)))
+        else:
+            self._post(("send", key, sid, header))
         return 0.0
 
     # ---------------------------------------------------- the receiver's face
@@ -226,8 +253,8 @@ class IoProcess:
         self._lend(theta_sid)
         self._lend(inc_sid)
         self.wants[p] = (theta_sid, inc_sid)
-        self.conn.post(("want", p, have[0], theta_sid, inc_sid, 0.0 if order is None else order,
-                        self.stats.step_time_s))  # the learner's step time: the helper polls no faster
+        self._post(("want", p, have[0], theta_sid, inc_sid, 0.0 if order is None else order,
+                    self.stats.step_time_s))  # the learner's step time: the helper polls no faster
 
     def has_ready(self, p: int) -> bool:
         """Whether a version of p came by the last ``pump``."""
@@ -238,12 +265,35 @@ class IoProcess:
 
     def took(self, p: int, version: int) -> None:
         """The learner took ``version`` of p: the helper's base of p from now on."""
-        self.conn.post(("took", p, version))
+        self._post(("took", p, version))
 
     # -------------------------------------------------------------- internals
-    def flush(self) -> None:
-        """Send the messages of this step (one write)."""
+    def _post(self, msg: tuple) -> None:
+        """Queue ``msg`` for the helper, behind the messages still waiting for their copies."""
+        if self._outbox:
+            self._outbox.append((None, -1, -1, msg))
+        else:
+            self.conn.post(msg)
+
+    def _drain(self, *, wait: bool = False) -> None:
+        """Post the outbox's messages whose copies have landed, in order, up to the first that has
+        not (``wait``: wait for each); a landed send's values go into its block first."""
+        while self._outbox:
+            staged, sid, p, msg = self._outbox[0]
+            if staged is not None:
+                if not (wait or staged.done()):
+                    return
+                views = self.slots.views(sid, p)
+                for k, t in staged.landed().items():
+                    views[k].copy_(t)
+            self.conn.post(msg)
+            self._outbox.popleft()
+
+    def flush(self, *, wait: bool = False) -> None:
+        """Send the messages of this step (one write); ``wait``: the outbox's too, once their
+        copies have landed."""
         if self.conn is not None:
+            self._drain(wait=wait)
             try:
                 self.conn.flush()
             except OSError as exc:  # the helper is gone: say so, not "broken pipe"
@@ -278,8 +328,12 @@ class IoProcess:
             self.refs[inc_sid] -= 1
             if self.wants.get(p) == (theta_sid, inc_sid):  # else a want since replaced it
                 del self.wants[p]
+                increment = self.slots.views(inc_sid, p)
+                if self.own_increments:  # out of the block (which goes back): pinned, added without a sync
+                    increment = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin).copy_(t)
+                                 for k, t in increment.items()}
                 self.ready[p] = Ready(version, None, {"high_water": {self.spec["learner_id"]: mark}}, refused,
-                                      self.slots.views(inc_sid, p), self.slots.views(theta_sid, p))
+                                      increment, self.slots.views(theta_sid, p))
         elif kind == "stats":
             counters, self._cpu_s = msg[1], msg[2]
             for k, v in counters.items():
@@ -302,12 +356,12 @@ class IoProcess:
             if self.refs.get(sid, 0) == 0 and sid not in busy:
                 return sid
         sid, path = self.slots.create()
-        self.conn.post(("slot", sid, path))
+        self._post(("slot", sid, path))
         return sid
 
     def _wait_for(self, done: Callable[[], bool], timeout_s: float | None, what: str) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.flush()
+        self.flush(wait=True)  # a wait blocks anyway: the copies' messages go too
         while not done():
             if self.proc is not None and self.proc.poll() is not None and not self.pump():
                 raise DdilocoError(f"the learner's io helper process exited (code {self.proc.returncode}) "
@@ -324,7 +378,7 @@ class IoPath:
     def _start_io_process(self) -> None:
         """Start the io helper process (``SyncOptions.io_process``) and hand it the bases."""
         why = ("torchrun islands" if self.island.world > 1 else "lock-step runs" if self.lockstep
-               else f"a model on {self.island.device}" if self.island.device.type != "cpu"
+               else f"a model on {self.island.device}" if self.island.device.type not in ("cpu", "cuda")
                else "runs without an in-place receive (alpha 1 or no overlap progress)" if not self._in_place
                else "a driver without threads" if not self.opts.threads
                else "an in-memory bucket" if self._open_args[0].startswith("memory://") else None)
@@ -340,7 +394,8 @@ class IoPath:
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--io-process: the storage options must be JSON values for the helper ({exc})") from None
         self._io = IoProcess(spec, self.plan, stats=self.stats, in_use=self._blocks_in_use,
-                             max_outstanding=self.opts.upload_queue + self.opts.upload_workers)
+                             max_outstanding=self.opts.upload_queue + self.opts.upload_workers,
+                             device=self.island.device)
         try:
             state = [*self.model.state_dict().values(), *(p.grad for p in self.params.values() if p.grad is not None)]
             self._io.start(self.base, forget=[t for t in state if t.device.type == "cpu"])

@@ -292,6 +292,12 @@ class CopyOut(dict):
 
     event: Any = None
 
+    def done(self) -> bool:
+        """Whether the copies have landed, without waiting for them."""
+        if self.event is not None and self.event.query():
+            self.event = None
+        return self.event is None
+
     def landed(self) -> "CopyOut":
         ev = self.event
         if ev is not None:

@@ -147,18 +147,18 @@ def test_bench_io_process_smoke(tmp_path):
     assert rep["headline"]["io_process"] is True and rep["headline"]["pss_ratio_median"] > 0
 
 
-def test_bench_gpu_runs_its_three_arms_on_the_cpu(tmp_path):
+def test_bench_gpu_runs_its_four_arms_on_the_cpu(tmp_path):
     """scripts/bench_gpu.py is for a CUDA device; --device cpu checks the script itself."""
     out = tmp_path / "gpu.json"
     _run("bench_gpu.py", "--device", "cpu", "--task", "tiny", "--steps", "8", "--skip", "2", "--reps", "1",
          "--json", str(out), timeout_s=240)
     rep = json.loads(out.read_text())
-    assert sorted(r["arm"] for r in rep["records"]) == ["blocking", "ddiloco", "plain"]
+    assert sorted(r["arm"] for r in rep["records"]) == ["blocking", "ddiloco", "io", "plain"]
     assert all(r["ms_per_step"] > 0 for r in rep["records"])
-    for arm in ("ddiloco", "blocking"):
+    for arm in ("ddiloco", "blocking", "io"):
         assert len(rep[arm]["overhead_per_rep"]) == 1
     # P = H = 24: a fragment a step, then on close every fragment with steps not sent yet
-    assert [r["num_contributions"] for r in rep["records"] if r["arm"] != "plain"] == [8 + 23, 8 + 23]
+    assert [r["num_contributions"] for r in rep["records"] if r["arm"] != "plain"] == [8 + 23] * 3
 
 
 def test_bench_learner_memory_smoke(tmp_path):

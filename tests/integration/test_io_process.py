@@ -17,6 +17,7 @@ from ddiloco_cli.errors import DdilocoError, UsageError
 from ddiloco_cli.numerics import codec
 from ddiloco_cli.ops.runinit import RunSpec, init_run
 from ddiloco_cli.protocol import layout, ledger, records
+from ddiloco_cli.protocol.fragments import gather_fragment
 from ddiloco_cli.protocol.published import FragmentReader
 from ddiloco_cli.store import open_store
 from ddiloco_cli.tasks import load_task
@@ -51,6 +52,7 @@ def _publish(store, *, version: int, high_water: dict, seed: int) -> None:
 
 def _pump(sync: DiLoCoSync, s: float = 0.02) -> None:
     if sync._io is not None:
+        sync._io.flush()  # the messages of sends whose copies have landed since the step (staged)
         sync._io.pump(s)
     else:
         time.sleep(s)
@@ -73,22 +75,53 @@ def _until_uploaded(sync: DiLoCoSync, n: int) -> None:
         _pump(sync)
 
 
-def _scenario(url: str, io_process: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
+class _SlowEvent:
+    """A copy's event that lands at its third look (``query``), or when waited for."""
+
+    def __init__(self, seen: dict[str, int]):
+        self.looks, self.seen = 0, seen
+
+    def query(self) -> bool:
+        self.looks += 1
+        self.seen["not yet"] += self.looks < 3
+        return self.looks >= 3
+
+    def synchronize(self) -> None:
+        self.looks = 3
+
+
+def _stage_slowly(sync: DiLoCoSync, seen: dict[str, int]) -> None:
+    """The io helper's CUDA way on the CPU: each send's copy staged, landing steps later (its
+    message and those behind it wait), each ready increment copied out of its block."""
+    def stage(p, params):
+        seen["staged"] += 1
+        out = gather_fragment(sync.plan, p, params)
+        out.event = _SlowEvent(seen)
+        return out
+
+    sync._io.stage, sync._io.own_increments = stage, True
+
+
+def _scenario(url: str, io_process: bool, staged: dict[str, int] | None = None, device: str = "cpu"
+              ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
     """A scripted session: seeded training, versions published by hand (one held back [L8], then
     the learner's own), each waited for before the step that takes it. Returns the model, the
-    contributions' decoded tensors in seq order and the final heartbeat."""
+    contributions' decoded tensors in seq order and the final heartbeat. ``staged``: the sends'
+    copies staged as on CUDA (``_stage_slowly``), counted in it. ``device``: the model's."""
     store = open_store(url)
-    model = load_task(TINY).build_model()
+    model = load_task(TINY).build_model().to(device)
     gen = torch.Generator().manual_seed(11)
     sync = DiLoCoSync(url, model, learner_id="w", options=SyncOptions(io_process=io_process, **OPTS))
     with sync:
         assert (sync._io is not None) == io_process
+        if staged is not None:
+            _stage_slowly(sync, staged)
 
         def steps(n: int, expect: list | None = None) -> None:
             for _ in range(n):
                 with torch.no_grad():
                     for t in model.parameters():
-                        t.add_(0.01 * torch.randn(t.shape, generator=gen))
+                        t.add_(0.01 * torch.randn(t.shape, generator=gen).to(device))
                 got = sync.step(num_tokens=4)
                 if expect is not None:
                     assert got == expect.pop(0), (sync.stats.step, got)
@@ -110,7 +143,7 @@ def _scenario(url: str, io_process: bool) -> tuple[dict[str, torch.Tensor], list
             assert sync.base[0][0] == version
             steps(6)
         assert sync.stats.num_receives == 3 and sync.stats.num_held == 0
-        final = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        final = {k: t.detach().cpu().clone() for k, t in model.state_dict().items()}
     beat = records.validate(sync._heartbeat_record(), "learner_heartbeat", where="heartbeat")  # after the uploads
     infos = sorted(store.list(layout.contribution_prefix(0)), key=lambda i: int(i.key.rsplit("/", 1)[1].split(".")[0]))
     contributions = [codec.decode_tensors(store.get(i.key), max_numel=10**7)[0] for i in infos]
@@ -124,13 +157,7 @@ def root(request, tmp_path) -> str:
     return str(tmp_path) if request.param == "local" else request.getfixturevalue("s3_url").url
 
 
-def test_the_io_helper_makes_the_same_contributions_and_model_as_the_worker_threads(root):
-    urls = {}
-    for io_process in (False, True):
-        urls[io_process] = f"{root}/io-{io_process}"
-        _run(urls[io_process])
-    threads = _scenario(urls[False], io_process=False)
-    helper = _scenario(urls[True], io_process=True)
+def _same_session(threads, helper) -> None:
     assert len(threads[1]) == len(helper[1]) == 4  # at steps 8, 16, 24 and 32 (nothing left to flush)
     for a, b in zip(threads[1], helper[1]):  # int4 with error feedback: the residuals carried alike
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -139,6 +166,36 @@ def test_the_io_helper_makes_the_same_contributions_and_model_as_the_worker_thre
         assert threads[2][field] == helper[2][field], field
     # the headers' times and nonces are as long as they come out in JSON
     assert abs(threads[2]["bytes_up"] - helper[2]["bytes_up"]) < 64 * 4 and helper[2]["bytes_down"] > 0
+
+
+def test_the_io_helper_makes_the_same_contributions_and_model_as_the_worker_threads(root):
+    urls = {}
+    for io_process in (False, True):
+        urls[io_process] = f"{root}/io-{io_process}"
+        _run(urls[io_process])
+    _same_session(_scenario(urls[False], io_process=False), _scenario(urls[True], io_process=True))
+
+
+def test_staged_copies_as_on_cuda_give_the_same_session(tmp_path):
+    """The CUDA way (sends staged, their messages held until the copies land, increments copied
+    out of their blocks), run on the CPU with copies that land late: the same contributions and
+    model as the worker threads."""
+    for name in ("threads", "staged"):
+        _run(str(tmp_path / name))
+    seen = {"staged": 0, "not yet": 0}
+    threads = _scenario(str(tmp_path / "threads"), io_process=False)
+    _same_session(threads, _scenario(str(tmp_path / "staged"), io_process=True, staged=seen))
+    assert seen["staged"] == 4 and seen["not yet"] >= 4  # every send staged, each looked at before it landed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_model_gives_the_same_session_with_the_helper_as_with_the_threads(tmp_path):
+    """On a CUDA device (scripts/check_gpu.sh): sends staged in pinned memory and posted once
+    landed, increments copied out pinned; the same contributions and model as the threads."""
+    for name in ("threads", "helper"):
+        _run(str(tmp_path / name))
+    _same_session(_scenario(str(tmp_path / "threads"), io_process=False, device="cuda"),
+                  _scenario(str(tmp_path / "helper"), io_process=True, device="cuda"))
 
 
 @pytest.mark.parametrize("own_comes", [True, False])
