@@ -4,7 +4,7 @@
 ``ddiloco_cli.learner.sync``); it is imported on first use, so the CLI starts
 without loading torch.
 """
-__version__ = "0.2.15"
+__version__ = "0.2.16"
 
 __all__ = ["DiLoCoSync", "SyncOptions"]
 
