@@ -184,9 +184,9 @@ CLONES static void square_sums_all(const uint8_t *restrict c, Py_ssize_t blocks,
  * (dequantize, accumulate, square sums), with explicit vector code, picked at import when the CPU
  * has AVX2 (``simd()`` turns them off, for the tests and an A/B). Each value gets the operations the
  * scalar passes give it, in the same order: its q exactly (an int8, then an exact conversion), one
- * fp32 multiply by its block's scale, then one fp32 add with the operands in the scalar order (the
- * vector add of x86 returns the first operand's NaN as the scalar one does); integer sums of
- * squares are exact either way. */
+ * fp32 multiply by its block's scale, then one fp32 add (a NaN stays a NaN; which NaN payload is
+ * the hardware's choice either way, and no NaN reaches a merge); integer sums of squares are
+ * exact either way. */
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define X86_SIMD 1
 #include <immintrin.h>
