@@ -36,10 +36,10 @@ def _run(url: str, **spec) -> None:
                                          **spec}))
 
 
-def _value(store, version: int) -> dict[str, torch.Tensor]:
+def _value(store, version: int, fragment: int = 0) -> dict[str, torch.Tensor]:
     run = ledger.read_run(store)
     plan = ledger.read_plan(store, run_id=run["run_id"])
-    return FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=0).read(version)
+    return FragmentReader(store, run_id=run["run_id"], plan=plan, fragment=fragment).read(version)
 
 
 def _publish(store, *, version: int, high_water: dict, seed: int) -> None:
@@ -76,27 +76,32 @@ def _until_uploaded(sync: DiLoCoSync, n: int) -> None:
 
 
 class _SlowEvent:
-    """A copy's event that lands at its third look (``query``), or when waited for."""
+    """A copy's event that lands at its ``lands_at``-th look (``query``), or when waited for."""
 
-    def __init__(self, seen: dict[str, int]):
-        self.looks, self.seen = 0, seen
+    def __init__(self, seen: dict[str, int], lands_at: int = 3):
+        self.looks, self.seen, self.lands_at = 0, seen, lands_at
 
     def query(self) -> bool:
         self.looks += 1
-        self.seen["not yet"] += self.looks < 3
-        return self.looks >= 3
+        self.seen["not yet"] += self.looks < self.lands_at
+        return self.looks >= self.lands_at
 
     def synchronize(self) -> None:
-        self.looks = 3
+        self.looks = self.lands_at
+        self.seen["waited"] = self.seen.get("waited", 0) + 1
 
 
-def _stage_slowly(sync: DiLoCoSync, seen: dict[str, int]) -> None:
+def _stage_slowly(sync: DiLoCoSync, seen: dict[str, int], lands_at: int = 3,
+                  kept: list | None = None) -> None:
     """The io helper's CUDA way on the CPU: each send's copy staged, landing steps later (its
-    message and those behind it wait), each ready increment copied out of its block."""
+    message and those behind it wait), each ready increment copied out of its block. ``kept``:
+    (fragment, the values staged) of each send, in order."""
     def stage(p, params):
         seen["staged"] += 1
         out = gather_fragment(sync.plan, p, params)
-        out.event = _SlowEvent(seen)
+        out.event = _SlowEvent(seen, lands_at)
+        if kept is not None:
+            kept.append((p, {k: t.clone() for k, t in out.items()}))
         return out
 
     sync._io.stage, sync._io.own_increments = stage, True
@@ -186,6 +191,37 @@ def test_staged_copies_as_on_cuda_give_the_same_session(tmp_path):
     threads = _scenario(str(tmp_path / "threads"), io_process=False)
     _same_session(threads, _scenario(str(tmp_path / "staged"), io_process=True, staged=seen))
     assert seen["staged"] == 4 and seen["not yet"] >= 4  # every send staged, each looked at before it landed
+
+
+def test_staged_copies_that_never_land_by_themselves_go_at_the_waits_and_the_close(tmp_path):
+    """Copies whose events only pass when waited for: the upload bound's wait and the close send
+    every staged contribution, in order, each with the values staged at its send (codec none:
+    the contribution is version 0 less them exactly), the unsent progress at the close included."""
+    url = str(tmp_path / "bucket")
+    _run(url, codec="none", num_fragments=4, sync_every=8)
+    store = open_store(url)
+    model = load_task(TINY).build_model()
+    gen = torch.Generator().manual_seed(5)
+    seen, kept = {"staged": 0, "not yet": 0}, []
+    opts = {**OPTS, "upload_queue": 1, "upload_workers": 1}
+    with DiLoCoSync(url, model, learner_id="n", options=SyncOptions(io_process=True, **opts)) as sync:
+        _stage_slowly(sync, seen, lands_at=10**9, kept=kept)
+        for _ in range(21):  # a send every 2 steps: 10, then the close's flush of all 4 fragments
+            with torch.no_grad():
+                for t in model.parameters():
+                    t.add_(0.01 * torch.randn(t.shape, generator=gen))
+            sync.step(num_tokens=4)
+    assert seen["staged"] == len(kept) == 14 and seen["waited"] == 14  # none landed but by a wait
+    base = {p: _value(store, 0, p) for p in range(4)}
+    by_fragment: dict[int, int] = {}
+    for p, theta in kept:
+        by_fragment[p] = by_fragment.get(p, 0) + 1
+        infos = sorted(store.list(layout.contribution_prefix(p)), key=lambda i: int(i.key.rsplit("/", 1)[1].split(".")[0]))
+        got = codec.decode_tensors(store.get(infos[by_fragment[p] - 1].key), max_numel=10**7)[0]
+        assert got.keys() == theta.keys()
+        for k, v in got.items():
+            assert torch.equal(v, base[p][k] - theta[k]), (p, k)
+    assert sum(len(store.list(layout.contribution_prefix(p))) for p in range(4)) == 14
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
