@@ -126,12 +126,14 @@ class IoProcess:
     def __init__(self, spec: dict[str, Any], plan: FragmentPlan, *, stats: LearnerStats, max_outstanding: int,
                  in_use: Callable[[], set[int]], device: torch.device = torch.device("cpu")):
         self.spec, self.plan, self.stats = spec, plan, stats
-        cuda = device.type == "cuda"
-        # a send's copy of the fragment: None, straight into its block (CPU); else staged (CUDA)
+        self.pin = device.type == "cuda"
+        # a send's copy of the fragment: None, straight into its block (CPU); else staged (CUDA), and
+        # then a ready increment is copied out of its block too (pinned: added without a sync)
         self.stage: Callable[[int, dict[str, torch.Tensor]], CopyOut] | None = (
-            partial(gather_fragment, plan, non_blocking=True) if cuda else None)
-        self.own_increments, self.pin = cuda, cuda  # ready increments copied out of their blocks (pinned)
-        self._outbox: deque[tuple[CopyOut | None, int, int, tuple]] = deque()  # (staged, block, fragment, msg)
+            partial(gather_fragment, plan, non_blocking=True) if self.pin else None)
+        self._staged: dict[int, tuple[CopyOut, int]] = {}  # block -> (the send's staged copy, fragment)
+        # messages behind a staged copy that has not landed: (None, msg), or ((copy, block, fragment), msg)
+        self._outbox: deque[tuple[tuple[CopyOut, int, int] | None, tuple]] = deque()
         self.max_outstanding = max_outstanding
         self.in_use = in_use
         self.slots = SlotTable(plan)
@@ -223,21 +225,19 @@ class IoProcess:
         views = self.slots.views(sid, p)
         if self.stage is None:
             return copy_fragment_into(self.plan, p, params, views), waited
-        self._staged = (self.stage(p, params), sid, p)  # its message (``submit``) waits for the copy
+        self._staged[sid] = (self.stage(p, params), p)  # its message (``submit``) waits for the copy
         return views, waited
-
-    _staged: tuple[CopyOut, int, int] | None = None
 
     def submit(self, key: str, theta: Tensors, header: dict[str, Any]) -> float:
         """Queue the contribution of the fragment ``snapshot`` copied into ``theta``."""
         sid = self.slots.slot_of(theta)
         self._lend(sid)
         self.sending[sid] = self.sending.get(sid, 0) + 1
-        staged, self._staged = self._staged, None
-        if staged is not None and staged[1] == sid:
-            self._outbox.append((staged[0], sid, staged[2], ("send", key, sid, header)))
-        else:
+        staged = self._staged.pop(sid, None)
+        if staged is None:
             self._post(("send", key, sid, header))
+        else:
+            self._outbox.append(((staged[0], sid, staged[1]), ("send", key, sid, header)))
         return 0.0
 
     # ---------------------------------------------------- the receiver's face
@@ -271,7 +271,7 @@ class IoProcess:
     def _post(self, msg: tuple) -> None:
         """Queue ``msg`` for the helper, behind the messages still waiting for their copies."""
         if self._outbox:
-            self._outbox.append((None, -1, -1, msg))
+            self._outbox.append((None, msg))
         else:
             self.conn.post(msg)
 
@@ -279,8 +279,9 @@ class IoProcess:
         """Post the outbox's messages whose copies have landed, in order, up to the first that has
         not (``wait``: wait for each); a landed send's values go into its block first."""
         while self._outbox:
-            staged, sid, p, msg = self._outbox[0]
-            if staged is not None:
+            landing, msg = self._outbox[0]
+            if landing is not None:
+                staged, sid, p = landing
                 if not (wait or staged.done()):
                     return
                 views = self.slots.views(sid, p)
@@ -329,7 +330,7 @@ class IoProcess:
             if self.wants.get(p) == (theta_sid, inc_sid):  # else a want since replaced it
                 del self.wants[p]
                 increment = self.slots.views(inc_sid, p)
-                if self.own_increments:  # out of the block (which goes back): pinned, added without a sync
+                if self.stage is not None:  # out of the block (which goes back): pinned, added without a sync
                     increment = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin).copy_(t)
                                  for k, t in increment.items()}
                 self.ready[p] = Ready(version, None, {"high_water": {self.spec["learner_id"]: mark}}, refused,

@@ -128,34 +128,42 @@ INLINE void block_products(const uint8_t *restrict c, Py_ssize_t lo, Py_ssize_t 
     }
 }
 
+/* o[lo .. hi) = q * sc (+ p when not NULL) of elements [lo, hi) of one block */
+INLINE void dequantize_range(const uint8_t *restrict c, Py_ssize_t lo, Py_ssize_t hi, int per_byte, float sc,
+                             const float *restrict p, float *restrict o) {
+    block_products(c, lo, hi, per_byte, sc, o + lo);
+    if (p)
+        for (Py_ssize_t i = lo; i < hi; i++) o[i] = o[i] + p[i];
+}
+
 /* o = q * scale (+ p when not NULL), block by block */
 CLONES static void dequantize_all(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
                                   int per_byte, const float *restrict p, float *restrict o) {
     Py_ssize_t nb = (n + block - 1) / block;
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
-        block_products(c, lo, hi, per_byte, s[b], o + lo);
-        if (p)
-            for (Py_ssize_t i = lo; i < hi; i++) o[i] = o[i] + p[i];
-    }
+    for (Py_ssize_t b = 0; b < nb; b++)
+        dequantize_range(c, b * block, b * block + block < n ? b * block + block : n, per_byte, s[b], p, o);
 }
 
 #define ACC_PIECE 4096 /* even: a piece keeps its start's parity (int4 nibbles) */
 
-/* acc += q * scale, in place (a merge's next term): the products of a piece of a block into a
- * buffer in cache, then added, each product rounded before its addition */
+/* acc[lo .. end) += q * sc of elements [lo, end) of one block: the products of a piece into a
+ * buffer in cache (tmp, ACC_PIECE values), then added, each product rounded before its addition */
+INLINE void accumulate_range(const uint8_t *restrict c, Py_ssize_t lo, Py_ssize_t end, int per_byte, float sc,
+                             float *restrict acc, float *restrict tmp) {
+    for (; lo < end; lo += ACC_PIECE) {
+        Py_ssize_t hi = lo + ACC_PIECE < end ? lo + ACC_PIECE : end;
+        block_products(c, lo, hi, per_byte, sc, tmp);
+        for (Py_ssize_t i = lo; i < hi; i++) acc[i] = acc[i] + tmp[i - lo];
+    }
+}
+
+/* acc += q * scale, in place (a merge's next term), block by block */
 CLONES static void accumulate_all(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
                                   int per_byte, float *restrict acc) {
     float tmp[ACC_PIECE];
     Py_ssize_t nb = (n + block - 1) / block;
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        Py_ssize_t end = b * block + block < n ? b * block + block : n;
-        for (Py_ssize_t lo = b * block; lo < end; lo += ACC_PIECE) {
-            Py_ssize_t hi = lo + ACC_PIECE < end ? lo + ACC_PIECE : end;
-            block_products(c, lo, hi, per_byte, s[b], tmp);
-            for (Py_ssize_t i = lo; i < hi; i++) acc[i] = acc[i] + tmp[i - lo];
-        }
-    }
+    for (Py_ssize_t b = 0; b < nb; b++)
+        accumulate_range(c, b * block, b * block + block < n ? b * block + block : n, per_byte, s[b], acc, tmp);
 }
 
 /* sum(q**2) of each whole block, exact (an integer <= 128**2 * block), as fp64 */
@@ -232,35 +240,30 @@ AVX2_INLINE Py_ssize_t vector_products(const uint8_t *cb, Py_ssize_t m, int per_
     return k;
 }
 
-/* dequantize_all with the vector products where a block starts on a byte */
+/* dequantize_all with the vector products first where a block starts on a byte (the scalar
+ * range does the rest of the block) */
 AVX2 static void dequantize_avx2(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
                                  int per_byte, const float *restrict p, float *restrict o) {
     Py_ssize_t nb = (n + block - 1) / block;
     for (Py_ssize_t b = 0; b < nb; b++) {
-        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n, done = 0;
+        Py_ssize_t lo = b * block, hi = lo + block < n ? lo + block : n;
         if (per_byte == 1 || lo % 2 == 0)
-            done = p ? vector_products(c + lo / per_byte, hi - lo, per_byte, s[b], p + lo, o + lo, 1)
-                     : vector_products(c + lo / per_byte, hi - lo, per_byte, s[b], NULL, o + lo, 0);
-        block_products(c, lo + done, hi, per_byte, s[b], o + lo + done);
-        if (p)
-            for (Py_ssize_t i = lo + done; i < hi; i++) o[i] = o[i] + p[i];
+            lo += p ? vector_products(c + lo / per_byte, hi - lo, per_byte, s[b], p + lo, o + lo, 1)
+                    : vector_products(c + lo / per_byte, hi - lo, per_byte, s[b], NULL, o + lo, 0);
+        dequantize_range(c, lo, hi, per_byte, s[b], p, o);
     }
 }
 
-/* accumulate_all with the vector products where a block starts on a byte */
+/* accumulate_all with the vector products first where a block starts on a byte */
 AVX2 static void accumulate_avx2(const uint8_t *restrict c, const float *restrict s, Py_ssize_t n, Py_ssize_t block,
                                  int per_byte, float *restrict acc) {
     float tmp[ACC_PIECE];
     Py_ssize_t nb = (n + block - 1) / block;
     for (Py_ssize_t b = 0; b < nb; b++) {
-        Py_ssize_t start = b * block, end = start + block < n ? start + block : n;
-        if (per_byte == 1 || start % 2 == 0)
-            start += vector_products(c + start / per_byte, end - start, per_byte, s[b], NULL, acc + start, 2);
-        for (Py_ssize_t lo = start; lo < end; lo += ACC_PIECE) {
-            Py_ssize_t hi = lo + ACC_PIECE < end ? lo + ACC_PIECE : end;
-            block_products(c, lo, hi, per_byte, s[b], tmp);
-            for (Py_ssize_t i = lo; i < hi; i++) acc[i] = acc[i] + tmp[i - lo];
-        }
+        Py_ssize_t lo = b * block, end = lo + block < n ? lo + block : n;
+        if (per_byte == 1 || lo % 2 == 0)
+            lo += vector_products(c + lo / per_byte, end - lo, per_byte, s[b], NULL, acc + lo, 2);
+        accumulate_range(c, lo, end, per_byte, s[b], acc, tmp);
     }
 }
 

@@ -104,7 +104,7 @@ def _stage_slowly(sync: DiLoCoSync, seen: dict[str, int], lands_at: int = 3,
             kept.append((p, {k: t.clone() for k, t in out.items()}))
         return out
 
-    sync._io.stage, sync._io.own_increments = stage, True
+    sync._io.stage = stage  # and so the increments copied out of their blocks (not pinned: no CUDA)
 
 
 def _scenario(url: str, io_process: bool, staged: dict[str, int] | None = None, device: str = "cpu"
